@@ -1,0 +1,84 @@
+"""``install()`` / ``uninstall()``: teach DeepSpeed the two flags, and take them back exactly.
+
+Why a factory in place of ``CompileConfig``: DeepSpeed builds its compile config with
+``CompileConfig(**param_dict.get('compile', {}))`` inside ``deepspeed.runtime.config`` and the model forbids
+unknown keys. Swapping that one module-level name lets the flags through while a config that does not
+mention them still gets DeepSpeed's own class, built by DeepSpeed's own code: flags absent, nothing changes.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .flags import FLAG_KEYS, parse_flags
+
+_lock = threading.Lock()
+_installed: dict[str, Any] = {}
+
+
+class OwnerReduceInstallError(RuntimeError):
+    """DeepSpeed's private surface moved; the message names what is missing."""
+
+
+def _config_module() -> Any:
+    import deepspeed.runtime.config as ds_config
+
+    original = getattr(ds_config, "CompileConfig", None)
+    fields = getattr(original, "model_fields", None)
+    if original is None or fields is None or "deepcompile" not in fields:
+        raise OwnerReduceInstallError(
+            "owner_reduce: deepspeed.runtime.config.CompileConfig is not the pydantic model with a 'deepcompile' "
+            "field it expects (deepspeed>=0.19.8,<0.20); refusing to install")
+    return ds_config
+
+
+def _make_compile_config_factory(original: type) -> tuple[type, Any]:
+    class OwnerReduceCompileConfig(original):  # type: ignore[misc, valid-type]
+        """DeepSpeed's CompileConfig plus the two owner_reduce flags."""
+
+        reduce_to_owner: bool = False
+        """Reduce each single-owner gradient to the rank that keeps it (ncclReduce) instead of AllReduce."""
+
+        reduce_probe: bool = False
+        """Log one line per reduce-bucket flush (first 20, per rank) with what it delivered and dropped."""
+
+    def compile_config(**data: Any) -> Any:
+        if not any(key in data for key in FLAG_KEYS):
+            return original(**data)
+        flags = parse_flags(data)  # strict: raises OwnerReduceConfigError naming compile.<key>
+        rest = {key: value for key, value in data.items() if key not in FLAG_KEYS}
+        return OwnerReduceCompileConfig(**rest, **flags.as_dict())
+
+    compile_config.owner_reduce_original = original  # type: ignore[attr-defined]
+    return OwnerReduceCompileConfig, compile_config
+
+
+def is_installed() -> bool:
+    return bool(_installed)
+
+
+def install() -> None:
+    """Make ``deepspeed.initialize`` accept ``compile.reduce_to_owner`` and ``compile.reduce_probe``. Idempotent."""
+    with _lock:
+        if _installed:
+            return
+        ds_config = _config_module()
+        original = ds_config.CompileConfig
+        if hasattr(original, "owner_reduce_original"):
+            raise OwnerReduceInstallError("owner_reduce: CompileConfig is already patched by another copy of "
+                                          "owner_reduce; uninstall that one first")
+        config_cls, factory = _make_compile_config_factory(original)
+        ds_config.CompileConfig = factory
+        _installed.update(compile_config=original, config_cls=config_cls)
+
+
+def uninstall() -> None:
+    """Restore every DeepSpeed name ``install()`` replaced. Idempotent."""
+    with _lock:
+        if not _installed:
+            return
+        import deepspeed.runtime.config as ds_config
+
+        ds_config.CompileConfig = _installed["compile_config"]
+        _installed.clear()

@@ -1,0 +1,112 @@
+"""Run a function on N local gloo ranks with a hard deadline: the harness of the CPU demo and the tests.
+
+Why a deadline on everything: a collective that one rank never joins hangs the others forever; on CI
+that would burn the whole time limit. Every rank reports back (result or traceback) through a queue,
+and the parent kills all ranks once the deadline passes, naming the ranks that did not finish.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+_FAILURE_GRACE_S = 5.0
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised; the message carries each rank's traceback."""
+
+
+class RankTimeout(TimeoutError):
+    """The ranks did not all finish before the deadline (a hung collective, typically)."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: Sequence[Any],
+               results: Any, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        import deepspeed
+        import torch
+
+        torch.set_num_threads(1)  # N ranks share the machine's few cores
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as tdist
+
+            if tdist.is_initialized():
+                tdist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 240.0,
+              env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; return results by rank.
+
+    ``fn`` must be importable by name (module level). Raises RankFailure if any rank raised, RankTimeout
+    if any rank had not reported within ``timeout`` seconds; all ranks are dead when this returns.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, tuple(args), results, dict(env or {})),
+                    daemon=True) for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    outcome: dict[int, tuple[bool, Any]] = {}
+    clean = False
+    try:
+        while len(outcome) < world_size:
+            if any(not ok for ok, _ in outcome.values()):
+                # A raising rank leaves its peers blocked in the next collective: give them a moment, then stop.
+                deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if any(not ok for ok, _ in outcome.values()):
+                    break
+                missing = sorted(set(range(world_size)) - set(outcome))
+                raise RankTimeout(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s "
+                                  "(hung collective?)")
+            try:
+                rank, ok, out = results.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outcome]
+                if dead:
+                    raise RankFailure(f"ranks {dead} died without reporting (exit codes "
+                                      f"{[procs[r].exitcode for r in dead]})") from None
+                continue
+            outcome[rank] = (ok, out)
+        clean = all(ok for ok, _ in outcome.values())
+    finally:
+        for p in procs:
+            p.join(timeout=10 if clean else 0.1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    failed = {r: out for r, (ok, out) in outcome.items() if not ok}
+    if failed:
+        raise RankFailure("".join(f"\n--- rank {r} raised ---\n{tb}" for r, tb in sorted(failed.items())))
+    return [outcome[r][1] for r in range(world_size)]

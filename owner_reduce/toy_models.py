@@ -1,0 +1,62 @@
+"""Small models for the CPU demo, the benchmarks and the tests.
+
+Why each has its own ``forward``: in torch 2.13, ``nn.Module.compile()`` of a bare ``nn.Sequential`` captures
+no graph while DeepCompile still removes ZeRO's gradient hooks, so nothing would be reduced (DESIGN.md,
+CPU trap 3). Layer widths are deliberately odd so that ZeRO-1 partition boundaries fall inside parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class OddMLP(nn.Module):
+    """Three linear layers with odd widths; at ws 2-4 several weights straddle partition boundaries."""
+
+    def __init__(self, d_in: int = 12, hidden: int = 23, d_out: int = 5, empty_param: bool = False) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, d_out)
+        # A zero-sized trainable parameter, as some models carry (an unused bias slot, say).
+        self.empty = nn.Parameter(torch.zeros(0)) if empty_param else None
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        h = torch.tanh(self.fc2(h)) + h
+        out = self.fc3(h)
+        if self.empty is not None:
+            out = out + self.empty.sum()
+        return nn.functional.mse_loss(out, y)
+
+
+class TinyTransformer(nn.Module):
+    """A transformer-like stack (embedding, attention-ish mixing, MLPs, norms, head) for the demo."""
+
+    def __init__(self, vocab: int = 97, dim: int = 48, layers: int = 2, seq: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
+        self.blocks = nn.ModuleList()
+        for _ in range(layers):
+            self.blocks.append(nn.ModuleDict({
+                "norm1": nn.LayerNorm(dim),
+                "qkv": nn.Linear(dim, 3 * dim),
+                "proj": nn.Linear(dim, dim),
+                "norm2": nn.LayerNorm(dim),
+                "up": nn.Linear(dim, 4 * dim),
+                "down": nn.Linear(4 * dim, dim),
+            }))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) + self.pos[:tokens.shape[1]]
+        for block in self.blocks:
+            q, k, v = block["qkv"](block["norm1"](h)).chunk(3, dim=-1)
+            att = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1]**0.5, dim=-1)
+            h = h + block["proj"](att @ v)
+            h = h + block["down"](torch.nn.functional.gelu(block["up"](block["norm2"](h))))
+        logits = self.head(self.norm(h))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
