@@ -1,9 +1,11 @@
-"""``install()`` / ``uninstall()``: teach DeepSpeed the two flags, and take them back exactly.
+"""``install()`` / ``uninstall()``: teach DeepSpeed the two flags and the runtime, and take them back exactly.
 
 Why a factory in place of ``CompileConfig``: DeepSpeed builds its compile config with
 ``CompileConfig(**param_dict.get('compile', {}))`` inside ``deepspeed.runtime.config`` and the model forbids
 unknown keys. Swapping that one module-level name lets the flags through while a config that does not
 mention them still gets DeepSpeed's own class, built by DeepSpeed's own code: flags absent, nothing changes.
+The runtime is wired in through ``deepspeed.compile.init_z1_and_2.init_z1_and_2`` (see ``activation``), which
+likewise calls straight through when both flags are off.
 """
 
 from __future__ import annotations
@@ -21,16 +23,20 @@ class OwnerReduceInstallError(RuntimeError):
     """DeepSpeed's private surface moved; the message names what is missing."""
 
 
-def _config_module() -> Any:
-    import deepspeed.runtime.config as ds_config
+def _check_surface() -> None:
+    from .surface import dc_schema_problems, surface_problems
 
-    original = getattr(ds_config, "CompileConfig", None)
-    fields = getattr(original, "model_fields", None)
-    if original is None or fields is None or "deepcompile" not in fields:
-        raise OwnerReduceInstallError(
-            "owner_reduce: deepspeed.runtime.config.CompileConfig is not the pydantic model with a 'deepcompile' "
-            "field it expects (deepspeed>=0.19.8,<0.20); refusing to install")
-    return ds_config
+    problems = surface_problems()
+    if not problems:
+        import deepspeed.runtime.config as ds_config
+
+        fields = getattr(ds_config.CompileConfig, "model_fields", None)
+        if fields is None or "deepcompile" not in fields:
+            problems.append("deepspeed.runtime.config.CompileConfig is not a pydantic model with a 'deepcompile' field")
+        problems += dc_schema_problems()
+    if problems:
+        raise OwnerReduceInstallError("owner_reduce: refusing to install, DeepSpeed's private surface is not the one "
+                                      "it was built for (deepspeed>=0.19.8,<0.20): " + "; ".join(problems))
 
 
 def _make_compile_config_factory(original: type) -> tuple[type, Any]:
@@ -63,14 +69,21 @@ def install() -> None:
     with _lock:
         if _installed:
             return
-        ds_config = _config_module()
+        _check_surface()
+        import deepspeed.compile.init_z1_and_2 as init_module
+        import deepspeed.runtime.config as ds_config
+
+        from .activation import wrap_init_z1_and_2
+
         original = ds_config.CompileConfig
-        if hasattr(original, "owner_reduce_original"):
-            raise OwnerReduceInstallError("owner_reduce: CompileConfig is already patched by another copy of "
+        if hasattr(original, "owner_reduce_original") or hasattr(init_module.init_z1_and_2, "__wrapped__"):
+            raise OwnerReduceInstallError("owner_reduce: DeepSpeed is already patched by another copy of "
                                           "owner_reduce; uninstall that one first")
         config_cls, factory = _make_compile_config_factory(original)
+        original_init = init_module.init_z1_and_2
         ds_config.CompileConfig = factory
-        _installed.update(compile_config=original, config_cls=config_cls)
+        init_module.init_z1_and_2 = wrap_init_z1_and_2(original_init)
+        _installed.update(compile_config=original, config_cls=config_cls, init_z1_and_2=original_init)
 
 
 def uninstall() -> None:
@@ -78,7 +91,12 @@ def uninstall() -> None:
     with _lock:
         if not _installed:
             return
+        import deepspeed.compile.init_z1_and_2 as init_module
         import deepspeed.runtime.config as ds_config
 
+        from . import cpu_compat
+
         ds_config.CompileConfig = _installed["compile_config"]
+        init_module.init_z1_and_2 = _installed["init_z1_and_2"]
+        cpu_compat.restore()
         _installed.clear()

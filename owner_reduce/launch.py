@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -45,7 +46,8 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ar
         torch.set_num_threads(1)  # N ranks share the machine's few cores
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
         out = fn(rank, world_size, *args)
-        results.put((rank, True, out))
+        # Plain pickle bytes, not the queue's tensor sharing: shared-memory handles die with this process.
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -109,4 +111,4 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
     failed = {r: out for r, (ok, out) in outcome.items() if not ok}
     if failed:
         raise RankFailure("".join(f"\n--- rank {r} raised ---\n{tb}" for r, tb in sorted(failed.items())))
-    return [outcome[r][1] for r in range(world_size)]
+    return [pickle.loads(outcome[r][1]) for r in range(world_size)]

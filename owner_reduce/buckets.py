@@ -1,0 +1,70 @@
+"""Per-dtype reduce buckets with double buffering, as DeepCompile's ``DoubleBufferedReduceBucket``.
+
+Why two buffers per dtype: while one bucket's reduction is in flight, gradients of the next flush are
+copied into the other. Note (buffer lifetime): a bucket is reused only after ``swap()``; on a device with
+streams the caller records an event for the flush before swapping and waits on it before the next copy
+into that buffer. The buffers are allocated with ``torch.empty`` of the configured size, like the native
+runtime: untouched pages cost no memory on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReduceBucket:
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.size = int(size)
+        self.dtype = dtype
+        self.device = device
+        self.buffer = torch.empty(self.size, dtype=dtype, device=device)
+        self.offset = 0
+
+    def should_flush(self, numel: int) -> bool:
+        return self.offset > 0 and self.offset + numel > self.size
+
+    def reserve(self, numel: int) -> None:
+        """Grow an empty bucket so one oversized gradient fits (the native runtime does the same)."""
+        if numel > self.size:
+            if self.offset:
+                raise RuntimeError("owner_reduce: cannot grow a reduce bucket that holds gradients")
+            self.buffer = torch.empty(numel, dtype=self.dtype, device=self.device)
+            self.size = numel
+
+    def allocate(self, numel: int) -> tuple[int, torch.Tensor]:
+        if self.offset + numel > self.size:
+            raise RuntimeError(f"owner_reduce: {numel} elements exceed the reduce bucket ({self.offset}/{self.size})")
+        start = self.offset
+        self.offset += numel
+        return start, self.buffer.narrow(0, start, numel)
+
+    def reset(self) -> None:
+        self.offset = 0
+
+
+class DoubleBufferedBuckets:
+    def __init__(self, size: int, double_buffer: bool) -> None:
+        self.size = int(size)
+        self.double_buffer = double_buffer
+        self._current: dict[torch.dtype, ReduceBucket] = {}
+        self._shadow: dict[torch.dtype, ReduceBucket] = {}
+
+    def get(self, dtype: torch.dtype, device: torch.device) -> ReduceBucket:
+        bucket = self._current.get(dtype)
+        if bucket is None:
+            bucket = self._current[dtype] = ReduceBucket(self.size, dtype, device)
+            if self.double_buffer:
+                self._shadow[dtype] = ReduceBucket(self.size, dtype, device)
+        return bucket
+
+    def current(self, dtype: torch.dtype) -> ReduceBucket:
+        return self._current[dtype]
+
+    def swap(self, dtype: torch.dtype) -> None:
+        self._current[dtype].reset()
+        if self.double_buffer:
+            self._current[dtype], self._shadow[dtype] = self._shadow[dtype], self._current[dtype]
+
+    def clear(self) -> None:
+        self._current.clear()
+        self._shadow.clear()

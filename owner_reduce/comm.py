@@ -1,0 +1,88 @@
+"""The collective seam: the few calls a flush makes, behind one small interface.
+
+Why a seam: the flush logic must not care whether bytes move through gloo on CPU, torch's NCCL process
+group, or a cupy NCCL communicator on a side stream. Each implementation provides ``group()`` (a context
+that batches the calls and always closes, also when a call raises), ``reduce(buf, root)`` and
+``all_reduce(buf)``; ``root`` is a rank of the data-parallel communicator, not a global rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+class ReduceComm(ABC):
+    """SUM-reductions over the data-parallel communicator (pre-division is the caller's job)."""
+
+    name: str = "abstract"
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self._in_group = False
+
+    @contextlib.contextmanager
+    def group(self) -> Iterator[None]:
+        """Batch the calls of one flush; closed in ``finally`` so an error never leaves a group open."""
+        if self._in_group:
+            raise RuntimeError(f"{self.name}: nested collective group on rank {self.rank}")
+        self._in_group = True
+        self._group_start()
+        try:
+            yield
+        finally:
+            self._in_group = False
+            self._group_end()
+
+    def _group_start(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def _group_end(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    @abstractmethod
+    def reduce(self, buf: torch.Tensor, root: int) -> None:
+        """Sum ``buf`` over all ranks into ``buf`` on ``root``; other ranks' ``buf`` is left undefined."""
+
+    @abstractmethod
+    def all_reduce(self, buf: torch.Tensor) -> None:
+        """Sum ``buf`` over all ranks into ``buf`` on every rank."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the communicator (at cleanup)."""
+
+
+class TorchDistComm(ReduceComm):
+    """Through ``deepspeed.comm`` on the data-parallel process group: gloo on CPU, NCCL on GPU.
+
+    Note (Python dispatcher): DeepCompile profiles graphs with the Python dispatcher on; a gloo worker whose
+    destructor needs the GIL then deadlocks against the main thread (about 1 run in 6 on CPU). Every call
+    here runs with the Python dispatcher off.
+    """
+
+    name = "torch.distributed"
+
+    def __init__(self, process_group: Any) -> None:
+        import deepspeed.comm as dist
+
+        self._dist = dist
+        self._group = process_group
+        super().__init__(dist.get_rank(group=process_group), dist.get_world_size(group=process_group))
+        self._global_rank = [dist.get_global_rank(process_group, r) for r in range(self.world_size)]
+
+    def reduce(self, buf: torch.Tensor, root: int) -> None:
+        from torch._dispatch.python import no_python_dispatcher
+
+        with no_python_dispatcher():
+            self._dist.reduce(buf, dst=self._global_rank[root], op=self._dist.ReduceOp.SUM, group=self._group)
+
+    def all_reduce(self, buf: torch.Tensor) -> None:
+        from torch._dispatch.python import no_python_dispatcher
+
+        with no_python_dispatcher():
+            self._dist.all_reduce(buf, op=self._dist.ReduceOp.SUM, group=self._group)

@@ -1,0 +1,52 @@
+"""The stage-1 reduce pass with owner_reduce's ops: DeepCompile's own pass, its nodes retargeted.
+
+Why retarget instead of re-implementing: ``add_z1_reduce`` decides where each ``reduce_grad`` goes, moves
+primals, adds ``end_backward`` with the right ``release_reduce_buckets`` and nulls the reduce outputs; all of
+that stays DeepCompile's. Only the two op targets change, so the graph runs the Python runtime.
+Contract: runs in place of ``zero1_compile``; conflicts with ``zero3_compile``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+
+from .ops import END_BACKWARD, REDUCE_GRAD
+
+NAME = "owner_reduce_zero1"
+
+
+def retarget(gm: GraphModule) -> int:
+    """Point DeepCompile's reduce nodes at owner_reduce's ops; returns how many nodes changed."""
+    targets = {torch.ops.dc.reduce_grad.default: REDUCE_GRAD, torch.ops.dc.end_backward.default: END_BACKWARD}
+    changed = 0
+    for node in gm.graph.nodes:
+        new_target = targets.get(node.target) if node.op == "call_function" else None
+        if new_target is not None:
+            node.target = new_target
+            changed += 1
+    return changed
+
+
+def add_owner_z1_reduce(gm: GraphModule, graph_id: int, graph_order: Any, profiling_results: Any,
+                        create_inputs_fn: Any, mem_budget: float, param_manager: Any, bwd: bool) -> GraphModule:
+    """Same signature as DeepCompile's passes (``deepspeed.compile.backend.run_opt_passes`` calls it)."""
+    from deepspeed.compile.passes import zero_1_and_2_compile
+
+    gm = zero_1_and_2_compile.add_z1_reduce(gm, graph_id, graph_order, profiling_results, create_inputs_fn,
+                                            mem_budget, param_manager, bwd)
+    if bwd:
+        retarget(gm)
+    return gm
+
+
+def owner_schedule(schedule: list | None) -> list:
+    """DeepCompile's stage-1 schedule with ``add_z1_reduce`` replaced by this pass (default: step 0)."""
+    from deepspeed.compile.passes import zero_1_and_2_compile
+
+    if schedule is None:
+        return [(0, [add_owner_z1_reduce])]
+    return [(step, [add_owner_z1_reduce if p is zero_1_and_2_compile.add_z1_reduce else p for p in passes])
+            for step, passes in schedule]

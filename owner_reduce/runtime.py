@@ -1,0 +1,302 @@
+"""The Python ZeRO-1 reduce runtime that stands where DeepCompile's native extension stands.
+
+Why Python: DeepCompile reaches its extension only through ``get_deepcompile_handle()``; an object with the
+same methods there drives the whole stage-1 reduce path, so the owner path needs no C++/CUDA build.
+Semantics follow ``z1.cpp`` / ``deepcompile.h``: gradients accumulate across micro-steps until the
+accumulation boundary, then go into per-dtype double-buffered buckets; a bucket flushes when the next
+gradient would overflow it and at ``end_backward``; each flush pre-divides by the world size, SUM-reduces,
+and copies into the non-empty grad buffers at their offsets. Nothing communicates while DeepCompile profiles.
+
+Note (accumulation buffer): between micro-steps the native runtime keeps the graph's own gradient tensor and
+adds into it; here the first gradient is cloned, so a compiler that recycles the graph's buffers cannot
+corrupt the running sum.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from .buckets import DoubleBufferedBuckets
+from .comm import ReduceComm
+from .flags import OwnerReduceFlags
+from .flush_plan import ALL, BucketEntry, FlushPlan, plan_flush
+from .owner_map import OwnerMap, Placement
+from .probe import PROBE_FLUSH_LIMIT, FlushReport, format_probe_line
+
+_AGREEMENT_PROTOCOL = 1
+
+
+def emit(line: str) -> None:
+    """Print a line the user asked for: through DeepSpeed's logger when it shows INFO (its default level is
+    WARNING), otherwise on stdout, as DeepCompile prints its own reports."""
+    import logging
+
+    from deepspeed.utils import logger
+
+    if logger.isEnabledFor(logging.INFO):
+        logger.info(line)
+    else:
+        print(line, flush=True)
+
+
+class OwnerReduceMismatchError(RuntimeError):
+    """Ranks disagree on flags, bucket size or owner map; raised on every rank before any training collective."""
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    flags: OwnerReduceFlags
+    owner_map: OwnerMap
+    map_problems: tuple[str, ...] = ()  # where this rank's optimizer contradicts the map (should be empty)
+
+
+@dataclass
+class RuntimeStats:
+    """Counters that prove the runtime ran (tests and benchmarks read them)."""
+
+    reduce_grad_calls: int = 0
+    profiling_calls: int = 0
+    accumulated_calls: int = 0
+    flushes: int = 0
+    collectives: int = 0
+    reduce_calls: int = 0
+    all_reduce_calls: int = 0
+    reduced_elems: int = 0
+    owner_elems: int = 0
+    kept_elems: int = 0
+    end_backward_calls: int = 0
+    init_line: str | None = None  # what rank 0 printed at init
+    probe_lines: list[str] = field(default_factory=list)
+
+
+class _Param(NamedTuple):
+    tensor: torch.Tensor
+    grad_buffer: torch.Tensor
+    offset: int
+
+
+class _Task(NamedTuple):
+    ds_id: int
+    offset: int
+    numel: int
+
+
+class Z1PythonRuntime:
+    """The DeepCompile handle for ZeRO stage 1 (``init``, ``register_param``, ... ``cleanup``)."""
+
+    def __init__(self, settings: RuntimeSettings, comm_factory: Any) -> None:
+        self.settings = settings
+        self._comm_factory = comm_factory
+        self.comm: ReduceComm | None = None
+        self.stats = RuntimeStats()
+        self.record_collectives = False
+        self.collective_log: list[tuple[str, int | None, int, str]] = []
+        self._params: dict[int, _Param] = {}
+        self._graphs: dict[int, tuple[int, ...]] = {}
+        self._buckets: DoubleBufferedBuckets | None = None
+        self._pending: dict[torch.dtype, list[_Task]] = defaultdict(list)
+        self._accumulated: dict[int, torch.Tensor] = {}
+        self._update = False
+        self._profiling = False
+        self._pre_div = True  # as the native runtime: divide by the world size, then SUM
+        self._flush_counter = itertools.count(1)
+        self.on_cleanup: Any = None  # set by activation: hands get_deepcompile_handle() back
+
+    # ---- the handle surface DeepCompile's stage-1 path calls -------------------------------------------
+
+    def init(self, process_group: Any, compile_config: Any, reduce_bucket_size: int) -> None:
+        self.comm = self._comm_factory(process_group)
+        self._buckets = DoubleBufferedBuckets(int(reduce_bucket_size), bool(compile_config.double_buffer))
+        self._check_agreement(process_group, int(reduce_bucket_size))
+        if self.comm.rank == 0:
+            self.stats.init_line = self.settings.owner_map.summary()
+            emit(self.stats.init_line)
+
+    def register_param(self, ds_id: int, ds_shape: Any, ds_tensor: torch.Tensor, grad_buffer: torch.Tensor,
+                       offset: int) -> None:
+        if ds_id not in self.settings.owner_map:
+            raise KeyError(f"owner_reduce: DeepCompile registered param {ds_id}, which the owner map lacks")
+        self._params[ds_id] = _Param(ds_tensor, grad_buffer, int(offset))
+
+    def update_param_grad_buffer(self, ds_id: int, grad_buffer: torch.Tensor, offset: int) -> None:
+        self._params[ds_id] = self._params[ds_id]._replace(grad_buffer=grad_buffer, offset=int(offset))
+
+    def register_graph_z1(self, graph_id: int, ds_ids: Any) -> None:
+        self._graphs[graph_id] = tuple(int(i) for i in ds_ids)
+
+    def start_backward(self, update: bool) -> None:
+        self._update = bool(update)
+
+    def enable_profiling(self, enable: bool) -> None:
+        self._profiling = bool(enable)
+
+    def is_profiling(self) -> bool:
+        return self._profiling
+
+    def clear_all_gathered_params(self) -> None:
+        """ZeRO-3 state; stage 1 has none."""
+
+    def reset(self) -> None:
+        self._graphs.clear()
+
+    def cleanup(self) -> None:
+        self.reset()
+        self._pending.clear()
+        self._accumulated.clear()
+        self._params.clear()
+        if self._buckets is not None:
+            self._buckets.clear()
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
+        self._profiling = False
+        if self.on_cleanup is not None:
+            self.on_cleanup()
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only for names not defined above: a handle method this runtime does not provide.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise AttributeError(f"owner_reduce's ZeRO-1 runtime has no DeepCompile handle method '{name}' "
+                             "(it replaces the native runtime for stage 1 only)")
+
+    # ---- the two graph ops -------------------------------------------------------------------------------
+
+    def reduce_grad(self, grad: torch.Tensor, graph_id: int, ds_id: int) -> None:
+        if self._profiling:
+            self.stats.profiling_calls += 1
+            return
+        if graph_id not in self._graphs:
+            raise KeyError(f"owner_reduce: reduce_grad for graph {graph_id}, which was never registered")
+        self.stats.reduce_grad_calls += 1
+        grad = grad.detach()
+        running = self._accumulated.pop(ds_id, None)
+        if running is not None:
+            running.add_(grad)
+            grad = running
+        if not self._update:
+            self._accumulated[ds_id] = grad if running is not None else grad.clone()
+            self.stats.accumulated_calls += 1
+            return
+        self._enqueue(ds_id, grad)
+
+    def end_backward(self, graph_id: int, release_reduce_buckets: bool) -> None:
+        if self._profiling:
+            return
+        self.stats.end_backward_calls += 1
+        for dtype in list(self._pending):
+            self._flush(dtype)
+        if release_reduce_buckets and self._buckets is not None:
+            self._buckets.clear()
+
+    # ---- buckets and the flush ---------------------------------------------------------------------------
+
+    def _enqueue(self, ds_id: int, grad: torch.Tensor) -> None:
+        assert self._buckets is not None, "owner_reduce runtime used before init()"
+        numel = grad.numel()
+        bucket = self._buckets.get(grad.dtype, grad.device)
+        if bucket.should_flush(numel):
+            self._flush(grad.dtype)
+            bucket = self._buckets.get(grad.dtype, grad.device)
+        bucket.reserve(numel)
+        start, view = bucket.allocate(numel)
+        view.copy_(grad.reshape(-1))
+        self._pending[grad.dtype].append(_Task(ds_id, start, numel))
+
+    def _flush(self, dtype: torch.dtype) -> None:
+        tasks = self._pending.pop(dtype, None)
+        if not tasks:
+            return
+        assert self.comm is not None and self._buckets is not None
+        comm = self.comm
+        bucket = self._buckets.current(dtype)
+        owner_map = self.settings.owner_map
+        plan = plan_flush([BucketEntry(t.ds_id, t.offset, t.numel) for t in tasks], owner_map,
+                          self.settings.flags.reduce_to_owner)
+        used = bucket.buffer.narrow(0, 0, bucket.offset)
+        if self._pre_div:
+            used.div_(comm.world_size)
+        with comm.group():
+            for r in plan.ranges:
+                segment = bucket.buffer.narrow(0, r.offset, r.count)
+                if r.root is ALL:
+                    comm.all_reduce(segment)
+                else:
+                    comm.reduce(segment, r.root)
+                if self.record_collectives:
+                    self.collective_log.append(("all_reduce" if r.root is ALL else "reduce", r.root, r.count,
+                                                str(dtype)))
+        kept = self._copy_out(tasks, bucket.buffer)
+        self._count(plan, kept, dtype)
+        self._buckets.swap(dtype)
+
+    def _copy_out(self, tasks: list[_Task], buffer: torch.Tensor) -> int:
+        rank = self.comm.rank
+        owner_path = self.settings.flags.reduce_to_owner
+        kept = 0
+        for t in tasks:
+            param = self._params[t.ds_id]
+            grad_buf = param.grad_buffer.view(-1)
+            if grad_buf.numel() == 0:
+                continue
+            placement = self.settings.owner_map.placement(t.ds_id)
+            if owner_path and placement.placement is Placement.ONE_OWNER and placement.owner != rank:
+                # The reduced value never reached this rank: copying would hand the optimizer garbage.
+                raise RuntimeError(f"owner_reduce: rank {rank} holds a grad buffer for param {t.ds_id}, whose "
+                                   f"owner is rank {placement.owner}; the owner map and DeepCompile disagree")
+            grad_buf.copy_(buffer.narrow(0, t.offset + param.offset, grad_buf.numel()))
+            kept += grad_buf.numel()
+        return kept
+
+    def _count(self, plan: FlushPlan, kept: int, dtype: torch.dtype) -> None:
+        s = self.stats
+        s.flushes += 1
+        s.collectives += len(plan.ranges)
+        s.reduce_calls += sum(1 for r in plan.ranges if r.root is not ALL)
+        s.all_reduce_calls += sum(1 for r in plan.ranges if r.root is ALL)
+        s.reduced_elems += plan.reduced_elems
+        s.owner_elems += plan.owner_elems
+        s.kept_elems += kept
+        index = next(self._flush_counter)
+        if self.settings.flags.reduce_probe and index <= PROBE_FLUSH_LIMIT:
+            line = format_probe_line(FlushReport(rank=self.comm.rank, flush_index=index,
+                                                 dtype=str(dtype).removeprefix("torch."), plan=plan, kept_elems=kept,
+                                                 pre_div=self._pre_div, calls=len(plan.ranges)))
+            s.probe_lines.append(line)
+            emit(line)
+
+    # ---- agreement across ranks --------------------------------------------------------------------------
+
+    def _check_agreement(self, process_group: Any, bucket_size: int) -> None:
+        """One all_gather of five integers; every rank raises on any mismatch, so no rank is left hanging."""
+        import deepspeed.comm as dist
+        from deepspeed.accelerator import get_accelerator
+        from torch._dispatch.python import no_python_dispatcher
+
+        flags = self.settings.flags
+        mine = [_AGREEMENT_PROTOCOL, int(flags.reduce_to_owner) | int(flags.reduce_probe) << 1, bucket_size,
+                int(self.settings.owner_map.digest()[:15], 16), len(self.settings.map_problems)]
+        device = get_accelerator().current_device_name()
+        local = torch.tensor(mine, dtype=torch.int64, device=device)
+        gathered = [torch.empty_like(local) for _ in range(self.comm.world_size)]
+        with no_python_dispatcher():
+            dist.all_gather(gathered, local, group=process_group)
+        rows = [g.tolist() for g in gathered]
+        names = ("protocol", "flags(owner|probe<<1)", "reduce_bucket_size", "owner map digest", "map problems")
+        problems = []
+        for i, name in enumerate(names[:4]):
+            values = [row[i] for row in rows]
+            if len(set(values)) > 1:
+                problems.append(f"{name} differs across ranks: {values}")
+        bad_ranks = [r for r, row in enumerate(rows) if row[4]]
+        if bad_ranks:
+            problems.append(f"the owner map contradicts the optimizer on ranks {bad_ranks}"
+                            + (f": {list(self.settings.map_problems)[:3]}" if self.settings.map_problems else ""))
+        if problems:
+            raise OwnerReduceMismatchError(f"owner_reduce on rank {self.comm.rank}: refusing to start: "
+                                           + "; ".join(problems))

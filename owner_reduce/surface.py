@@ -1,0 +1,75 @@
+"""A check of the private DeepSpeed surface owner_reduce relies on, run before anything is patched.
+
+Why: DeepCompile's Python surface moved several times in 2026. Finding out mid-training (an AttributeError
+inside a backward graph, or a silently skipped reduction) is the worst outcome; refusing at install time
+with the list of what moved is the best one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+# module -> names it must define (deepspeed 0.19.8)
+REQUIRED_NAMES: dict[str, tuple[str, ...]] = {
+    "deepspeed.runtime.config": ("CompileConfig",),
+    "deepspeed.compile.util": ("get_deepcompile_handle", "dc_handle"),
+    "deepspeed.compile.init_z1_and_2": ("init_z1_and_2",),
+    "deepspeed.compile.passes.zero_1_and_2_compile": ("add_z1_reduce",),
+    "deepspeed.compile.fx": ("add_end_backward", "replace_reduce_outputs_with_none"),
+    "deepspeed.compile.backend": ("run_opt_passes", "get_accelerator", "make_backend"),
+    "deepspeed.compile.profilers.graph_profile": ("get_accelerator",),
+    "deepspeed.runtime.engine": ("DeepSpeedEngine",),
+}
+ENGINE_METHODS = ("_initialize_deepcompile_native", "zero_reduce_bucket_size", "get_deepcompile_backend",
+                  "zero_optimization_stage")
+INIT_Z1_PARAMS = ("engine", "backend", "compile_config", "compile_kwargs", "schedule", "use_z2")
+PASS_PARAMS = ("gm", "graph_id", "graph_order", "profiling_results", "create_inputs_fn", "mem_budget",
+               "param_manager", "bwd")
+
+
+def _params(fn: Any) -> tuple[str, ...]:
+    return tuple(inspect.signature(fn).parameters)
+
+
+def surface_problems() -> list[str]:
+    """Everything that moved, as readable lines; empty when the surface is as expected."""
+    problems: list[str] = []
+    modules: dict[str, Any] = {}
+    for module_name, names in REQUIRED_NAMES.items():
+        try:
+            modules[module_name] = module = importlib.import_module(module_name)
+        except Exception as e:  # noqa: BLE001 - report any import failure by name
+            problems.append(f"module {module_name} does not import ({type(e).__name__}: {e})")
+            continue
+        problems += [f"{module_name}.{name} is missing" for name in names if not hasattr(module, name)]
+    if problems:
+        return problems
+    init_fn = modules["deepspeed.compile.init_z1_and_2"].init_z1_and_2
+    init_fn = getattr(init_fn, "__wrapped__", init_fn)
+    if _params(init_fn) != INIT_Z1_PARAMS:
+        problems.append(f"init_z1_and_2{_params(init_fn)} is not init_z1_and_2{INIT_Z1_PARAMS}")
+    pass_fn = modules["deepspeed.compile.passes.zero_1_and_2_compile"].add_z1_reduce
+    if _params(pass_fn) != PASS_PARAMS:
+        problems.append(f"add_z1_reduce{_params(pass_fn)} is not add_z1_reduce{PASS_PARAMS}")
+    engine_cls = modules["deepspeed.runtime.engine"].DeepSpeedEngine
+    problems += [f"DeepSpeedEngine.{m} is missing" for m in ENGINE_METHODS if not hasattr(engine_cls, m)]
+    return problems
+
+
+def dc_schema_problems() -> list[str]:
+    """Where an already loaded ``dc`` library's schemas differ from the ones owner_reduce expects."""
+    import torch
+
+    from .ops import DC_SCHEMAS
+
+    if not hasattr(torch.ops.dc, "reduce_grad"):
+        return []
+    problems = []
+    for name in ("reduce_grad", "end_backward"):
+        op = getattr(torch.ops.dc, name, None)
+        schema = str(op.default._schema) if op is not None else "<missing>"
+        if schema.removeprefix("dc::") != DC_SCHEMAS[name]:
+            problems.append(f"dc.{name} has schema {schema}, expected dc::{DC_SCHEMAS[name]}")
+    return problems

@@ -1,0 +1,118 @@
+"""One rank's training run for the CPU demo, the benchmark and the end-to-end tests.
+
+Why one function for all three: "plain ZeRO-1" and "DeepCompile + owner_reduce" must see exactly the same
+model, data and optimizer, and the only way to be sure of that is to build both in one place. Runs inside
+a rank started by ``owner_reduce.launch.run_ranks``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+MODES = ("plain", "compiled", "owner")  # ZeRO-1 eager hooks / ZeRO-1 + torch.compile / DeepCompile + owner_reduce
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    mode: str = "owner"
+    backend: str = "eager"  # torch.compile / DeepCompile backend for "compiled" and "owner"
+    steps: int = 5
+    grad_accum: int = 1
+    same_data: bool = True  # identical batches on every rank (bitwise comparisons) or one stream per rank
+    reduce_to_owner: bool = True
+    reduce_probe: bool = True
+    reduce_bucket_size: int | None = None
+    model: str = "odd_mlp"  # or "tiny_transformer"
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    micro_batch: int = 4
+    lr: float = 1e-2
+    seed: int = 0
+    record_collectives: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"TrainSpec.mode must be one of {MODES}, got {self.mode!r}")
+
+
+def _model_and_batches(spec: TrainSpec, rank: int) -> tuple[Any, Any]:
+    import torch
+
+    from .toy_models import OddMLP, TinyTransformer
+
+    torch.manual_seed(spec.seed)
+    generator = torch.Generator().manual_seed(1234 + (0 if spec.same_data else 7919 * (rank + 1)))
+    if spec.model == "odd_mlp":
+        model = OddMLP(**spec.model_kwargs)
+        d_in, d_out = model.fc1.in_features, model.fc3.out_features
+
+        def batch() -> tuple[Any, Any]:
+            return (torch.randn(spec.micro_batch, d_in, generator=generator),
+                    torch.randn(spec.micro_batch, d_out, generator=generator))
+    elif spec.model == "tiny_transformer":
+        model = TinyTransformer(**spec.model_kwargs)
+        vocab, seq = model.head.out_features, model.pos.shape[0]
+
+        def batch() -> tuple[Any, Any]:
+            tokens = torch.randint(0, vocab, (spec.micro_batch, seq + 1), generator=generator)
+            return tokens[:, :-1], tokens[:, 1:]
+    else:
+        raise ValueError(f"TrainSpec.model must be 'odd_mlp' or 'tiny_transformer', got {spec.model!r}")
+    return model, batch
+
+
+def train(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
+    """Train ``spec.steps`` optimizer steps; return losses, final parameters, runtime counters and log lines."""
+    import deepspeed
+    import deepspeed.comm as dist
+
+    import owner_reduce
+
+    model, batch = _model_and_batches(spec, rank)
+    zero: dict[str, Any] = {"stage": 1}
+    if spec.reduce_bucket_size is not None:
+        zero["reduce_bucket_size"] = spec.reduce_bucket_size
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": spec.micro_batch,
+        "gradient_accumulation_steps": spec.grad_accum,
+        "optimizer": {"type": "Adam", "params": {"lr": spec.lr, "torch_adam": True}},
+        "zero_optimization": zero,
+        "steps_per_print": 1_000_000,
+    }
+    if spec.mode == "owner":
+        owner_reduce.install()
+        config["compile"] = {"deepcompile": True, "reduce_to_owner": spec.reduce_to_owner,
+                             "reduce_probe": spec.reduce_probe}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    compile_start = time.perf_counter()
+    if spec.mode != "plain":
+        engine.compile(backend=spec.backend)
+    runtime = None
+    losses: list[float] = []
+    step_times: list[float] = []
+    for step in range(spec.steps):
+        start = time.perf_counter()
+        for _ in range(spec.grad_accum):
+            loss = engine(*batch())
+            if runtime is None and spec.mode == "owner":
+                from .ops import active_runtime
+
+                runtime = active_runtime()
+                runtime.record_collectives = spec.record_collectives
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        step_times.append(time.perf_counter() - start)
+        if step == 0:
+            first_step_s = time.perf_counter() - compile_start
+    dist.barrier()
+    return {
+        "losses": losses,
+        "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+        "stats": None if runtime is None else runtime.stats,
+        "collective_log": None if runtime is None else list(runtime.collective_log),
+        "step_times": step_times,
+        "first_step_s": first_step_s,
+        "summary": None if runtime is None else runtime.settings.owner_map.summary(),
+    }
