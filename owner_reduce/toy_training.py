@@ -8,7 +8,7 @@ a rank started by ``owner_reduce.launch.run_ranks``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 MODES = ("plain", "compiled", "owner")  # ZeRO-1 eager hooks / ZeRO-1 + torch.compile / DeepCompile + owner_reduce
@@ -25,7 +25,7 @@ class TrainSpec:
     reduce_probe: bool = True
     reduce_bucket_size: int | None = None
     model: str = "odd_mlp"  # or "tiny_transformer"
-    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    model_kwargs: tuple[tuple[str, Any], ...] = ()  # (name, value) pairs: specs stay hashable
     micro_batch: int = 4
     lr: float = 1e-2
     seed: int = 0
@@ -44,14 +44,14 @@ def _model_and_batches(spec: TrainSpec, rank: int) -> tuple[Any, Any]:
     torch.manual_seed(spec.seed)
     generator = torch.Generator().manual_seed(1234 + (0 if spec.same_data else 7919 * (rank + 1)))
     if spec.model == "odd_mlp":
-        model = OddMLP(**spec.model_kwargs)
+        model = OddMLP(**dict(spec.model_kwargs))
         d_in, d_out = model.fc1.in_features, model.fc3.out_features
 
         def batch() -> tuple[Any, Any]:
             return (torch.randn(spec.micro_batch, d_in, generator=generator),
                     torch.randn(spec.micro_batch, d_out, generator=generator))
     elif spec.model == "tiny_transformer":
-        model = TinyTransformer(**spec.model_kwargs)
+        model = TinyTransformer(**dict(spec.model_kwargs))
         vocab, seq = model.head.out_features, model.pos.shape[0]
 
         def batch() -> tuple[Any, Any]:

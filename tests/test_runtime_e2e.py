@@ -1,0 +1,206 @@
+"""DeepCompile ZeRO-1 with owner_reduce vs plain ZeRO-1: real DeepSpeed, real graphs, real gloo collectives."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import pytest
+import torch
+
+from owner_reduce.launch import RankFailure, run_ranks
+from owner_reduce.toy_training import TrainSpec, train
+
+PROBE_RE = re.compile(r"^\[dc-probe\]\[r(\d+)\] flushReduceBucket #(\d+) dtype=Float tasks=(\d+) reduced_elems=(\d+) "
+                      r"kept_elems=(\d+) discarded=(\d+\.\d)% pre_div=1 owner_tasks=(\d+) owner_elems=(\d+) "
+                      r"\((\d+\.\d)%\)( \w+=\S+)*$")
+INIT_RE = re.compile(r"^DeepCompile reduce_to_owner: (\d+)/(\d+) gradients reduce to one rank$")
+N_PARAMS = 6  # OddMLP: three weights, three biases
+
+
+@functools.cache
+def _run(world_size: int, spec: TrainSpec) -> tuple:
+    return tuple(run_ranks(train, world_size, args=(spec,), timeout=240))
+
+
+def _reference(world_size: int, spec: TrainSpec) -> tuple:
+    """Plain ZeRO-1 on the same model and data: eager hooks, or torch.compile with the same backend."""
+    mode = "plain" if spec.backend == "eager" else "compiled"
+    return _run(world_size, dataclasses.replace(spec, mode=mode, record_collectives=False, reduce_probe=False,
+                                                reduce_to_owner=False))
+
+
+def _max_param_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in b)
+
+
+def _assert_bitwise(owner: tuple, plain: tuple) -> None:
+    for rank, (o, p) in enumerate(zip(owner, plain, strict=True)):
+        assert o["losses"] == p["losses"], f"rank {rank}: losses differ"
+        assert all(torch.equal(o["params"][k], p["params"][k]) for k in p["params"]), \
+            f"rank {rank}: params differ by up to {_max_param_diff(o['params'], p['params']):.3e}"
+
+
+def _assert_runtime_ran(results: tuple, spec: TrainSpec, owner_path: bool) -> None:
+    micro_steps = spec.steps * spec.grad_accum
+    for rank, r in enumerate(results):
+        s = r["stats"]
+        assert s is not None, f"rank {rank}: no owner_reduce runtime"
+        assert s.reduce_grad_calls == micro_steps * N_PARAMS, (rank, s)
+        assert s.end_backward_calls == micro_steps and s.flushes >= spec.steps
+        assert s.accumulated_calls == spec.steps * (spec.grad_accum - 1) * N_PARAMS
+        assert s.profiling_calls > 0, "DeepCompile's profiler did not run the graph"
+        if owner_path:
+            assert s.owner_elems > 0 and s.reduce_calls > 0, (rank, s)
+        else:
+            assert s.owner_elems == 0 and s.reduce_calls == 0, (rank, s)
+        assert s.kept_elems < s.reduced_elems
+        if spec.reduce_probe:
+            assert 0 < len(s.probe_lines) <= 20
+            matches = [PROBE_RE.match(line) for line in s.probe_lines]
+            assert all(matches), s.probe_lines
+            assert all(int(m.group(1)) == rank for m in matches)
+            assert (sum(int(m.group(8)) for m in matches) > 0) == owner_path, s.probe_lines
+    init = results[0]["stats"].init_line
+    assert init is not None and INIT_RE.match(init), init
+    assert all(r["stats"].init_line is None for r in results[1:]), "only rank 0 prints the init line"
+
+
+def _assert_same_collectives_on_all_ranks(results: tuple) -> None:
+    logs = [r["collective_log"] for r in results]
+    assert logs[0], "no collectives recorded"
+    assert all(log == logs[0] for log in logs[1:]), "ranks issued different collective sequences"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_identical_data_bitwise_equal_eager(world_size):
+    spec = TrainSpec(mode="owner", backend="eager", steps=5, record_collectives=True,
+                     reduce_bucket_size=300 if world_size == 4 else None)
+    owner = _run(world_size, spec)
+    _assert_runtime_ran(owner, spec, owner_path=True)
+    _assert_bitwise(owner, _reference(world_size, spec))
+    _assert_same_collectives_on_all_ranks(owner)
+    # Collectives per flush: runs of owners, not parameters.
+    stats = owner[0]["stats"]
+    assert stats.collectives < stats.flushes * N_PARAMS
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_identical_data_bitwise_equal_inductor(world_size):
+    spec = TrainSpec(mode="owner", backend="inductor", steps=5, grad_accum=2 if world_size == 4 else 1,
+                     record_collectives=True)
+    owner = _run(world_size, spec)
+    _assert_runtime_ran(owner, spec, owner_path=True)
+    _assert_bitwise(owner, _reference(world_size, spec))
+    _assert_same_collectives_on_all_ranks(owner)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_different_data_per_rank_within_tolerance(grad_accum):
+    spec = TrainSpec(mode="owner", backend="eager", steps=5, grad_accum=grad_accum, same_data=False)
+    owner = _run(2, spec)
+    plain = _reference(2, spec)
+    _assert_runtime_ran(owner, spec, owner_path=True)
+    for o, p in zip(owner, plain, strict=True):
+        torch.testing.assert_close(torch.tensor(o["losses"]), torch.tensor(p["losses"]), rtol=1e-5, atol=1e-6)
+        for k in p["params"]:
+            torch.testing.assert_close(o["params"][k], p["params"][k], rtol=1e-5, atol=1e-6)
+    # Different data must actually produce different per-rank gradients: the ranks' losses differ.
+    assert owner[0]["losses"] != owner[1]["losses"]
+
+
+@pytest.mark.timeout(300)
+def test_identical_data_gradient_accumulation_bitwise_equal():
+    spec = TrainSpec(mode="owner", backend="eager", steps=4, grad_accum=2)
+    owner = _run(3, spec)
+    _assert_runtime_ran(owner, spec, owner_path=True)
+    _assert_bitwise(owner, _reference(3, spec))
+
+
+@pytest.mark.timeout(300)
+def test_probe_only_reports_without_taking_the_owner_path():
+    spec = TrainSpec(mode="owner", backend="eager", steps=3, reduce_to_owner=False, reduce_probe=True,
+                     record_collectives=True)
+    owner = _run(2, spec)
+    _assert_runtime_ran(owner, spec, owner_path=False)
+    _assert_bitwise(owner, _reference(2, spec))
+    assert all(kind == "all_reduce" for kind, *_ in owner[0]["collective_log"])
+    line = owner[0]["stats"].probe_lines[0]
+    eligible = int(re.search(r" eligible_elems=(\d+)", line).group(1))
+    assert eligible > 0 and " owner_elems=0 (0.0%)" in line
+
+
+# ---- negative controls: a broken reduction must not pass the comparison ------------------------------------
+
+def _train_tampered(rank, world_size, spec, how):
+    import owner_reduce.runtime as runtime_module
+    from owner_reduce.flush_plan import FlushRange
+
+    original = runtime_module.plan_flush
+
+    def tampered(entries, owner_map, reduce_to_owner):
+        plan = original(entries, owner_map, reduce_to_owner)
+        ranges = list(plan.ranges)
+        i = next(i for i, r in enumerate(ranges) if r.root is not None)
+        if how == "wrong_root":
+            ranges[i] = FlushRange(ranges[i].offset, ranges[i].count, (ranges[i].root + 1) % world_size)
+        else:  # skip_range
+            del ranges[i]
+        return dataclasses.replace(plan, ranges=tuple(ranges))
+
+    runtime_module.plan_flush = tampered
+    return train(rank, world_size, spec)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["wrong_root", "skip_range"])
+def test_negative_control_broken_reduction_is_caught(how):
+    spec = TrainSpec(mode="owner", backend="eager", steps=3)
+    broken = run_ranks(_train_tampered, 2, args=(spec, how), timeout=240)
+    plain = _reference(2, spec)
+    assert broken[0]["stats"].reduce_grad_calls > 0
+    differs = any(_max_param_diff(b["params"], p["params"]) > 0 for b, p in zip(broken, plain, strict=True))
+    assert differs, f"a {how} reduction went unnoticed by the comparison"
+
+
+# ---- agreement across ranks, flags off ---------------------------------------------------------------------
+
+def _train_per_rank(rank, world_size, specs):
+    return train(rank, world_size, specs[rank])
+
+
+@pytest.mark.timeout(240)
+def test_mismatched_flags_fail_on_every_rank():
+    specs = (TrainSpec(mode="owner", reduce_probe=True), TrainSpec(mode="owner", reduce_probe=False))
+    with pytest.raises(RankFailure) as err:
+        run_ranks(_train_per_rank, 2, args=(specs,), timeout=200)
+    message = str(err.value)
+    for rank in (0, 1):
+        assert f"--- rank {rank} raised ---" in message
+    assert message.count("OwnerReduceMismatchError") >= 2 and "flags(owner|probe<<1) differs" in message
+
+
+def _flags_off_worker(rank, world_size):
+    import deepspeed.compile.util as dc_util
+    import torch
+
+    import owner_reduce
+
+    owner_reduce.install()
+    result = train(rank, world_size, TrainSpec(mode="compiled", backend="eager", steps=2))
+    result["dc_handle"] = dc_util.dc_handle
+    result["dc_ops_defined"] = hasattr(torch.ops.dc, "reduce_grad")
+    return result
+
+
+@pytest.mark.timeout(240)
+def test_flags_off_leaves_deepspeed_untouched():
+    results = run_ranks(_flags_off_worker, 2, timeout=200)
+    reference = _run(2, TrainSpec(mode="compiled", backend="eager", steps=2))
+    for r, ref in zip(results, reference, strict=True):
+        assert r["dc_handle"] is None and not r["dc_ops_defined"] and r["stats"] is None
+        assert r["losses"] == ref["losses"]
