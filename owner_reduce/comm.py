@@ -53,6 +53,10 @@ class ReduceComm(ABC):
     def all_reduce(self, buf: torch.Tensor) -> None:
         """Sum ``buf`` over all ranks into ``buf`` on every rank."""
 
+    @abstractmethod
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (same length everywhere), by rank: the init-time agreement check."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the communicator (at cleanup)."""
 
@@ -86,3 +90,13 @@ class TorchDistComm(ReduceComm):
 
         with no_python_dispatcher():
             self._dist.all_reduce(buf, op=self._dist.ReduceOp.SUM, group=self._group)
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        from deepspeed.accelerator import get_accelerator
+        from torch._dispatch.python import no_python_dispatcher
+
+        local = torch.tensor(values, dtype=torch.int64, device=get_accelerator().current_device_name())
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        with no_python_dispatcher():
+            self._dist.all_gather(gathered, local, group=self._group)
+        return [g.tolist() for g in gathered]

@@ -112,7 +112,7 @@ class Z1PythonRuntime:
     def init(self, process_group: Any, compile_config: Any, reduce_bucket_size: int) -> None:
         self.comm = self._comm_factory(process_group)
         self._buckets = DoubleBufferedBuckets(int(reduce_bucket_size), bool(compile_config.double_buffer))
-        self._check_agreement(process_group, int(reduce_bucket_size))
+        self._check_agreement(int(reduce_bucket_size))
         if self.comm.rank == 0:
             self.stats.init_line = self.settings.owner_map.summary()
             emit(self.stats.init_line)
@@ -272,21 +272,12 @@ class Z1PythonRuntime:
 
     # ---- agreement across ranks --------------------------------------------------------------------------
 
-    def _check_agreement(self, process_group: Any, bucket_size: int) -> None:
+    def _check_agreement(self, bucket_size: int) -> None:
         """One all_gather of five integers; every rank raises on any mismatch, so no rank is left hanging."""
-        import deepspeed.comm as dist
-        from deepspeed.accelerator import get_accelerator
-        from torch._dispatch.python import no_python_dispatcher
-
         flags = self.settings.flags
         mine = [_AGREEMENT_PROTOCOL, int(flags.reduce_to_owner) | int(flags.reduce_probe) << 1, bucket_size,
                 int(self.settings.owner_map.digest()[:15], 16), len(self.settings.map_problems)]
-        device = get_accelerator().current_device_name()
-        local = torch.tensor(mine, dtype=torch.int64, device=device)
-        gathered = [torch.empty_like(local) for _ in range(self.comm.world_size)]
-        with no_python_dispatcher():
-            dist.all_gather(gathered, local, group=process_group)
-        rows = [g.tolist() for g in gathered]
+        rows = self.comm.all_gather_ints(mine)
         names = ("protocol", "flags(owner|probe<<1)", "reduce_bucket_size", "owner map digest", "map problems")
         problems = []
         for i, name in enumerate(names[:4]):

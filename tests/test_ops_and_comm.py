@@ -1,0 +1,70 @@
+"""The custom ops (opcheck), the dc schemas, and the communicator seam's group context."""
+
+import pytest
+import torch
+from fakes import MirrorComm
+
+from owner_reduce import ops
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def reduce_grad(self, grad, graph_id, ds_id):
+        self.calls.append(("reduce_grad", tuple(grad.shape), graph_id, ds_id))
+
+    def end_backward(self, graph_id, release):
+        self.calls.append(("end_backward", graph_id, release))
+
+
+@pytest.fixture
+def recorder():
+    rec = _Recorder()
+    ops.set_active_runtime(rec)
+    yield rec
+    ops.set_active_runtime(None)
+
+
+def test_opcheck_reduce_grad(recorder):
+    grad = torch.randn(3, 4)
+    torch.library.opcheck(ops.REDUCE_GRAD, (grad, 7, 2))
+    assert ("reduce_grad", (3, 4), 7, 2) in recorder.calls
+    out = ops.REDUCE_GRAD(grad, 7, 2)
+    assert out.numel() == 0 and out.dtype == grad.dtype
+
+
+def test_opcheck_end_backward(recorder):
+    torch.library.opcheck(ops.END_BACKWARD, ([torch.empty(0), None], 7, True))
+    assert ("end_backward", 7, True) in recorder.calls
+
+
+def test_ops_without_runtime_fail_loudly():
+    with pytest.raises(RuntimeError, match="no owner_reduce runtime is active"):
+        ops.REDUCE_GRAD(torch.randn(2), 1, 1)
+
+
+def test_dc_schemas_match_deepcompile():
+    # Parse each schema as torch does; the names DeepCompile's inductor registration needs are all there.
+    for name, schema in ops.DC_SCHEMAS.items():
+        parsed = torch._C.parse_schema(f"dc::{schema}")
+        assert parsed.name == f"dc::{name}"
+    assert {"reduce_grad", "end_backward", "allgather_param", "wait_allgather", "release_param", "free_tensors",
+            "offload_tensor", "wait_offload", "reload_tensor", "wait_reload"} <= set(ops.DC_SCHEMAS)
+
+
+def test_group_context_closes_on_error():
+    comm = MirrorComm(fail_on_call=1)
+    buf = torch.ones(4)
+    with pytest.raises(RuntimeError, match="injected"):
+        with comm.group():
+            comm.all_reduce(buf)
+            comm.reduce(buf, 1)
+    assert comm.open_groups == 0 and not comm._in_group
+    with comm.group():  # usable again
+        pass
+    with pytest.raises(RuntimeError, match="nested"):
+        with comm.group():
+            with comm.group():
+                pass
+    assert comm.open_groups == 0

@@ -1,0 +1,27 @@
+"""The probe line format (DESIGN.md's example, exactly)."""
+
+from owner_reduce.flush_plan import FlushPlan, FlushRange
+from owner_reduce.probe import FlushReport, format_probe_line
+
+DESIGN_EXAMPLE = ("[dc-probe][r0] flushReduceBucket #3 dtype=BFloat16 tasks=118 reduced_elems=52428800 "
+                  "kept_elems=6553600 discarded=87.5% pre_div=1 owner_tasks=0 owner_elems=0 (0.0%)")
+
+
+def test_allreduce_flush_matches_the_documented_line():
+    plan = FlushPlan(ranges=(FlushRange(0, 52428800, None),), tasks=118, reduced_elems=52428800, owner_tasks=0,
+                     owner_elems=0, eligible_tasks=100, eligible_elems=40000000)
+    line = format_probe_line(FlushReport(rank=0, flush_index=3, dtype="bfloat16", plan=plan, kept_elems=6553600,
+                                         pre_div=True, calls=1))
+    assert line.startswith(DESIGN_EXAMPLE + " ")
+    assert line.endswith(" calls=1 eligible_tasks=100 eligible_elems=40000000 eligible_share=76.3%")
+
+
+def test_owner_flush_discards_only_what_reached_this_rank():
+    # 100 elements to rank 1, 50 to everyone; rank 1 keeps its 100 and 10 of the 50.
+    plan = FlushPlan(ranges=(FlushRange(0, 100, 1), FlushRange(100, 50, None)), tasks=3, reduced_elems=150,
+                     owner_tasks=2, owner_elems=100, eligible_tasks=2, eligible_elems=100)
+    r1 = format_probe_line(FlushReport(1, 1, "float32", plan, kept_elems=110, pre_div=True, calls=2))
+    r0 = format_probe_line(FlushReport(0, 1, "float32", plan, kept_elems=40, pre_div=True, calls=2))
+    assert "[dc-probe][r1] flushReduceBucket #1 dtype=Float tasks=3 reduced_elems=150 kept_elems=110 " \
+           "discarded=26.7% pre_div=1 owner_tasks=2 owner_elems=100 (66.7%)" in r1
+    assert "kept_elems=40 discarded=6.7%" in r0

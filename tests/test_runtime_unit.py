@@ -1,0 +1,143 @@
+"""The Python runtime's bookkeeping, in-process, with a mirror communicator (no processes)."""
+
+import types
+
+import pytest
+import torch
+from fakes import MirrorComm
+
+from owner_reduce.flags import OwnerReduceFlags
+from owner_reduce.owner_map import GroupTables, OwnerMap
+from owner_reduce.runtime import OwnerReduceMismatchError, RuntimeSettings, Z1PythonRuntime
+
+# ws=2, partition_size 8: a(6) -> r0, b(5) straddles [0:2]->r0 [2:5]->r1, c(5) -> r1
+NUMELS = {0: 6, 1: 5, 2: 5}
+TABLES = GroupTables(group=0, param_ids=(0, 1, 2), numels=(6, 5, 5), partition_count=2,
+                     partition_ids={0: (0,), 1: (0, 1), 2: (1,)},
+                     start_offsets={0: {0: 0, 1: 0}, 1: {1: 2, 2: 0}}, same_comm_as_dp=True)
+
+
+def _runtime(rank=0, owner=True, probe=True, bucket=64, problems=(), comm=None):
+    comm = comm or MirrorComm(rank=rank)
+    settings = RuntimeSettings(OwnerReduceFlags(owner, probe), OwnerMap.from_group_tables([TABLES], 2), problems)
+    rt = Z1PythonRuntime(settings, comm_factory=lambda group: comm)
+    rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
+    # As DeepCompile registers on rank 0: a whole, b's first 2 elements (offset 0), nothing of c.
+    kept = {0: (torch.zeros(6), 0), 1: (torch.zeros(2), 0), 2: (torch.empty(0), 0)} if rank == 0 else \
+        {0: (torch.empty(0), 0), 1: (torch.zeros(3), 2), 2: (torch.zeros(5), 0)}
+    for pid, (buf, offset) in kept.items():
+        rt.register_param(pid, (NUMELS[pid],), torch.zeros(NUMELS[pid]), buf, offset)
+    rt.register_graph_z1(11, [0, 1, 2])
+    return rt, comm
+
+
+def _grads(scale=1.0):
+    return {pid: torch.arange(1, n + 1, dtype=torch.float32) * scale for pid, n in NUMELS.items()}
+
+
+def _backward(rt, grads, update=True, order=(2, 1, 0)):
+    rt.start_backward(update)
+    for pid in order:
+        rt.reduce_grad(grads[pid], 11, pid)
+    rt.end_backward(11, False)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("owner", [True, False])
+def test_copy_out_gets_the_reduced_value_on_the_keeper(rank, owner):
+    rt, comm = _runtime(rank=rank, owner=owner)
+    grads = _grads()
+    _backward(rt, grads)
+    # Identical data on 2 ranks, pre-divided by 2, summed: the gradient itself, never NaN.
+    for pid, param in rt._params.items():
+        buf = param.grad_buffer
+        if buf.numel():
+            expected = grads[pid][param.offset:param.offset + buf.numel()]
+            assert torch.equal(buf, expected), (pid, buf, expected)
+    kinds = [c[0] for c in comm.calls]
+    assert kinds == (["reduce", "all_reduce", "reduce"] if owner else ["all_reduce"])
+    assert comm.groups == 1 and comm.open_groups == 0
+    assert rt.stats.owner_elems == (11 if owner else 0) and rt.stats.flushes == 1
+
+
+def test_accumulation_across_micro_steps_then_one_reduction():
+    rt, comm = _runtime()
+    _backward(rt, _grads(1.0), update=False)
+    _backward(rt, _grads(2.0), update=False)
+    assert comm.calls == [] and rt.stats.accumulated_calls == 6
+    _backward(rt, _grads(4.0), update=True)
+    assert torch.equal(rt._params[0].grad_buffer, _grads(7.0)[0])
+    assert torch.equal(rt._params[1].grad_buffer, _grads(7.0)[1][:2])
+
+
+def test_accumulation_does_not_alias_the_graph_gradient():
+    rt, _ = _runtime()
+    grads = _grads()
+    original = {pid: g.clone() for pid, g in grads.items()}
+    _backward(rt, grads, update=False)
+    _backward(rt, _grads(), update=True)
+    assert all(torch.equal(grads[pid], original[pid]) for pid in grads), "the runtime wrote into a graph tensor"
+
+
+def test_small_bucket_flushes_on_overflow_and_grows_for_a_large_gradient():
+    rt, comm = _runtime(bucket=6)
+    grads = _grads()
+    _backward(rt, grads, order=(0, 1, 2))  # 6 fills the bucket; 5 overflows -> flush; 5 again -> flush
+    assert rt.stats.flushes == 3 and len(rt.stats.probe_lines) == 3
+    assert torch.equal(rt._params[0].grad_buffer, grads[0])
+    rt2, _ = _runtime(bucket=4)  # every gradient is larger than the bucket: it grows
+    _backward(rt2, grads)
+    assert torch.equal(rt2._params[0].grad_buffer, grads[0]) and rt2.stats.flushes == 3
+
+
+def test_profiling_communicates_nothing():
+    rt, comm = _runtime()
+    rt.enable_profiling(True)
+    _backward(rt, _grads())
+    assert comm.calls == [] and rt.stats.profiling_calls == 3 and rt.stats.reduce_grad_calls == 0
+    rt.enable_profiling(False)
+    assert not rt.is_profiling()
+
+
+def test_a_grad_buffer_on_a_non_owner_is_refused():
+    rt, _ = _runtime(rank=0)
+    rt.update_param_grad_buffer(2, torch.zeros(5), 0)  # rank 0 claims c, owned by rank 1
+    with pytest.raises(RuntimeError, match="owner is rank 1"):
+        _backward(rt, _grads())
+
+
+def test_probe_lines_stop_after_twenty_flushes():
+    rt, _ = _runtime()
+    for _ in range(25):
+        _backward(rt, _grads())
+    assert len(rt.stats.probe_lines) == 20 and rt.stats.flushes == 25
+    assert rt.stats.probe_lines[-1].startswith("[dc-probe][r0] flushReduceBucket #20 dtype=Float tasks=3 ")
+
+
+@pytest.mark.parametrize("column,name", [(1, "flags"), (2, "reduce_bucket_size"), (3, "owner map digest")])
+def test_agreement_mismatch_is_refused(column, name):
+    comm = MirrorComm()
+    settings = RuntimeSettings(OwnerReduceFlags(True, True), OwnerMap.from_group_tables([TABLES], 2))
+    rt = Z1PythonRuntime(settings, comm_factory=lambda group: comm)
+    good = [1, 3, 64, int(settings.owner_map.digest()[:15], 16), 0]
+    bad = list(good)
+    bad[column] += 1
+    comm.gathered_rows = [good, bad]
+    with pytest.raises(OwnerReduceMismatchError, match=name):
+        rt.init(None, types.SimpleNamespace(double_buffer=True), 64)
+
+
+def test_map_problems_on_any_rank_are_refused():
+    with pytest.raises(OwnerReduceMismatchError, match="contradicts the optimizer on ranks"):
+        _runtime(problems=("group 0: first_offset map 1, optimizer 0",),
+                 comm=MirrorComm())
+
+
+def test_cleanup_and_unknown_methods():
+    rt, comm = _runtime()
+    released = []
+    rt.on_cleanup = lambda: released.append(True)
+    rt.cleanup()
+    assert released == [True] and rt.comm is None
+    with pytest.raises(AttributeError, match="no DeepCompile handle method 'register_graph_z3'"):
+        rt.register_graph_z3(1, [])
