@@ -30,6 +30,7 @@ class TrainSpec:
     lr: float = 1e-2
     seed: int = 0
     record_collectives: bool = False
+    time_runtime: bool = False  # host time of each reduce_grad (without flushes) and each flush, in ns
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -62,6 +63,30 @@ def _model_and_batches(spec: TrainSpec, rank: int) -> tuple[Any, Any]:
     return model, batch
 
 
+def _time_runtime(runtime: Any) -> dict[str, list[int]]:
+    """Wrap the runtime's hot methods with host timers (instance attributes shadow the methods)."""
+    timings: dict[str, list[int]] = {"reduce_grad_ns": [], "flush_ns": []}
+    reduce_grad, flush = runtime.reduce_grad, runtime._flush
+    in_flush = [0]
+
+    def timed_flush(dtype: Any) -> None:
+        start = time.perf_counter_ns()
+        flush(dtype)
+        elapsed = time.perf_counter_ns() - start
+        timings["flush_ns"].append(elapsed)
+        in_flush[0] += elapsed
+
+    def timed_reduce_grad(grad: Any, graph_id: int, ds_id: int) -> None:
+        in_flush[0] = 0
+        start = time.perf_counter_ns()
+        reduce_grad(grad, graph_id, ds_id)
+        timings["reduce_grad_ns"].append(time.perf_counter_ns() - start - in_flush[0])
+
+    runtime._flush = timed_flush
+    runtime.reduce_grad = timed_reduce_grad
+    return timings
+
+
 def train(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
     """Train ``spec.steps`` optimizer steps; return losses, final parameters, runtime counters and log lines."""
     import deepspeed
@@ -89,6 +114,7 @@ def train(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
     if spec.mode != "plain":
         engine.compile(backend=spec.backend)
     runtime = None
+    timings: dict[str, list[int]] = {}
     losses: list[float] = []
     step_times: list[float] = []
     for step in range(spec.steps):
@@ -100,6 +126,8 @@ def train(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
 
                 runtime = active_runtime()
                 runtime.record_collectives = spec.record_collectives
+                if spec.time_runtime:
+                    timings = _time_runtime(runtime)
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
@@ -115,4 +143,5 @@ def train(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
         "step_times": step_times,
         "first_step_s": first_step_s,
         "summary": None if runtime is None else runtime.settings.owner_map.summary(),
+        "timings": timings,
     }
