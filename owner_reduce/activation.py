@@ -12,7 +12,7 @@ from typing import Any
 from deepspeed.utils import logger
 
 from . import cpu_compat
-from .comm import ReduceComm, TorchDistComm
+from .comm import ReduceComm
 from .compile_pass import owner_schedule
 from .flags import flags_of
 from .ops import ensure_dc_schemas, register_inductor_lowerings, set_active_runtime
@@ -24,8 +24,11 @@ _stage2_warned = False
 
 
 def make_comm(process_group: Any) -> ReduceComm:
-    """The communicator for the data-parallel group (torch.distributed; gloo on CPU)."""
-    return TorchDistComm(process_group)
+    """The communicator for the data-parallel group: cupy NCCL where every rank can build it, else
+    torch.distributed (gloo on CPU), chosen alike on every rank (see ``comm_select``)."""
+    from .comm_select import select_comm
+
+    return select_comm(process_group)
 
 
 def build_runtime(engine: Any, flags: Any) -> Z1PythonRuntime:

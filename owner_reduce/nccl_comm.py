@@ -1,0 +1,303 @@
+"""The cupy NCCL communicator: the flush's Reduce/AllReduce on torch CUDA buffers through ``cupy.cuda.nccl``.
+
+Why a communicator of our own: torch's NCCL process group has no grouped ``ncclReduce`` to a chosen root
+that we could batch with AllReduces in one ``ncclGroupStart/End``, and DeepCompile's native runtime owns its
+communicator the same way (z1.cpp). The requested form is Python only, so NCCL is reached through cupy's
+binding; this is the only module of the package that imports cupy, and it does so lazily, so that importing
+owner_reduce never needs cupy or a GPU.
+
+The communicator mirrors the data-parallel group: group rank 0 creates the unique id, it is broadcast over
+that torch process group (gloo or NCCL), and every rank builds ``NcclCommunicator(ws, uid, group_rank)`` on
+its current CUDA device. ``root`` in ``reduce`` is a rank of that group.
+
+Note (stream): by default every call runs on torch's current stream at call time, which orders it after the
+copies that filled the bucket and before the copy-out that reads it, with no extra synchronisation. With an
+explicit side ``stream``, the group waits for the current stream when it opens, and the current stream waits
+for the side stream when it closes: results are visible to later work on the current stream either way.
+
+Note (buffer lifetime): NCCL reads and writes the buffers asynchronously. On the current stream the caching
+allocator's stream order keeps a freed buffer from being reused too early; on a side stream every buffer is
+``record_stream``-ed on it, so the allocator waits for the collective before handing the memory out again.
+
+Note (ordering): NCCL kernels of this communicator and of torch's NCCL process group share the GPU; every
+rank must issue them in the same order. The flush runs at the same point of the step on every rank, so it
+does; do not issue collectives of either from another thread while a flush is in flight.
+
+Note (init can block): ``ncclCommInitRank`` waits for every rank. ``comm_select`` agrees on every local
+precondition before any rank calls it, so a rank that cannot even try never leaves the others waiting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from .comm import ReduceComm
+
+UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId)
+
+# torch dtype -> name of cupy's NCCL constant; resolved on use, so a cupy without one leaves it unmapped.
+_DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float32: "NCCL_FLOAT32",
+    torch.float16: "NCCL_FLOAT16",
+    torch.bfloat16: "NCCL_BFLOAT16",
+    torch.float64: "NCCL_FLOAT64",
+    torch.int64: "NCCL_INT64",
+    torch.int32: "NCCL_INT32",
+    torch.int8: "NCCL_INT8",
+    torch.uint8: "NCCL_UINT8",
+}
+_OP_NAMES: dict[str, str] = {"sum": "NCCL_SUM"}
+
+
+def _nccl() -> ModuleType:
+    from cupy.cuda import nccl
+
+    return nccl
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def nccl_dtype(dtype: torch.dtype) -> int:
+    """NCCL's data type for a torch dtype; TypeError naming the dtype when there is none (never a guess)."""
+    name = _DTYPE_NAMES.get(dtype)
+    value = getattr(_nccl(), name, None) if name else None
+    if value is None:
+        supported = ", ".join(_dtype_name(d) for d in _DTYPE_NAMES)
+        raise TypeError(f"owner_reduce: no NCCL data type for torch.{_dtype_name(dtype)} "
+                        f"(mapped: {supported}{'' if name is None else f'; this cupy lacks {name}'})")
+    return int(value)
+
+
+def nccl_op(op: str) -> int:
+    """NCCL's reduction op by name ("sum"); ValueError naming the op otherwise."""
+    name = _OP_NAMES.get(op.lower())
+    if name is None:
+        raise ValueError(f"owner_reduce: no NCCL reduction op {op!r} (mapped: {', '.join(_OP_NAMES)})")
+    return int(getattr(_nccl(), name))
+
+
+def version_tuple(code: int) -> tuple[int, int, int]:
+    """``ncclGetVersion``'s integer as (major, minor, patch): 23203 -> (2, 32, 3); 2708 -> (2, 7, 8)."""
+    if code >= 10000:  # NCCL_VERSION_CODE since 2.9: major*10000 + minor*100 + patch
+        return code // 10000, code // 100 % 100, code % 100
+    return code // 1000, code // 100 % 10, code % 100
+
+
+def nccl_runtime_version() -> tuple[int, int, int]:
+    """The NCCL library cupy loads; ImportError if cupy or libnccl is missing. Needs no GPU."""
+    nccl = _nccl()
+    if not getattr(nccl, "available", True):
+        raise ImportError("cupy is installed without a loadable NCCL library (libnccl)")
+    try:
+        code = int(nccl.get_version())
+    except Exception as error:  # noqa: BLE001 - a missing libnccl surfaces here with cupy's lazy loading
+        raise ImportError(f"libnccl could not be loaded: {type(error).__name__}: {error}") from error
+    return version_tuple(code)
+
+
+def new_unique_id() -> bytes:
+    """A fresh ``ncclUniqueId`` as 128 bytes (cupy >= 14 returns bytes; older cupy a tuple of signed chars)."""
+    uid = _nccl().get_unique_id()
+    data = uid if isinstance(uid, bytes) else bytes(b & 0xFF for b in uid)
+    if len(data) != UNIQUE_ID_BYTES:
+        raise RuntimeError(f"owner_reduce: NCCL unique id has {len(data)} bytes, expected {UNIQUE_ID_BYTES}")
+    return data
+
+
+def failure(what: str, rank: int, error: BaseException) -> RuntimeError:
+    """The error raised for a failed NCCL call: which call, with which arguments, on which rank, and why."""
+    return RuntimeError(f"owner_reduce NCCL {what} failed on rank {rank}: {type(error).__name__}: {error}")
+
+
+def _group_or_world(process_group: Any) -> Any:
+    import torch.distributed as dist
+
+    return dist.group.WORLD if process_group is None else process_group
+
+
+def exchange_unique_id(process_group: Any) -> bytes:
+    """Group rank 0 creates the unique id; every rank of ``process_group`` returns the same 128 bytes.
+
+    One broadcast of 129 bytes: a status byte, then the id. If rank 0 cannot create an id, every rank raises
+    (instead of the others waiting for an id that never comes). The tensor lives where the group's backend
+    wants it: on the current CUDA device for NCCL, on the CPU otherwise (gloo).
+    """
+    import torch.distributed as dist
+    from torch._dispatch.python import no_python_dispatcher
+
+    group = _group_or_world(process_group)
+    rank = dist.get_rank(group)
+    payload = torch.zeros(1 + UNIQUE_ID_BYTES, dtype=torch.uint8)
+    problem = ""
+    if rank == 0:
+        try:
+            payload[1:] = torch.frombuffer(bytearray(new_unique_id()), dtype=torch.uint8)
+            payload[0] = 1
+        except Exception as error:  # noqa: BLE001 - reported to every rank through the status byte
+            problem = f": {type(error).__name__}: {error}"
+    backend = str(dist.get_backend(group))
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+    payload = payload.to(device)
+    with no_python_dispatcher():
+        dist.broadcast(payload, src=dist.get_global_rank(group, 0), group=group)
+    data = payload.cpu()
+    if int(data[0]) != 1:
+        raise RuntimeError(f"owner_reduce: group rank 0 could not create an NCCL unique id{problem}")
+    return bytes(data[1:].tolist())
+
+
+def _current_cuda_device() -> int:
+    """torch's current CUDA device; where torch sees no CUDA, cupy's (which then fails with CUDA's own error)."""
+    if torch.cuda.is_available():
+        return torch.cuda.current_device()
+    import cupy
+
+    return int(cupy.cuda.runtime.getDevice())
+
+
+class CupyNcclComm(ReduceComm):
+    """An NCCL communicator over the data-parallel group, driven through cupy on torch CUDA buffers.
+
+    Buffers are passed by ``data_ptr()`` and reduced in place; they must be contiguous CUDA tensors on this
+    communicator's device. ``stream`` is a ``torch.cuda.Stream`` or None (torch's current stream at call time).
+    """
+
+    name = "cupy-nccl"
+
+    def __init__(self, unique_id: bytes, rank: int, world_size: int, *, device: int | None = None,
+                 stream: torch.cuda.Stream | None = None) -> None:
+        super().__init__(rank, world_size)
+        if len(unique_id) != UNIQUE_ID_BYTES:
+            raise ValueError(f"owner_reduce: NCCL unique id must have {UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"owner_reduce: rank {rank} outside 0..{world_size - 1}")
+        self.stream = stream
+        self._calls_in_group = 0
+        self._comm: Any = None
+        what = f"communicator creation (world_size={world_size}, rank={rank}, device={device})"
+        try:
+            import cupy
+
+            nccl = _nccl()
+            self.device = _current_cuda_device() if device is None else int(device)
+            what = f"communicator creation (world_size={world_size}, rank={rank}, device=cuda:{self.device})"
+            with cupy.cuda.Device(self.device):
+                self._comm = nccl.NcclCommunicator(world_size, unique_id, rank)
+        except Exception as error:  # noqa: BLE001 - every cause becomes one RuntimeError naming the call
+            raise failure(what, rank, error) from error
+
+    @classmethod
+    def from_process_group(cls, process_group: Any, *, stream: torch.cuda.Stream | None = None) -> CupyNcclComm:
+        """Mirror a torch/DeepSpeed process group: exchange the id over it, then create on the current device.
+
+        Collective over ``process_group``: every rank must call it.
+        """
+        import torch.distributed as dist
+
+        group = _group_or_world(process_group)
+        unique_id = exchange_unique_id(group)
+        return cls(unique_id, dist.get_rank(group), dist.get_world_size(group), stream=stream)
+
+    # ---- the seam ------------------------------------------------------------------------------------------
+
+    def reduce(self, buf: torch.Tensor, root: int) -> None:
+        if not 0 <= root < self.world_size:
+            raise ValueError(f"owner_reduce: reduce root {root} outside 0..{self.world_size - 1}")
+        self._collective(buf, "reduce", f"root={root}, ",
+                         lambda comm, ptr, n, dt, op, s: comm.reduce(ptr, ptr, n, dt, op, root, s))
+
+    def all_reduce(self, buf: torch.Tensor) -> None:
+        self._collective(buf, "all_reduce", "", lambda comm, ptr, n, dt, op, s: comm.allReduce(ptr, ptr, n, dt, op, s))
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Through this communicator (ncclAllGather of int64), so it needs no torch process group."""
+        if self._in_group:
+            raise RuntimeError(f"{self.name}: all_gather_ints inside a collective group on rank {self.rank}")
+        local = torch.tensor(values, dtype=torch.int64, device=torch.device("cuda", self.device))
+        out = torch.empty(self.world_size * local.numel(), dtype=torch.int64, device=local.device)
+        stream = self._stream()
+        self._wait_current(stream)
+        what = f"all_gather(count={local.numel()}, dtype=int64)"
+        self._call(what, lambda: self._live(what).allGather(local.data_ptr(), out.data_ptr(), local.numel(),
+                                                            nccl_dtype(torch.int64), stream.cuda_stream))
+        stream.synchronize()
+        return [row.tolist() for row in out.view(self.world_size, -1).cpu()]
+
+    def close(self) -> None:
+        """Destroy the communicator (idempotent). Pending work on its stream is finished by NCCL first."""
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            self._call("communicator destroy", comm.destroy)
+
+    # ---- group hooks ---------------------------------------------------------------------------------------
+
+    def _group_start(self) -> None:
+        self._calls_in_group = 0
+        try:
+            self._wait_current(self._stream())
+            self._call("groupStart", _nccl().groupStart)
+        except BaseException:
+            self._in_group = False  # the base class opens its try only after this hook returns
+            raise
+
+    def _group_end(self) -> None:
+        calls, self._calls_in_group = self._calls_in_group, 0
+        self._call(f"groupEnd ({calls} calls)", _nccl().groupEnd)
+        self._current_waits_for(self._stream())
+
+    # ---- helpers -------------------------------------------------------------------------------------------
+
+    def _stream(self) -> torch.cuda.Stream:
+        return self.stream if self.stream is not None else torch.cuda.current_stream(self.device)
+
+    def _wait_current(self, stream: torch.cuda.Stream) -> None:
+        if self.stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def _current_waits_for(self, stream: torch.cuda.Stream) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def _live(self, what: str) -> Any:
+        if self._comm is None:
+            raise RuntimeError(f"owner_reduce NCCL {what} on rank {self.rank}: the communicator is closed")
+        return self._comm
+
+    def _check_buffer(self, buf: torch.Tensor, what: str) -> None:
+        if not buf.is_cuda or buf.device.index != self.device:
+            raise ValueError(f"owner_reduce NCCL {what}: buffer on {buf.device}, communicator on cuda:{self.device}")
+        if not buf.is_contiguous():
+            raise ValueError(f"owner_reduce NCCL {what}: buffer must be contiguous (shape {tuple(buf.shape)}, "
+                             f"stride {buf.stride()})")
+
+    def _collective(self, buf: torch.Tensor, name: str, args: str, issue: Callable[..., None]) -> None:
+        """Check, then issue ``name`` in place on ``buf`` (SUM); ``args`` names the call's other arguments."""
+        count = buf.numel()
+        what = f"{name}({args}count={count}, dtype={_dtype_name(buf.dtype)})"
+        self._check_buffer(buf, what)
+        dtype = nccl_dtype(buf.dtype)
+        if count == 0:
+            return  # every rank skips it alike: counts come from the same plan everywhere
+        stream = self._stream()
+        if self.stream is not None:
+            buf.record_stream(stream)
+        if not self._in_group:
+            self._wait_current(stream)
+        comm = self._live(what)
+        self._call(what, lambda: issue(comm, buf.data_ptr(), count, dtype, nccl_op("sum"), stream.cuda_stream))
+        if self._in_group:
+            self._calls_in_group += 1
+        else:
+            self._current_waits_for(stream)
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception as error:  # noqa: BLE001 - NcclError, CUDARuntimeError: re-raised with rank and call
+            raise failure(what, self.rank, error) from error

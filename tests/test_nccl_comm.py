@@ -1,0 +1,365 @@
+"""The cupy NCCL layer: dtype/op tables, error messages, the fallback decision and its agreement across ranks.
+
+Without a GPU everything here runs against the real cupy and libnccl (both load on CPU): the unique-id
+exchange over gloo is real, and so is the failure to create a communicator. Tests marked ``cuda`` run real
+NCCL collectives and are skipped where torch sees no GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+
+import pytest
+import torch
+
+from owner_reduce import nccl_comm
+from owner_reduce.comm import ReduceComm, TorchDistComm
+from owner_reduce.comm_select import FALLBACK_PREFIX, SelectSteps, combine_reasons, local_readiness, select_comm
+from owner_reduce.launch import run_ranks
+
+nccl = pytest.importorskip("cupy.cuda.nccl")
+HAS_CUDA = torch.cuda.is_available()
+
+# ---- tables and messages (in process) --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("dtype", "name"), [(torch.float32, "NCCL_FLOAT32"), (torch.float16, "NCCL_FLOAT16"),
+                                             (torch.float64, "NCCL_FLOAT64"), (torch.int64, "NCCL_INT64"),
+                                             (torch.int32, "NCCL_INT32"), (torch.int8, "NCCL_INT8"),
+                                             (torch.uint8, "NCCL_UINT8")])
+def test_dtype_table(dtype, name):
+    assert nccl_comm.nccl_dtype(dtype) == getattr(nccl, name)
+
+
+def test_bfloat16_maps_to_nccl_bfloat16():
+    if not hasattr(nccl, "NCCL_BFLOAT16"):
+        with pytest.raises(TypeError, match="bfloat16.*lacks NCCL_BFLOAT16"):
+            nccl_comm.nccl_dtype(torch.bfloat16)
+    else:
+        assert nccl_comm.nccl_dtype(torch.bfloat16) == nccl.NCCL_BFLOAT16 != nccl.NCCL_FLOAT16
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.bool, torch.int16, torch.float8_e4m3fn])
+def test_unmapped_dtypes_raise_type_error_naming_them(dtype):
+    with pytest.raises(TypeError, match=rf"torch\.{str(dtype).removeprefix('torch.')}"):
+        nccl_comm.nccl_dtype(dtype)
+
+
+def test_op_table():
+    assert nccl_comm.nccl_op("sum") == nccl_comm.nccl_op("SUM") == nccl.NCCL_SUM
+    with pytest.raises(ValueError, match="'avg'"):
+        nccl_comm.nccl_op("avg")
+
+
+def test_versions():
+    assert nccl_comm.version_tuple(23203) == (2, 32, 3)
+    assert nccl_comm.version_tuple(2708) == (2, 7, 8)
+    major, minor, _ = nccl_comm.nccl_runtime_version()  # the real libnccl, loaded without a GPU
+    assert (major, minor) >= (2, 0)
+
+
+def test_unique_id_is_128_bytes():
+    uid = nccl_comm.new_unique_id()
+    assert isinstance(uid, bytes) and len(uid) == nccl_comm.UNIQUE_ID_BYTES == 128
+    assert uid != nccl_comm.new_unique_id()
+
+
+def test_failure_names_call_rank_and_cause():
+    error = nccl_comm.failure("reduce(root=3, count=10, dtype=bfloat16)", 1, nccl.NcclError(2))
+    assert isinstance(error, RuntimeError)
+    assert str(error).startswith("owner_reduce NCCL reduce(root=3, count=10, dtype=bfloat16) failed on rank 1: "
+                                 "NcclError: NCCL_ERROR_SYSTEM_ERROR")
+
+
+def test_constructor_checks_arguments():
+    with pytest.raises(ValueError, match="128 bytes"):
+        nccl_comm.CupyNcclComm(b"x" * 5, 0, 1)
+    with pytest.raises(ValueError, match="rank 2 outside"):
+        nccl_comm.CupyNcclComm(bytes(128), 2, 2)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the failure without a GPU")
+def test_creation_without_gpu_raises_runtime_error_naming_rank():
+    with pytest.raises(RuntimeError, match=r"owner_reduce NCCL communicator creation \(world_size=1, rank=0.*"
+                                           r"failed on rank 0: "):
+        nccl_comm.CupyNcclComm(nccl_comm.new_unique_id(), 0, 1)
+
+
+# ---- the decision, in process ------------------------------------------------------------------------------
+
+
+def test_combine_reasons():
+    assert combine_reasons([None, None]) is None
+    assert combine_reasons([]) is None
+    assert combine_reasons(["no gpu", "no gpu"]) == "all ranks: no gpu"
+    assert combine_reasons([None, "no cupy", None, "no cupy"]) == "ranks 1,3: no cupy"
+    assert combine_reasons(["a", None, "b"]) == "rank 0: a; rank 2: b"
+
+
+class _Built(ReduceComm):
+    name = "built"
+
+    def __init__(self, rank: int = 0) -> None:
+        super().__init__(rank, 2)
+        self.closed = 0
+
+    def reduce(self, buf, root):  # pragma: no cover - never called
+        raise AssertionError
+
+    def all_reduce(self, buf):  # pragma: no cover - never called
+        raise AssertionError
+
+    def all_gather_ints(self, values):  # pragma: no cover - never called
+        raise AssertionError
+
+    def close(self):
+        self.closed += 1
+
+
+class _Staged:
+    """Rank ``rank`` of 2 whose peer's reasons are scripted: what each gather returns, in order."""
+
+    def __init__(self, rank, peer_reasons, readiness=None, create_error=None):
+        self.rank = rank
+        self.peer_reasons = list(peer_reasons)
+        self.built: list[_Built] = []
+        self.gathers: list[list[str | None]] = []
+        self.fallback = _Built(rank)
+        self.steps = SelectSteps(readiness=lambda: readiness, create=self._create, gather=self._gather,
+                                 fallback=lambda pg: self.fallback)
+        self.create_error = create_error
+
+    def _create(self, pg):
+        if self.create_error:
+            raise RuntimeError(self.create_error)
+        self.built.append(_Built(self.rank))
+        return self.built[-1]
+
+    def _gather(self, pg, reason):
+        row = [reason, self.peer_reasons.pop(0)] if self.rank == 0 else [self.peer_reasons.pop(0), reason]
+        self.gathers.append(row)
+        return row
+
+
+@pytest.fixture
+def warnings(monkeypatch):
+    from deepspeed.utils import logger
+
+    seen: list[str] = []
+    monkeypatch.setattr(logger, "warning", seen.append)
+    return seen
+
+
+def test_all_ready_and_built_uses_the_built_comm(warnings):
+    staged = _Staged(0, [None, None])
+    comm = select_comm(None, staged.steps)
+    assert comm is staged.built[0] and comm.closed == 0
+    assert warnings == []
+
+
+def test_peer_not_ready_falls_back_before_anyone_creates(warnings):
+    staged = _Staged(0, ["cupy's NCCL binding is unavailable (ImportError: no cupy)"])
+    assert select_comm(None, staged.steps) is staged.fallback
+    assert staged.built == [] and len(staged.gathers) == 1
+    assert warnings == [f"{FALLBACK_PREFIX}: cupy NCCL cannot be used: rank 1: cupy's NCCL binding is unavailable "
+                        "(ImportError: no cupy)"]
+
+
+def test_peer_creation_failure_closes_what_this_rank_built(warnings):
+    staged = _Staged(0, [None, "RuntimeError: owner_reduce NCCL communicator creation failed on rank 1: boom"])
+    assert select_comm(None, staged.steps) is staged.fallback
+    assert len(staged.built) == 1 and staged.built[0].closed == 1
+    assert len(warnings) == 1 and "creating the cupy NCCL communicator failed: rank 1: RuntimeError" in warnings[0]
+
+
+def test_only_group_rank_0_warns(warnings):
+    staged = _Staged(1, [None, None], create_error="boom")
+    assert select_comm(None, staged.steps) is staged.fallback
+    assert warnings == [] and staged.gathers[-1] == [None, "RuntimeError: boom"]
+
+
+def test_a_readiness_check_that_raises_is_a_reason(warnings):
+    def broken():
+        raise OSError("disk on fire")
+
+    staged = _Staged(0, [None])
+    steps = SelectSteps(readiness=broken, create=staged.steps.create, gather=staged.steps.gather,
+                        fallback=staged.steps.fallback)
+    assert select_comm(None, steps) is staged.fallback
+    assert warnings == [f"{FALLBACK_PREFIX}: cupy NCCL cannot be used: rank 0: OSError: disk on fire"]
+
+
+def test_local_readiness_on_cpu_names_the_accelerator():
+    assert local_readiness("cpu") == "the DeepSpeed accelerator is 'cpu', not 'cuda'"
+    if not HAS_CUDA:
+        assert local_readiness("cuda") == "torch sees no CUDA device"
+
+
+# ---- across real ranks (gloo, spawned) -----------------------------------------------------------------------
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _ready() -> str | None:
+    return None
+
+
+_CREATE_CALLS: list[int] = []
+
+
+def _recording_create(pg):
+    _CREATE_CALLS.append(1)
+    raise AssertionError("create must not run when a peer is not ready")
+
+
+def _select_and_reduce(steps: SelectSteps | None, block_cupy: bool) -> dict:
+    """select_comm under a warning capture, then one all_reduce through what it returned."""
+    import torch.distributed as dist
+    from deepspeed.utils import logger
+
+    saved = {name: sys.modules.get(name) for name in ("cupy", "cupy.cuda", "cupy.cuda.nccl")}
+    capture = _Capture()
+    logger.addHandler(capture)
+    try:
+        if block_cupy:
+            sys.modules.update(dict.fromkeys(saved))  # None: "import cupy" raises ImportError
+        comm = select_comm(dist.group.WORLD, steps)
+    finally:
+        logger.removeHandler(capture)
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+    buf = torch.full((5,), float(dist.get_rank() + 1))
+    with comm.group():
+        comm.all_reduce(buf)
+    comm.close()
+    return {"comm": type(comm).__name__, "warnings": capture.lines, "sum": buf.tolist()}
+
+
+def _scenarios(rank: int, world_size: int, without_gpu: bool) -> dict:
+    import torch.distributed as dist
+
+    out = {"uid": nccl_comm.exchange_unique_id(dist.group.WORLD)}
+    if without_gpu:
+        # The DeepSpeed accelerator is the CPU one here: the default steps fall back at once.
+        out["cpu_accelerator"] = _select_and_reduce(None, block_cupy=False)
+        # Both ranks ready (forced): the unique id is exchanged and the real communicator creation fails.
+        out["creation_fails"] = _select_and_reduce(SelectSteps(readiness=_ready), block_cupy=False)
+    # Rank 1 cannot import cupy; rank 0 says it is ready: nobody creates, both fall back.
+    readiness = _ready if rank == 0 else functools.partial(local_readiness, "cuda")
+    out["peer_without_cupy"] = _select_and_reduce(SelectSteps(readiness=readiness, create=_recording_create),
+                                                  block_cupy=rank == 1)
+    out["create_calls"] = len(_CREATE_CALLS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_ranks(_scenarios, 2, args=(not HAS_CUDA,), timeout=150)
+
+
+@pytest.mark.timeout(200)
+def test_unique_id_exchange_over_gloo(two_ranks):
+    uids = [r["uid"] for r in two_ranks]
+    assert all(isinstance(u, bytes) and len(u) == 128 for u in uids)
+    assert uids[0] == uids[1] and any(uids[0])
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("scenario", "cause"), [
+    ("cpu_accelerator", "cupy NCCL cannot be used: all ranks: the DeepSpeed accelerator is 'cpu', not 'cuda'"),
+    # Each rank's own error names its rank, so the reasons differ and are listed rank by rank.
+    ("creation_fails", "creating the cupy NCCL communicator failed: rank 0: RuntimeError: owner_reduce NCCL "
+                       "communicator creation (world_size=2, rank=0"),
+    ("peer_without_cupy", "cupy NCCL cannot be used: rank 1: cupy's NCCL binding is unavailable (ModuleNotFoundError"),
+])
+def test_fallback_is_agreed_warned_once_and_results_unchanged(two_ranks, scenario, cause):
+    if scenario != "peer_without_cupy" and HAS_CUDA:
+        pytest.skip("the CPU accelerator and the failing creation are what a machine without GPU has")
+    r0, r1 = (r[scenario] for r in two_ranks)
+    assert r0["comm"] == r1["comm"] == TorchDistComm.__name__
+    assert r1["warnings"] == [] and len(r0["warnings"]) == 1, (r0["warnings"], r1["warnings"])
+    assert r0["warnings"][0].startswith(f"{FALLBACK_PREFIX}: ")
+    assert cause in r0["warnings"][0], r0["warnings"][0]
+    if scenario == "creation_fails":
+        assert "; rank 1: RuntimeError: owner_reduce NCCL communicator creation" in r0["warnings"][0]
+    assert r0["sum"] == r1["sum"] == [3.0] * 5
+    assert [r["create_calls"] for r in two_ranks] == [0, 0]
+
+
+# ---- real NCCL (GPU only) -----------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.timeout(120)
+def test_one_rank_collectives(dtype):
+    comm = nccl_comm.CupyNcclComm(nccl_comm.new_unique_id(), 0, 1)
+    try:
+        buf = torch.arange(10, device="cuda", dtype=dtype)
+        expected = buf.clone()
+        with comm.group():
+            comm.reduce(buf[:4], 0)
+            comm.all_reduce(buf[4:])
+        torch.testing.assert_close(buf, expected, rtol=0, atol=0)
+        assert comm.all_gather_ints([3, 4]) == [[3, 4]]
+        with pytest.raises(ValueError, match="contiguous"):
+            comm.all_reduce(torch.zeros(4, 4, device="cuda", dtype=dtype).t())
+        with pytest.raises(ValueError, match="buffer on cpu"):
+            comm.all_reduce(torch.zeros(4, dtype=dtype))
+        with pytest.raises(TypeError, match="complex64"):
+            comm.all_reduce(torch.zeros(4, device="cuda", dtype=torch.complex64))
+    finally:
+        comm.close()
+        comm.close()
+
+
+
+def _multi_rank_env() -> dict[str, str]:
+    """Two ranks on one GPU need NCCL >= 2.30 and its opt-in; on two GPUs nothing."""
+    return {"NCCL_MULTI_RANK_GPU_ENABLE": "1"} if torch.cuda.device_count() < 2 else {}
+
+
+def _two_rank_gpu_worker(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    comm = select_comm(dist.group.WORLD)  # the real decision: CUDA accelerator, cupy, GPU
+    out: dict = {"comm": type(comm).__name__}
+    for dtype in (torch.float32, torch.bfloat16):
+        buf = torch.full((1000,), float(rank + 1), device="cuda", dtype=dtype)
+        with comm.group():
+            comm.reduce(buf[:300], 1)
+            comm.all_reduce(buf[300:700])
+            comm.reduce(buf[700:], 0)
+        torch.cuda.synchronize()
+        out[str(dtype)] = buf.cpu().float()
+    out["gathered"] = comm.all_gather_ints([rank, 10 + rank])
+    comm.close()
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.timeout(240)
+def test_two_rank_reduce_and_all_reduce():
+    if torch.cuda.device_count() < 2 and nccl_comm.nccl_runtime_version() < (2, 30, 0):
+        pytest.skip("two ranks on one GPU need NCCL >= 2.30 (NCCL_MULTI_RANK_GPU_ENABLE)")
+    r0, r1 = run_ranks(_two_rank_gpu_worker, 2, timeout=200, env=_multi_rank_env())
+    assert r0["comm"] == r1["comm"] == "CupyNcclComm"
+    for dtype in ("torch.float32", "torch.bfloat16"):
+        assert r1[dtype][:300].eq(3).all() and r0[dtype][700:].eq(3).all()
+        assert r0[dtype][300:700].eq(3).all() and r1[dtype][300:700].eq(3).all()
+    assert r0["gathered"] == r1["gathered"] == [[0, 10], [1, 11]]
