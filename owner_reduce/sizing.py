@@ -1,0 +1,376 @@
+"""Size the win of the owner path for one layout: bytes delivered, collective calls, ring-model time.
+
+Why a pure module: the numbers follow from three things only, the owner map (DeepSpeed's own ZeRO-1
+partitioning, read by ``engine_tables``), the order in which gradients reach the reduce bucket, and the
+bucket size. Keeping torch.distributed out of here lets the arithmetic be tested on hand-built maps with
+known answers, while ``sizing_engine`` obtains the real map from a fake-process-group engine.
+
+Model (DESIGN.md, "Performance model"), per rank, bandwidth-bound, ring:
+- AllReduce of S elements: every rank sends (and receives) 2(n-1)/n * S, so time 2(n-1)/n * S/B.
+- Reduce of S elements to one root (pipelined chain): every rank but the root sends S, time S/B.
+- Reduces to different roots inside one NCCL group run together; a rank sends every range whose root it
+  is not, so a bucket split evenly over the n owners costs (n-1)/n * S/B, like a ReduceScatter.
+Times are kept in units of "elements sent by the busiest rank"; divide by B (elements/s) for seconds.
+Three paths are compared: ``native`` (DeepCompile today: one AllReduce per gradient), ``owner`` (this
+package: single-owner gradients Reduce to their owner, straddling ones AllReduce, ranges merged per run)
+and ``sliced`` (a bound, not implemented: every partition's slice of a straddling gradient reduced to its
+owner, so every element goes to exactly one rank).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .flush_plan import ALL, BucketEntry, FlushRange, plan_flush
+from .owner_map import OwnerMap, Placement
+
+# Bytes per element of the gradient dtypes DeepCompile reduces.
+DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+DEFAULT_BUCKET_SIZE = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size default (elements)
+
+
+# ---- where the elements are ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ElementShare:
+    """Parameters and elements by placement; ``share`` is what the owner path can take whole."""
+
+    params: int
+    elems: int
+    single_owner_params: int
+    single_owner_elems: int
+    straddling_params: int
+    straddling_elems: int
+    other_comm_params: int
+    other_comm_elems: int
+
+    @property
+    def share(self) -> float:
+        return self.single_owner_elems / self.elems if self.elems else 0.0
+
+
+def element_share(owner_map: OwnerMap) -> ElementShare:
+    def tally(kind: Placement) -> tuple[int, int]:
+        chosen = [p.numel for p in owner_map if p.placement is kind]
+        return len(chosen), sum(chosen)
+
+    one = tally(Placement.ONE_OWNER)
+    straddles = tally(Placement.STRADDLES)
+    other = tally(Placement.OTHER_COMM)
+    return ElementShare(params=len(owner_map), elems=sum(p.numel for p in owner_map),
+                        single_owner_params=one[0], single_owner_elems=one[1],
+                        straddling_params=straddles[0], straddling_elems=straddles[1],
+                        other_comm_params=other[0], other_comm_elems=other[1])
+
+
+# ---- bytes delivered per rank per step --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankStat:
+    """One quantity over the ranks: the mean, the smallest and the largest value, and each rank's value."""
+
+    mean: float
+    min: int
+    max: int
+    per_rank: tuple[int, ...] = field(repr=False)
+
+    @classmethod
+    def of(cls, values: Sequence[int]) -> RankStat:
+        values = tuple(int(v) for v in values)
+        if not values:
+            return cls(0.0, 0, 0, ())
+        return cls(mean=sum(values) / len(values), min=min(values), max=max(values), per_rank=values)
+
+
+@dataclass(frozen=True)
+class DeliveredBytes:
+    """Bytes of reduced results that arrive at each rank in one step (one backward), per path.
+
+    Delivered, not sent: what a rank receives back from the reduction. On the AllReduce path every rank
+    receives every element; on the owner path a rank receives the single-owner gradients it owns plus every
+    gradient that still goes through AllReduce; ``kept`` is what the rank's optimizer partition actually
+    uses (the rest of what arrives is discarded).
+    """
+
+    dtype_bytes: int
+    world_size: int
+    allreduce: RankStat
+    owner: RankStat
+    sliced: RankStat
+    kept: RankStat
+
+    @property
+    def owner_over_allreduce(self) -> float:
+        """Mean delivered bytes on the owner path as a share of the AllReduce path's."""
+        return self.owner.mean / self.allreduce.mean if self.allreduce.mean else 1.0
+
+
+def delivered_bytes(owner_map: OwnerMap, dtype_bytes: int = 2) -> DeliveredBytes:
+    n = owner_map.dp_world_size
+    total = sum(p.numel for p in owner_map)
+    everyone = sum(p.numel for p in owner_map if p.placement is not Placement.ONE_OWNER)  # still AllReduce
+    other_comm = sum(p.numel for p in owner_map if p.placement is Placement.OTHER_COMM)
+    owned = [0] * n
+    kept = [0] * n
+    for p in owner_map:
+        if p.placement is Placement.ONE_OWNER:
+            owned[p.slices[0].owner] += p.numel
+        for piece in p.slices:
+            kept[piece.owner] += piece.length
+    return DeliveredBytes(
+        dtype_bytes=dtype_bytes, world_size=n,
+        allreduce=RankStat.of([total * dtype_bytes] * n),
+        owner=RankStat.of([(owned[r] + everyone) * dtype_bytes for r in range(n)]),
+        sliced=RankStat.of([(kept[r] + other_comm) * dtype_bytes for r in range(n)]),
+        kept=RankStat.of([k * dtype_bytes for k in kept]))
+
+
+# ---- the reduce buckets of one backward -------------------------------------------------------------------
+
+
+def backward_order(param_ids_in_forward_order: Iterable[int]) -> tuple[int, ...]:
+    """Gradient arrival order, approximated as reverse parameter order.
+
+    Why an approximation: DeepCompile places ``reduce_grad`` right after each parameter's last gradient
+    node in the backward graph, which for a model whose parameters are declared in forward order is the
+    reverse of that order (a tied embedding/head weight is complete only after the embedding's backward,
+    i.e. last, which is where reverse order puts the embedding too).
+    """
+    return tuple(reversed(tuple(param_ids_in_forward_order)))
+
+
+def simulate_flushes(owner_map: OwnerMap, grad_order: Sequence[int], bucket_size: int,
+                     double_buffer: bool = True) -> tuple[tuple[BucketEntry, ...], ...]:
+    """The bucket flushes of one backward, as DeepCompile forms them (``CustomOpExecutor::reduceGrad``).
+
+    A gradient flushes the current bucket when the bucket is non-empty and the gradient would overflow it;
+    a gradient larger than the bucket grows that buffer for the rest of the step (``ReduceBucket::reserve``),
+    and with double buffering the two buffers alternate at every flush, so the growth applies to one of
+    them only. ``end_backward`` flushes what is left. One dtype is assumed (all gradients in one bucket).
+    """
+    if bucket_size <= 0:
+        raise ValueError(f"bucket_size must be positive, got {bucket_size}")
+    sizes = [int(bucket_size), int(bucket_size)] if double_buffer else [int(bucket_size)]
+    current = 0
+    flushes: list[tuple[BucketEntry, ...]] = []
+    entries: list[BucketEntry] = []
+    offset = 0
+    for param_id in grad_order:
+        numel = owner_map.placement(param_id).numel
+        if offset > 0 and offset + numel > sizes[current]:
+            flushes.append(tuple(entries))
+            entries, offset = [], 0
+            current = (current + 1) % len(sizes)
+        sizes[current] = max(sizes[current], numel)
+        entries.append(BucketEntry(param_id=param_id, offset=offset, numel=numel))
+        offset += numel
+    if entries:
+        flushes.append(tuple(entries))
+    return tuple(flushes)
+
+
+def sliced_ranges(entries: Sequence[BucketEntry], owner_map: OwnerMap) -> tuple[FlushRange, ...]:
+    """The ranges of a flush if every partition's slice went to its owner (the bound, not implemented)."""
+    ranges: list[FlushRange] = []
+
+    def add(offset: int, count: int, root: int | None) -> None:
+        if count == 0:
+            return
+        if ranges and ranges[-1].root == root and ranges[-1].offset + ranges[-1].count == offset:
+            last = ranges[-1]
+            ranges[-1] = FlushRange(last.offset, last.count + count, root)
+        else:
+            ranges.append(FlushRange(offset, count, root))
+
+    for entry in entries:
+        placement = owner_map.placement(entry.param_id)
+        if placement.placement is Placement.OTHER_COMM:
+            add(entry.offset, entry.numel, ALL)
+        for piece in placement.slices:
+            add(entry.offset + piece.offset, piece.length, piece.owner)
+    return tuple(ranges)
+
+
+def ring_time(ranges: Sequence[FlushRange], world_size: int) -> float:
+    """Elements sent by the busiest rank for one grouped flush of ``ranges`` (divide by B for seconds)."""
+    n = world_size
+    if n <= 1:
+        return 0.0
+    everyone = sum(r.count for r in ranges if r.root is ALL)
+    rooted = [0] * n
+    for r in ranges:
+        if r.root is not ALL:
+            rooted[r.root] += r.count
+    owner_total = sum(rooted)
+    return 2 * (n - 1) / n * everyone + owner_total - min(rooted)
+
+
+@dataclass(frozen=True)
+class FlushSizing:
+    """One bucket flush on the three paths: collective calls and ring-model time (elements, busiest rank)."""
+
+    index: int  # 1-based, in the step
+    tasks: int  # gradients in the flush
+    elems: int
+    owner_elems: int  # elements that take the owner path (single-owner gradients)
+    native_calls: int  # one AllReduce per gradient (z1.cpp flushReduceBucket)
+    owner_calls: int  # one collective per run of same-root ranges (flush_plan.plan_flush)
+    sliced_calls: int
+    native_time: float
+    owner_time: float
+    sliced_time: float
+
+
+@dataclass(frozen=True)
+class BucketSizing:
+    """All flushes of one step for one bucket size, with step totals."""
+
+    bucket_size: int
+    world_size: int
+    flushes: tuple[FlushSizing, ...]
+
+    @property
+    def native_calls(self) -> int:
+        return sum(f.native_calls for f in self.flushes)
+
+    @property
+    def owner_calls(self) -> int:
+        return sum(f.owner_calls for f in self.flushes)
+
+    @property
+    def sliced_calls(self) -> int:
+        return sum(f.sliced_calls for f in self.flushes)
+
+    def _ratio(self, attr: str) -> float:
+        native = sum(f.native_time for f in self.flushes)
+        return sum(getattr(f, attr) for f in self.flushes) / native if native else 1.0
+
+    @property
+    def owner_time_ratio(self) -> float:
+        """Owner-path step time over native (flushes summed: they run one after another on one stream)."""
+        return self._ratio("owner_time")
+
+    @property
+    def sliced_time_ratio(self) -> float:
+        return self._ratio("sliced_time")
+
+
+def size_buckets(owner_map: OwnerMap, grad_order: Sequence[int], bucket_size: int,
+                 double_buffer: bool = True) -> BucketSizing:
+    n = owner_map.dp_world_size
+    sized = []
+    for index, entries in enumerate(simulate_flushes(owner_map, grad_order, bucket_size, double_buffer), 1):
+        native = plan_flush(entries, owner_map, reduce_to_owner=False)
+        owner = plan_flush(entries, owner_map, reduce_to_owner=True)
+        sliced = sliced_ranges(entries, owner_map)
+        # Native: each gradient is its own AllReduce, but they share one group, so time adds up as one range.
+        sized.append(FlushSizing(index=index, tasks=owner.tasks, elems=owner.reduced_elems,
+                                 owner_elems=owner.owner_elems, native_calls=len(entries),
+                                 owner_calls=len(owner.ranges), sliced_calls=len(sliced),
+                                 native_time=ring_time(native.ranges, n), owner_time=ring_time(owner.ranges, n),
+                                 sliced_time=ring_time(sliced, n)))
+    return BucketSizing(bucket_size=int(bucket_size), world_size=n, flushes=tuple(sized))
+
+
+# ---- the whole report ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SizingReport:
+    """Everything ``size_the_win`` prints for one model and world size."""
+
+    model: str
+    world_size: int
+    dtype: str
+    summary_line: str  # OwnerMap.summary(), the init line exactly
+    share: ElementShare
+    delivered: DeliveredBytes
+    buckets: tuple[BucketSizing, ...]
+    build_seconds: float = 0.0  # wall time to build the engine and the map (informational)
+    notes: tuple[str, ...] = ()
+
+
+def size_the_win(owner_map: OwnerMap, grad_order: Sequence[int], bucket_sizes: Sequence[int], *, model: str,
+                 dtype: str = "bf16", build_seconds: float = 0.0, notes: Sequence[str] = ()) -> SizingReport:
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r} not one of {', '.join(DTYPE_BYTES)}")
+    return SizingReport(model=model, world_size=owner_map.dp_world_size, dtype=dtype,
+                        summary_line=owner_map.summary(), share=element_share(owner_map),
+                        delivered=delivered_bytes(owner_map, DTYPE_BYTES[dtype]),
+                        buckets=tuple(size_buckets(owner_map, grad_order, b) for b in bucket_sizes),
+                        build_seconds=build_seconds, notes=tuple(notes))
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _pct(x: float) -> str:
+    return f"{100.0 * x:.1f}%"
+
+
+def format_report(report: SizingReport) -> str:
+    """The plain-text report; the first line is the init line exactly as the runtime prints it."""
+    s, d, n = report.share, report.delivered, report.world_size
+    lines = [
+        report.summary_line,
+        f"model: {report.model}",
+        f"world size: {n}   grad dtype: {report.dtype} ({d.dtype_bytes} B/elem)   "
+        f"engine+map built in {report.build_seconds:.1f} s",
+        "",
+        "elements on the owner path (single-owner parameters):",
+        f"  single-owner {s.single_owner_params}/{s.params} params, {s.single_owner_elems:,}/{s.elems:,} elements "
+        f"= {_pct(s.share)}",
+        f"  straddling   {s.straddling_params} params, {s.straddling_elems:,} elements (stay on AllReduce)",
+    ]
+    if s.other_comm_params:
+        lines.append(f"  other comm   {s.other_comm_params} params, {s.other_comm_elems:,} elements (AllReduce)")
+    lines += [
+        "",
+        "bytes delivered per rank per step (reduced results arriving at a rank):   mean / max",
+        f"  AllReduce (native)          {_mib(d.allreduce.mean):>14} / {_mib(d.allreduce.max):>14}",
+        f"  owner path                  {_mib(d.owner.mean):>14} / {_mib(d.owner.max):>14}   "
+        f"({_pct(d.owner_over_allreduce)} of AllReduce)",
+        f"  sliced bound (not built)    {_mib(d.sliced.mean):>14} / {_mib(d.sliced.max):>14}",
+        f"  kept by the optimizer       {_mib(d.kept.mean):>14} / {_mib(d.kept.max):>14}",
+    ]
+    for b in report.buckets:
+        flushes = len(b.flushes)
+        per = max(flushes, 1)
+        lines += [
+            "",
+            f"bucket {b.bucket_size:,} elements: {flushes} flushes per step "
+            "(gradients in reverse parameter order)",
+            f"  collective calls per flush (mean, max):  native {b.native_calls / per:.1f}, "
+            f"{max((f.native_calls for f in b.flushes), default=0)}   owner {b.owner_calls / per:.1f}, "
+            f"{max((f.owner_calls for f in b.flushes), default=0)}   sliced bound {b.sliced_calls / per:.1f}",
+            f"  collective calls per step:               native {b.native_calls}   owner {b.owner_calls}   "
+            f"sliced bound {b.sliced_calls}",
+            f"  ring-model time, owner / native:         {b.owner_time_ratio:.3f}   "
+            f"(sliced bound {b.sliced_time_ratio:.3f}; native AllReduce = 2(n-1)/n = {2 * (n - 1) / n:.3f} S/B)",
+        ]
+    lines += ["", "estimate: bandwidth-bound ring model, per rank; latency, compute overlap and host time ignored."]
+    lines += [f"note: {note}" for note in report.notes]
+    return "\n".join(lines)
+
+
+def report_to_dict(report: SizingReport) -> dict[str, Any]:
+    """Machine-readable report: the dataclasses as plain data plus the derived ratios and call totals."""
+    data = asdict(report)
+    data["share"]["share"] = report.share.share
+    data["delivered"]["owner_over_allreduce"] = report.delivered.owner_over_allreduce
+    for raw, b in zip(data["buckets"], report.buckets, strict=True):
+        raw.update(flush_count=len(b.flushes), native_calls=b.native_calls, owner_calls=b.owner_calls,
+                   sliced_calls=b.sliced_calls, owner_time_ratio=b.owner_time_ratio,
+                   sliced_time_ratio=b.sliced_time_ratio)
+    return data
+
+
+def report_to_json(report: SizingReport) -> str:
+    return json.dumps(report_to_dict(report), indent=2)

@@ -1,0 +1,230 @@
+"""size_the_win: the pure arithmetic on hand-built owner maps with known answers, the GPT presets, and one run
+of the command in a subprocess (the fake process group it uses is process-global, so never in this process)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from owner_reduce.flush_plan import ALL, BucketEntry, FlushRange
+from owner_reduce.gpt_presets import GPT, PRESETS, build_gpt, build_uninitialized
+from owner_reduce.owner_map import GroupTables, OwnerMap
+from owner_reduce.sizing import (
+    backward_order,
+    delivered_bytes,
+    element_share,
+    format_report,
+    report_to_dict,
+    ring_time,
+    simulate_flushes,
+    size_buckets,
+    size_the_win,
+    sliced_ranges,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+INIT_LINE = re.compile(r"^DeepCompile reduce_to_owner: (\d+)/(\d+) gradients reduce to one rank$")
+
+
+def _map() -> OwnerMap:
+    # ws=2, partition size 9. Flat: p0 [0,6) p1 [6,10) p2 [10,15) p3 [15,18).
+    # Rank 0 keeps p0 and p1[0:3]; rank 1 keeps p1[3:4], p2, p3. p1 straddles.
+    return OwnerMap.from_group_tables([GroupTables(
+        group=0, param_ids=(0, 1, 2, 3), numels=(6, 4, 5, 3), partition_count=2,
+        partition_ids={0: (0,), 1: (0, 1), 2: (1,), 3: (1,)},
+        start_offsets={0: {0: 0, 1: 0}, 1: {1: 3, 2: 0, 3: 0}}, same_comm_as_dp=True)], dp_world_size=2)
+
+
+def _single_rank_map(numels: tuple[int, ...]) -> OwnerMap:
+    ids = tuple(range(len(numels)))
+    return OwnerMap.from_group_tables([GroupTables(
+        group=0, param_ids=ids, numels=numels, partition_count=1, partition_ids={i: (0,) for i in ids},
+        start_offsets={0: dict.fromkeys(ids, 0)}, same_comm_as_dp=True)], dp_world_size=1)
+
+
+@pytest.mark.timeout(30)
+def test_element_share_counts_single_owner_elements():
+    s = element_share(_map())
+    assert (s.params, s.elems) == (4, 18)
+    assert (s.single_owner_params, s.single_owner_elems) == (3, 14)
+    assert (s.straddling_params, s.straddling_elems) == (1, 4)
+    assert s.other_comm_params == 0
+    assert s.share == pytest.approx(14 / 18)
+
+
+@pytest.mark.timeout(30)
+def test_delivered_bytes_per_rank():
+    d = delivered_bytes(_map(), dtype_bytes=2)
+    # AllReduce: every rank receives all 18 elements.
+    assert d.allreduce.per_rank == (36, 36)
+    # Owner path: rank 0 gets p0 (6) + the straddler (4); rank 1 gets p2+p3 (8) + the straddler (4).
+    assert d.owner.per_rank == (20, 24) and d.owner.mean == 22 and d.owner.max == 24 and d.owner.min == 20
+    # Kept by the optimizer, and the sliced bound without other-communicator groups: the partitions.
+    assert d.kept.per_rank == (18, 18) and d.sliced.per_rank == (18, 18)
+    assert d.owner_over_allreduce == pytest.approx(22 / 36)
+    assert delivered_bytes(_map(), dtype_bytes=4).owner.per_rank == (40, 48)
+
+
+@pytest.mark.timeout(30)
+def test_flushes_follow_deepcompile_bucket_rules():
+    m = _map()
+    order = backward_order([0, 1, 2, 3])
+    assert order == (3, 2, 1, 0)
+    # Bucket of 10: p3+p2 fill 8, p1 would overflow -> flush; p1+p0 fill exactly 10 -> flushed at the end.
+    flushes = simulate_flushes(m, order, bucket_size=10)
+    assert flushes == ((BucketEntry(3, 0, 3), BucketEntry(2, 3, 5)),
+                       (BucketEntry(1, 0, 4), BucketEntry(0, 4, 6)))
+    assert len(simulate_flushes(m, order, bucket_size=100)) == 1
+    with pytest.raises(ValueError):
+        simulate_flushes(m, order, bucket_size=0)
+
+
+@pytest.mark.timeout(30)
+def test_oversized_gradient_grows_one_of_the_double_buffers():
+    m = _single_rank_map((2, 10, 3, 3, 3))  # a, b (larger than the bucket), c, d, e in arrival order
+    order = (0, 1, 2, 3, 4)
+    ids = [[e.param_id for e in f] for f in simulate_flushes(m, order, bucket_size=4, double_buffer=False)]
+    assert ids == [[0], [1], [2, 3, 4]]  # the one buffer stays grown to 10 after b
+    ids = [[e.param_id for e in f] for f in simulate_flushes(m, order, bucket_size=4, double_buffer=True)]
+    assert ids == [[0], [1], [2], [3, 4]]  # c lands in the other, still 4-element buffer
+
+
+@pytest.mark.timeout(30)
+def test_calls_and_ring_times_small_bucket():
+    b = size_buckets(_map(), backward_order([0, 1, 2, 3]), bucket_size=10)
+    first, second = b.flushes
+    # Flush 1 (p3, p2, both rank 1): one merged Reduce instead of two AllReduces.
+    assert (first.native_calls, first.owner_calls, first.sliced_calls) == (2, 1, 1)
+    # Flush 2 (p1 straddles, p0 rank 0): AllReduce + Reduce; sliced: [0,3)->0, [3,4)->1, [4,10)->0.
+    assert (second.native_calls, second.owner_calls, second.sliced_calls) == (2, 2, 3)
+    assert (b.native_calls, b.owner_calls, b.sliced_calls) == (4, 3, 4)
+    # n=2: AllReduce costs 2(n-1)/n = 1 x S; one root S; rank 1 roots nothing in flush 2.
+    assert (first.native_time, first.owner_time, first.sliced_time) == (8, 8, 8)
+    assert (second.native_time, second.owner_time, second.sliced_time) == (10, 10, 9)
+    assert b.owner_time_ratio == pytest.approx(1.0) and b.sliced_time_ratio == pytest.approx(17 / 18)
+
+
+@pytest.mark.timeout(30)
+def test_calls_and_ring_times_one_bucket():
+    b = size_buckets(_map(), backward_order([0, 1, 2, 3]), bucket_size=100)
+    (flush,) = b.flushes
+    assert (flush.tasks, flush.elems, flush.owner_elems) == (4, 18, 14)
+    assert (flush.native_calls, flush.owner_calls, flush.sliced_calls) == (4, 3, 4)
+    # Owner: AllReduce of 4 (x1) + Reduces of 8 to rank 1 and 6 to rank 0: busiest rank sends 4 + 8 = 12.
+    assert flush.owner_time == 12 and flush.native_time == 18 and flush.sliced_time == 9
+    assert b.owner_time_ratio == pytest.approx(2 / 3) and b.sliced_time_ratio == pytest.approx(0.5)
+
+
+@pytest.mark.timeout(30)
+def test_ring_model_matches_the_design_numbers_at_n8():
+    s = 8_000
+    allreduce = ring_time([FlushRange(0, s, ALL)], 8)
+    assert allreduce == pytest.approx(1.75 * s)
+    # One root: S/B -> 4/7 of AllReduce; split evenly over all 8 owners: (n-1)/n -> 1/2.
+    assert ring_time([FlushRange(0, s, 3)], 8) / allreduce == pytest.approx(4 / 7)
+    even = [FlushRange(i * 1000, 1000, i) for i in range(8)]
+    assert ring_time(even, 8) / allreduce == pytest.approx(0.5)
+    assert ring_time([FlushRange(0, s, ALL)], 1) == 0.0
+
+
+@pytest.mark.timeout(30)
+def test_sliced_ranges_merge_adjacent_same_owner():
+    entries = [BucketEntry(3, 0, 3), BucketEntry(2, 3, 5), BucketEntry(1, 8, 4), BucketEntry(0, 12, 6)]
+    assert sliced_ranges(entries, _map()) == (FlushRange(0, 8, 1), FlushRange(8, 3, 0), FlushRange(11, 1, 1),
+                                              FlushRange(12, 6, 0))
+
+
+@pytest.mark.timeout(30)
+def test_report_text_and_json():
+    m = _map()
+    report = size_the_win(m, backward_order([0, 1, 2, 3]), (100, 10), model="hand-built", dtype="fp32")
+    text = format_report(report)
+    assert text.splitlines()[0] == "DeepCompile reduce_to_owner: 3/4 gradients reduce to one rank"
+    assert INIT_LINE.match(text.splitlines()[0])
+    assert "77.8%" in text  # share of elements on the owner path
+    data = json.loads(json.dumps(report_to_dict(report)))
+    assert data["delivered"]["dtype_bytes"] == 4 and data["share"]["share"] == pytest.approx(14 / 18)
+    assert [b["owner_calls"] for b in data["buckets"]] == [3, 3]
+    with pytest.raises(ValueError):
+        size_the_win(m, (3, 2, 1, 0), (10,), model="x", dtype="int3")
+
+
+@pytest.mark.timeout(60)
+def test_presets_shapes_and_uninitialized_build():
+    assert PRESETS["gpt2-124m"].num_params() == 124_439_808  # GPT-2 small with its tied head
+    for config in PRESETS.values():
+        with torch.device("meta"):
+            model = GPT(config)
+        assert sum(p.numel() for p in model.parameters()) == config.num_params()
+    assert 0.95e9 < PRESETS["1b"].num_params() < 1.1e9
+    empty = build_uninitialized(lambda: GPT(PRESETS["tiny"]), dtype=torch.float32)
+    assert empty.wte.weight.dtype == torch.float32 and empty.wte.weight.device.type == "cpu"
+    # The preset is a real model: a forward pass of the initialized tiny one gives a finite loss.
+    model = build_gpt(PRESETS["tiny"])
+    tokens = torch.randint(0, PRESETS["tiny"].vocab_size, (2, 8))
+    assert torch.isfinite(model(tokens, tokens))
+
+
+@pytest.mark.timeout(30)
+def test_uninitialized_build_keeps_tied_weights():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = build_uninitialized(Tied)
+    assert model.embed.weight is model.head.weight and model.embed.weight.dtype == torch.bfloat16
+    assert len(list(model.parameters())) == 1
+    assert not torch.__future__.get_swap_module_params_on_conversion()  # restored
+
+
+def _run(*args: str, timeout: int) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([sys.executable, "scripts/size_the_win.py", *args], cwd=REPO, capture_output=True,
+                            text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+@pytest.mark.timeout(240)
+def test_command_on_tiny_preset_json_two_world_sizes():
+    # Two world sizes: each is sized in its own spawned process (the fake group is process-global).
+    result = _run("--model", "tiny", "--world-size", "2", "4", "--bucket-size", "20000", "5e8", "--json",
+                  timeout=200)
+    data = json.loads(result.stdout)  # stdout is the JSON alone; DeepSpeed's chatter went to stderr
+    assert [r["world_size"] for r in data["reports"]] == [2, 4]
+    for r in data["reports"]:
+        match = INIT_LINE.match(r["summary_line"])
+        assert match and int(match.group(1)) == r["share"]["single_owner_params"]
+        assert int(match.group(2)) == r["share"]["params"] == 2 + 2 * 12 + 2  # wte, wpe, 2 blocks, ln_f
+        assert r["share"]["elems"] == PRESETS["tiny"].num_params()
+        d = r["delivered"]
+        assert d["owner"]["max"] <= d["allreduce"]["max"] and d["owner"]["mean"] <= d["allreduce"]["mean"]
+        assert d["kept"]["mean"] * r["world_size"] >= d["allreduce"]["mean"]  # partitions cover everything
+        assert [b["bucket_size"] for b in r["buckets"]] == [20000, 500_000_000]
+        small, large = r["buckets"]
+        assert small["flush_count"] > 1 and large["flush_count"] == 1
+        for b in r["buckets"]:
+            assert b["native_calls"] == r["share"]["params"]  # one AllReduce per gradient
+            for f in b["flushes"]:
+                assert f["owner_calls"] <= f["native_calls"]
+                assert f["owner_time"] <= f["native_time"] + 1e-9
+            assert 0 < b["owner_time_ratio"] <= 1.0
+
+
+@pytest.mark.timeout(180)
+def test_command_text_report_starts_with_the_init_line():
+    result = _run("--model", "tiny", "--world-size", "4", timeout=150)
+    lines = result.stdout.splitlines()
+    assert INIT_LINE.match(lines[0]), lines[:3]
+    assert any(line.startswith("bucket 500,000,000 elements") for line in lines)
+    assert any(line.startswith("bucket 50,000,000 elements") for line in lines)
+    assert re.search(r"^wall time: \d+\.\d s$", result.stdout, re.M)
