@@ -74,6 +74,18 @@ class RuntimeStats:
     probe_lines: list[str] = field(default_factory=list)
 
 
+class FlushRecord(NamedTuple):
+    """What one flush did on this rank (recorded only with ``record_collectives``)."""
+
+    dtype: str
+    element_size: int
+    reduced_elems: int
+    received_elems: int
+    kept_elems: int
+    owner_elems: int
+    calls: int
+
+
 class _Param(NamedTuple):
     tensor: torch.Tensor
     grad_buffer: torch.Tensor
@@ -94,8 +106,9 @@ class Z1PythonRuntime:
         self._comm_factory = comm_factory
         self.comm: ReduceComm | None = None
         self.stats = RuntimeStats()
-        self.record_collectives = False
+        self.record_collectives = False  # tests and the demo: one entry per collective / per flush (grows)
         self.collective_log: list[tuple[str, int | None, int, str]] = []
+        self.flush_log: list[FlushRecord] = []
         self._params: dict[int, _Param] = {}
         self._graphs: dict[int, tuple[int, ...]] = {}
         self._buckets: DoubleBufferedBuckets | None = None
@@ -233,6 +246,10 @@ class Z1PythonRuntime:
                                                 str(dtype)))
         kept = self._copy_out(tasks, bucket.buffer)
         self._count(plan, kept, dtype)
+        if self.record_collectives:
+            self.flush_log.append(FlushRecord(str(dtype).removeprefix("torch."), bucket.buffer.element_size(),
+                                              plan.reduced_elems, plan.received_elems(comm.rank), kept,
+                                              plan.owner_elems, len(plan.ranges)))
         self._buckets.swap(dtype)
 
     def _copy_out(self, tasks: list[_Task], buffer: torch.Tensor) -> int:

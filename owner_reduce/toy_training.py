@@ -7,6 +7,7 @@ a rank started by ``owner_reduce.launch.run_ranks``.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ class TrainSpec:
     lr: float = 1e-2
     seed: int = 0
     record_collectives: bool = False
+    progress: bool = False  # rank 0 draws a progress bar on stderr
     time_runtime: bool = False  # host time of each reduce_grad (without flushes) and each flush, in ns
 
     def __post_init__(self) -> None:
@@ -61,6 +63,14 @@ def _model_and_batches(spec: TrainSpec, rank: int) -> tuple[Any, Any]:
     else:
         raise ValueError(f"TrainSpec.model must be 'odd_mlp' or 'tiny_transformer', got {spec.model!r}")
     return model, batch
+
+
+def _progress(done: int, total: int, loss: float) -> None:
+    width = 30
+    filled = width * done // total
+    end = "\n" if done == total else ""
+    sys.stderr.write(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} steps  loss {loss:.4f}{end}")
+    sys.stderr.flush()
 
 
 def _time_runtime(runtime: Any) -> dict[str, list[int]]:
@@ -132,6 +142,8 @@ def train(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
             engine.step()
             losses.append(loss.item())
         step_times.append(time.perf_counter() - start)
+        if spec.progress and rank == 0:
+            _progress(step + 1, spec.steps, losses[-1])
         if step == 0:
             first_step_s = time.perf_counter() - compile_start
     dist.barrier()
@@ -140,6 +152,7 @@ def train(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
         "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
         "stats": None if runtime is None else runtime.stats,
         "collective_log": None if runtime is None else list(runtime.collective_log),
+        "flush_log": None if runtime is None else list(runtime.flush_log),
         "step_times": step_times,
         "first_step_s": first_step_s,
         "summary": None if runtime is None else runtime.settings.owner_map.summary(),

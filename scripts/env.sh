@@ -13,7 +13,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$PY" -c "import owner_redu
   "$PY" -m pip install -q --disable-pip-version-check --upgrade pip 2>&1 | grep -v "^WARNING: Location" >&2 || true
   # Pin torch first: a bare range can pull a multi-GB CUDA build where a CPU build would do.
   "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
-  "$PY" -m pip install -q --disable-pip-version-check -e "$ROOT[test]"
+  "$PY" -m pip install -q --disable-pip-version-check -e "$ROOT[test,demo]"
   echo "$want" > "$stamp"
 fi
 export OWNER_REDUCE_PY="$PY"
