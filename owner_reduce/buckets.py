@@ -19,6 +19,7 @@ class ReduceBucket:
         self.device = device
         self.buffer = torch.empty(self.size, dtype=dtype, device=device)
         self.offset = 0
+        self.free_event: object | None = None  # CUDA: recorded on the reduce stream when a flush released it
 
     def should_flush(self, numel: int) -> bool:
         return self.offset > 0 and self.offset + numel > self.size

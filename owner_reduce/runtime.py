@@ -7,6 +7,8 @@ accumulation boundary, then go into per-dtype double-buffered buckets; a bucket 
 gradient would overflow it and at ``end_backward``; each flush pre-divides by the world size, SUM-reduces,
 and copies into the non-empty grad buffers at their offsets. Nothing communicates while DeepCompile profiles.
 
+Streams: see ``streams`` (CPU: synchronous; CUDA: copy stream, reduce stream and events as in z1.cpp).
+
 Note (accumulation buffer): between micro-steps the native runtime keeps the graph's own gradient tensor and
 adds into it; here the first gradient is cloned, so a compiler that recycles the graph's buffers cannot
 corrupt the running sum.
@@ -27,6 +29,7 @@ from .flags import OwnerReduceFlags
 from .flush_plan import ALL, BucketEntry, FlushPlan, plan_flush
 from .owner_map import OwnerMap, Placement
 from .probe import PROBE_FLUSH_LIMIT, FlushReport, format_probe_line
+from .streams import CudaStreams, HostStreams, make_streams
 
 _AGREEMENT_PROTOCOL = 1
 
@@ -96,6 +99,7 @@ class _Task(NamedTuple):
     ds_id: int
     offset: int
     numel: int
+    copy_event: Any  # CUDA: the copy stream's event for this task's copy into the bucket; CPU: None
 
 
 class Z1PythonRuntime:
@@ -112,6 +116,7 @@ class Z1PythonRuntime:
         self._params: dict[int, _Param] = {}
         self._graphs: dict[int, tuple[int, ...]] = {}
         self._buckets: DoubleBufferedBuckets | None = None
+        self._streams: HostStreams | CudaStreams | None = None  # chosen from the first gradient's device
         self._pending: dict[torch.dtype, list[_Task]] = defaultdict(list)
         self._accumulated: dict[int, torch.Tensor] = {}
         self._update = False
@@ -204,6 +209,8 @@ class Z1PythonRuntime:
         self.stats.end_backward_calls += 1
         for dtype in list(self._pending):
             self._flush(dtype)
+        if self._streams is not None:
+            self._streams.synchronize()  # the optimizer reads the grad buffers next
         if release_reduce_buckets and self._buckets is not None:
             self._buckets.clear()
 
@@ -211,15 +218,19 @@ class Z1PythonRuntime:
 
     def _enqueue(self, ds_id: int, grad: torch.Tensor) -> None:
         assert self._buckets is not None, "owner_reduce runtime used before init()"
+        if self._streams is None:
+            self._streams = make_streams(grad.device)
         numel = grad.numel()
         bucket = self._buckets.get(grad.dtype, grad.device)
         if bucket.should_flush(numel):
             self._flush(grad.dtype)
             bucket = self._buckets.get(grad.dtype, grad.device)
-        bucket.reserve(numel)
+        if numel > bucket.size:
+            self._streams.synchronize()  # the buffer being replaced may still be read by a flush in flight
+            bucket.reserve(numel)
         start, view = bucket.allocate(numel)
-        view.copy_(grad.reshape(-1))
-        self._pending[grad.dtype].append(_Task(ds_id, start, numel))
+        event = self._streams.copy_into_bucket(bucket, view, grad)
+        self._pending[grad.dtype].append(_Task(ds_id, start, numel, event))
 
     def _flush(self, dtype: torch.dtype) -> None:
         tasks = self._pending.pop(dtype, None)
@@ -231,20 +242,24 @@ class Z1PythonRuntime:
         owner_map = self.settings.owner_map
         plan = plan_flush([BucketEntry(t.ds_id, t.offset, t.numel) for t in tasks], owner_map,
                           self.settings.flags.reduce_to_owner)
-        used = bucket.buffer.narrow(0, 0, bucket.offset)
-        if self._pre_div:
-            used.div_(comm.world_size)
-        with comm.group():
-            for r in plan.ranges:
-                segment = bucket.buffer.narrow(0, r.offset, r.count)
-                if r.root is ALL:
-                    comm.all_reduce(segment)
-                else:
-                    comm.reduce(segment, r.root)
-                if self.record_collectives:
-                    self.collective_log.append(("all_reduce" if r.root is ALL else "reduce", r.root, r.count,
-                                                str(dtype)))
-        kept = self._copy_out(tasks, bucket.buffer)
+        streams = self._streams
+        assert streams is not None
+        with streams.reducing([t.copy_event for t in tasks]):
+            used = bucket.buffer.narrow(0, 0, bucket.offset)
+            if self._pre_div:
+                used.div_(comm.world_size)
+            with comm.group():
+                for r in plan.ranges:
+                    segment = bucket.buffer.narrow(0, r.offset, r.count)
+                    if r.root is ALL:
+                        comm.all_reduce(segment)
+                    else:
+                        comm.reduce(segment, r.root)
+                    if self.record_collectives:
+                        self.collective_log.append(("all_reduce" if r.root is ALL else "reduce", r.root, r.count,
+                                                    str(dtype)))
+            kept = self._copy_out(tasks, bucket.buffer)
+            streams.bucket_released(bucket)
         self._count(plan, kept, dtype)
         if self.record_collectives:
             self.flush_log.append(FlushRecord(str(dtype).removeprefix("torch."), bucket.buffer.element_size(),

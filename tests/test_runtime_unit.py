@@ -141,3 +141,25 @@ def test_cleanup_and_unknown_methods():
     assert released == [True] and rt.comm is None
     with pytest.raises(AttributeError, match="no DeepCompile handle method 'register_graph_z3'"):
         rt.register_graph_z3(1, [])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (stream discipline)")
+@pytest.mark.parametrize("bucket", [64, 6, 4])
+def test_cuda_streams_give_the_same_result(bucket):
+    """Copy stream, reduce stream and events: the same values as on CPU, with buckets reused and grown."""
+    comm = MirrorComm(rank=0)
+    settings = RuntimeSettings(OwnerReduceFlags(True, False), OwnerMap.from_group_tables([TABLES], 2))
+    rt = Z1PythonRuntime(settings, comm_factory=lambda group: comm)
+    rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
+    cuda = torch.device("cuda")
+    buffers = {0: torch.zeros(6, device=cuda), 1: torch.zeros(2, device=cuda), 2: torch.empty(0, device=cuda)}
+    for pid, buf in buffers.items():
+        rt.register_param(pid, (NUMELS[pid],), torch.zeros(NUMELS[pid], device=cuda), buf, 0)
+    rt.register_graph_z1(11, [0, 1, 2])
+    for step in range(3):
+        grads = {pid: g.to(cuda) * (step + 1) for pid, g in _grads().items()}
+        _backward(rt, grads)
+        torch.testing.assert_close(buffers[0], grads[0], rtol=0, atol=0)
+        torch.testing.assert_close(buffers[1], grads[1][:2], rtol=0, atol=0)
+    assert type(rt._streams).__name__ == "CudaStreams"
