@@ -8,8 +8,11 @@ NCCL collectives and are skipped where torch sees no GPU.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +20,9 @@ import torch
 from owner_reduce import nccl_comm
 from owner_reduce.comm import ReduceComm, TorchDistComm
 from owner_reduce.comm_select import FALLBACK_PREFIX, SelectSteps, combine_reasons, local_readiness, select_comm
+from owner_reduce.flush_plan import ALL
 from owner_reduce.launch import run_ranks
+from owner_reduce.owner_map import Placement
 
 nccl = pytest.importorskip("cupy.cuda.nccl")
 HAS_CUDA = torch.cuda.is_available()
@@ -363,3 +368,44 @@ def test_two_rank_reduce_and_all_reduce():
         assert r1[dtype][:300].eq(3).all() and r0[dtype][700:].eq(3).all()
         assert r0[dtype][300:700].eq(3).all() and r1[dtype][300:700].eq(3).all()
     assert r0["gathered"] == r1["gathered"] == [[0, 10], [1, 11]]
+
+
+# ---- scripts/nccl_check.py: its layout, and its answer without a GPU ----------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def nccl_check():
+    spec = importlib.util.spec_from_file_location("nccl_check", ROOT / "scripts" / "nccl_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_nccl_check_layout_is_zero1s(nccl_check):
+    # DESIGN.md's shares for GPT-2 124M under ZeRO-1's partition arithmetic: 60.5% single-owner at ws=8, 5.8% at 64.
+    numels = nccl_check.gpt2_param_numels()
+    assert sum(numels) == 124_439_808
+    for ws, share in ((8, 60.5), (64, 5.8)):
+        owner_map = nccl_check.zero1_owner_map(numels, ws)
+        one = sum(p.numel for p in owner_map if p.placement is Placement.ONE_OWNER)
+        assert round(100 * one / sum(numels), 1) == share
+
+
+@pytest.mark.parametrize("ws", [2, 4, 8])
+def test_nccl_check_bucket_spans_a_partition_boundary(nccl_check, ws):
+    plan = nccl_check.plan_bucket(ws, 32 * 2**20, 4)
+    assert len({r.root for r in plan.ranges if r.root is not ALL}) >= 2  # at least two owners receive
+    assert plan.reduced_elems <= 32 * 2**20 // 4 and 0 < plan.owner_elems <= plan.reduced_elems
+    assert sum(r.count for r in plan.ranges) == plan.reduced_elems
+    # adjacent same-root ranges are merged
+    assert all(a.root != b.root for a, b in zip(plan.ranges, plan.ranges[1:], strict=False))
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the answer without a GPU")
+def test_nccl_check_without_gpu_says_so_and_exits_3():
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "nccl_check.py")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert "no CUDA GPU is visible" in done.stdout

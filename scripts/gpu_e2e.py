@@ -1,0 +1,298 @@
+"""DeepCompile ZeRO-1 end to end on GPUs: owner path vs plain ZeRO-1 vs native DeepCompile, same model and data.
+
+Why its own launcher: ``owner_reduce.launch.run_ranks`` starts gloo ranks on the CPU accelerator; here every
+rank runs DeepSpeed's NCCL backend on a GPU. Each rank sees exactly one GPU (CUDA_VISIBLE_DEVICES) and is
+LOCAL_RANK 0, so several ranks can share one GPU, which NCCL >= 2.30 allows with NCCL_MULTI_RANK_GPU_ENABLE=1
+(set here when ranks outnumber GPUs). Each mode runs as its own job (fresh processes), one after the other:
+- plain: ZeRO-1 with DeepSpeed's own hooks (the reference);
+- owner: DeepCompile + owner_reduce (reduce_to_owner, reduce_probe), which must pick the cupy NCCL communicator;
+- native: DeepCompile's own C++/CUDA runtime, if its extension builds here (a failure is reported, not fatal).
+Prints a RESULT line per comparison and writes everything to --json.
+
+Exit codes: 0 owner matched plain (and native, where it ran), 1 a comparison failed, 3 no CUDA GPU,
+5 the owner or plain job failed.
+``--cpu`` runs the same jobs on gloo ranks on the CPU (to check this script without a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Any
+
+MODES = ("plain", "owner", "native")
+
+
+@dataclass(frozen=True)
+class Job:
+    mode: str
+    steps: int = 6
+    micro_batch: int = 8
+    dim: int = 256
+    layers: int = 4
+    vocab: int = 1024
+    seq: int = 64
+    bucket: int = 1_000_000  # reduce_bucket_size (elements): several flushes per step
+    backend: str = "eager"  # the torch.compile backend DeepCompile uses
+    bf16: bool = False
+    cpu: bool = False
+    seed: int = 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train(rank: int, world_size: int, job: Job) -> dict[str, Any]:
+    import deepspeed
+    import deepspeed.comm as dist
+    import torch
+
+    from owner_reduce.toy_models import TinyTransformer
+
+    torch.manual_seed(job.seed)
+    model = TinyTransformer(vocab=job.vocab, dim=job.dim, layers=job.layers, seq=job.seq)
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": job.micro_batch,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": 1, "reduce_bucket_size": job.bucket},
+        "steps_per_print": 1_000_000,
+    }
+    if job.bf16:
+        config["bf16"] = {"enabled": True}
+    if job.mode == "owner":
+        import owner_reduce
+
+        owner_reduce.install()
+        config["compile"] = {"deepcompile": True, "reduce_to_owner": True, "reduce_probe": True}
+    elif job.mode == "native":
+        config["compile"] = {"deepcompile": True}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    start = time.perf_counter()
+    if job.mode != "plain":
+        engine.compile(backend=job.backend)
+    device = engine.device
+    gen = torch.Generator().manual_seed(1234)  # identical batches on every rank: comparisons can be bitwise
+    losses, step_s, comm_name, runtime = [], [], None, None
+    first_step_s = 0.0
+    for step in range(job.steps):
+        tokens = torch.randint(0, job.vocab, (job.micro_batch, job.seq + 1), generator=gen).to(device)
+        t0 = time.perf_counter()
+        loss = engine(tokens[:, :-1], tokens[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.item()))
+        if not job.cpu:
+            torch.cuda.synchronize()
+        step_s.append(time.perf_counter() - t0)
+        if step == 0:
+            first_step_s = time.perf_counter() - start
+            if job.mode == "owner":
+                from owner_reduce.ops import active_runtime
+
+                runtime = active_runtime()
+                comm_name = type(runtime.comm).__name__ if runtime is not None and runtime.comm else None
+    dist.barrier()
+    stats = None
+    if runtime is not None:
+        stats = {k: v for k, v in asdict(runtime.stats).items() if k != "probe_lines"}
+        stats["probe_lines"] = runtime.stats.probe_lines[:4]
+    return {"losses": losses, "step_s": step_s, "first_step_s": first_step_s, "comm": comm_name, "stats": stats,
+            "params": {n: p.detach().float().cpu() for n, p in engine.module.named_parameters()}}
+
+
+def _rank_main(rank: int, world_size: int, port: int, job: Job, gpu: str | None, results: Any) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      LOCAL_RANK="0" if gpu is not None else str(rank),
+                      LOCAL_WORLD_SIZE="1" if gpu is not None else str(world_size))
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before torch touches CUDA: this rank sees one GPU, cuda:0
+    try:
+        import deepspeed
+        import torch
+
+        if gpu is not None:
+            torch.cuda.set_device(0)
+        else:
+            torch.set_num_threads(1)
+        deepspeed.init_distributed(dist_backend="gloo" if gpu is None else "nccl", verbose=False)
+        results.put((rank, True, pickle.dumps(_train(rank, world_size, job))))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as tdist
+
+            if tdist.is_initialized():
+                tdist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+
+
+def launch(job: Job, world_size: int, timeout: float) -> list[dict[str, Any]]:
+    """Run ``job`` on ``world_size`` fresh ranks; results by rank, or RuntimeError with every rank's traceback."""
+    visible = None
+    if not job.cpu:
+        import torch
+
+        listed = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        visible = listed or [str(i) for i in range(torch.cuda.device_count())]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, daemon=True,
+                         args=(r, world_size, port, job, None if visible is None else visible[r % len(visible)],
+                               results)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outcome: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcome) < world_size and time.monotonic() < deadline:
+            if any(not ok for ok, _ in outcome.values()):
+                deadline = min(deadline, time.monotonic() + 5)
+            try:
+                rank, ok, out = results.get(timeout=0.5)
+                outcome[rank] = (ok, out)
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for r, p in enumerate(procs) if r not in outcome):
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=10 if len(outcome) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+    failed = {r: out for r, (ok, out) in outcome.items() if not ok}
+    missing = sorted(set(range(world_size)) - set(outcome))
+    if failed or missing:
+        text = "".join(f"\n--- rank {r} raised ---\n{tb}" for r, tb in sorted(failed.items()))
+        if missing:
+            text += f"\nranks {missing} did not report within {timeout:g}s (exit codes {[p.exitcode for p in procs]})"
+        raise RuntimeError(f"{job.mode} job failed:{text}")
+    return [pickle.loads(outcome[r][1]) for r in range(world_size)]
+
+
+def compare(name: str, a: dict[str, Any], b: dict[str, Any], atol: float) -> dict[str, Any]:
+    """Final parameters and losses of two runs (rank 0's; every rank holds the full model after ZeRO-1)."""
+    import torch
+
+    diffs = {n: float((a["params"][n] - b["params"][n]).abs().max()) for n in a["params"]}
+    bitwise = all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
+    loss_diff = max(abs(x - y) for x, y in zip(a["losses"], b["losses"], strict=True))
+    worst = max(diffs, key=diffs.get)
+    row = {"comparison": name, "bitwise": bitwise, "max_param_diff": diffs[worst], "worst_param": worst,
+           "max_loss_diff": loss_diff, "atol": atol, "ok": diffs[worst] <= atol and loss_diff <= atol * 10}
+    print(f"RESULT gpu_e2e {name}: bitwise={bitwise} max_param_diff={diffs[worst]:.3g} ({worst}) "
+          f"max_loss_diff={loss_diff:.3g} ok={row['ok']}", flush=True)
+    return row
+
+
+def _timing(rows: list[dict[str, Any]]) -> dict[str, float]:
+    steady = [max(r["step_s"][i] for r in rows) for i in range(1, len(rows[0]["step_s"]))]
+    return {"median_step_ms": 1000 * statistics.median(steady) if steady else float("nan"),
+            "first_step_s": max(r["first_step_s"] for r in rows)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--modes", default="plain,owner,native")
+    parser.add_argument("--backend", default="eager", help="torch.compile backend under DeepCompile")
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per mode")
+    parser.add_argument("--total-timeout", type=float, default=None,
+                        help="seconds for all modes; a mode that would start with under 30s left is skipped")
+    parser.add_argument("--cpu", action="store_true", help="gloo ranks on the CPU (checks this script)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if set(modes) - set(MODES) or "plain" not in modes:
+        parser.error(f"--modes: a comma list of {MODES} that includes plain")
+    if not args.cpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("gpu_e2e: no CUDA GPU is visible: nothing to run (use --cpu to check the script)", flush=True)
+            return 3
+        if args.world_size > torch.cuda.device_count():
+            os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+    print(f"gpu_e2e: ws={args.world_size} modes={modes} steps={args.steps} backend={args.backend} "
+          f"bf16={args.bf16} {'CPU (gloo)' if args.cpu else 'GPU (nccl)'}", flush=True)
+    runs: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    rows: list[dict[str, Any]] = []
+    atol = 2e-2 if args.bf16 else 1e-4
+    expected_comm = "TorchDistComm" if args.cpu else "CupyNcclComm"
+    deadline = time.monotonic() + (args.total_timeout or float("inf"))
+    for mode in modes:
+        # Results so far are printed and written after every mode: a step killed later keeps them.
+        limit = min(args.timeout, deadline - time.monotonic())
+        if limit < 30:
+            errors[mode] = f"not run: {max(limit, 0):.0f}s of --total-timeout left"
+            print(f"gpu_e2e: {mode} job SKIPPED ({errors[mode]})", flush=True)
+            continue
+        job = Job(mode=mode, steps=args.steps, backend=args.backend, bf16=args.bf16, cpu=args.cpu)
+        start = time.monotonic()
+        try:
+            runs[mode] = launch(job, args.world_size, limit)
+        except Exception as error:  # noqa: BLE001 - reported; native may legitimately be unavailable
+            errors[mode] = str(error)[-4000:]
+            label = "native DeepCompile unavailable here" if mode == "native" else f"{mode} job FAILED"
+            print(f"gpu_e2e: {label}: {str(error)[-3000:]}", flush=True)
+            continue
+        _print_run(mode, args.world_size, runs[mode], time.monotonic() - start)
+        if mode != "plain" and "plain" in runs:
+            rows.append(compare(f"{mode} vs plain", runs[mode][0], runs["plain"][0], atol))
+        if args.json:
+            _write_json(args.json, args.world_size, rows, errors, runs)
+    if args.json:
+        _write_json(args.json, args.world_size, rows, errors, runs)
+    owner_comm = runs["owner"][0]["comm"] if "owner" in runs else None
+    if "owner" in runs and owner_comm != expected_comm:
+        print(f"gpu_e2e: the owner path used {owner_comm}, expected {expected_comm}", flush=True)
+    if any(m in errors for m in ("plain", "owner") if m in modes):
+        return 5
+    ok = all(r["ok"] for r in rows) and ("owner" not in modes or owner_comm == expected_comm)
+    print(f"gpu_e2e: {'all comparisons passed' if ok else 'A COMPARISON FAILED'}", flush=True)
+    return 0 if ok else 1
+
+
+def _print_run(mode: str, world_size: int, rows: list[dict[str, Any]], wall_s: float) -> None:
+    timing = _timing(rows)
+    r0 = rows[0]
+    print(f"RESULT gpu_e2e mode={mode} ws={world_size} median_step_ms={timing['median_step_ms']:.2f} "
+          f"first_step_s={timing['first_step_s']:.1f} wall_s={wall_s:.0f} comm={r0['comm']} "
+          f"final_loss={r0['losses'][-1]:.6f}", flush=True)
+    if r0["stats"]:
+        s = r0["stats"]
+        print(f"  owner runtime: flushes={s['flushes']} collectives={s['collectives']} "
+              f"reduce_calls={s['reduce_calls']} all_reduce_calls={s['all_reduce_calls']} "
+              f"owner_elems={s['owner_elems']}/{s['reduced_elems']}", flush=True)
+        for line in s["probe_lines"][:2]:
+            print(f"  {line}", flush=True)
+
+
+def _write_json(path: str, world_size: int, rows: list[dict[str, Any]], errors: dict[str, str],
+                runs: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump({"world_size": world_size, "comparisons": rows, "errors": errors,
+                   "owner_comm": runs["owner"][0]["comm"] if "owner" in runs else None,
+                   "timing": {m: _timing(r) for m, r in runs.items()},
+                   "losses": {m: r[0]["losses"] for m, r in runs.items()}}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,327 @@
+"""Standalone check of the owner flush on real NCCL through cupy: correct against AllReduce, and how fast.
+
+Why standalone (no DeepSpeed, no torch.distributed): when the end-to-end run misbehaves on a GPU machine,
+this separates "NCCL through cupy on torch buffers" from everything above it. It spawns one process per
+rank on the visible GPUs (several ranks on one GPU need NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1, set
+here), hands every rank the unique id the parent made, and builds one reduce bucket with a realistic owner
+layout: a GPT-2 124M parameter list partitioned ZeRO-1 style over the ranks, the bucket being a window of
+gradients in backward order around a partition boundary, planned by owner_reduce's own ``plan_flush``
+(ranges Reduce to their owner or AllReduce, adjacent same-root ranges merged, all in one ncclGroupStart/End),
+against the native flush: one AllReduce over the whole bucket. For each dtype it checks:
+- identical inputs on every rank: the owner flush equals the AllReduce flush bitwise on every element that
+  reaches this rank (its own ranges and the AllReduce ranges);
+- random inputs per rank: both equal the float64 reference within the dtype's tolerance;
+and times both flushes with CUDA events (median over --iters after warm-up; the slowest rank's median).
+
+Exit codes: 0 all checks passed, 1 a check failed, 3 no CUDA GPU, 4 cannot run here (no cupy/libnccl, or
+ranks sharing a GPU with NCCL < 2.30), 5 ranks crashed or timed out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+NO_GPU, CANNOT_RUN, RANKS_FAILED = 3, 4, 5
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+TOLERANCE = {"float32": (1e-5, 1e-6), "bfloat16": (1.6e-2, 1e-2), "float16": (2e-3, 1e-3)}  # (rtol, atol)
+
+
+def gpt2_param_numels(layers: int = 12, dim: int = 768, vocab: int = 50257, ctx: int = 1024) -> list[int]:
+    """GPT-2 (124M at the defaults) parameter sizes in ``named_parameters`` order."""
+    numels = [vocab * dim, ctx * dim]
+    for _ in range(layers):
+        numels += [dim, dim, dim * 3 * dim, 3 * dim, dim * dim, dim, dim, dim, dim * 4 * dim, 4 * dim,
+                   4 * dim * dim, dim]
+    return numels + [dim, dim]
+
+
+def zero1_owner_map(numels: list[int], world_size: int) -> Any:
+    """ZeRO-1 partitioning of one flat group: padded to a multiple of 2*ws, equal contiguous partitions."""
+    from owner_reduce.owner_map import GroupTables, OwnerMap
+
+    total = sum(numels)
+    align = 2 * world_size
+    size = -(-total // align) * align // world_size
+    partition_ids: dict[int, tuple[int, ...]] = {}
+    starts: dict[int, dict[int, int]] = {p: {} for p in range(world_size)}
+    begin = 0
+    for pid, numel in enumerate(numels):
+        parts = tuple(range(begin // size, (begin + numel - 1) // size + 1))
+        partition_ids[pid] = parts
+        for p in parts:
+            starts[p][pid] = max(0, p * size - begin)
+        begin += numel
+    tables = GroupTables(group=0, param_ids=tuple(range(len(numels))), numels=tuple(numels),
+                         partition_count=world_size, partition_ids=partition_ids, start_offsets=starts,
+                         same_comm_as_dp=True)
+    return OwnerMap.from_group_tables([tables], dp_world_size=world_size)
+
+
+def bucket_window(numels: list[int], world_size: int, bucket_elems: int) -> list[int]:
+    """Param ids of one bucket in backward order: consecutive gradients around the middle partition boundary."""
+    order = list(reversed(range(len(numels))))
+    total = sum(numels)
+    boundary = total // 2 if world_size == 1 else (world_size // 2) * (-(-total // world_size))
+    starts, begin = {}, 0
+    for pid, numel in enumerate(numels):
+        starts[pid] = begin
+        begin += numel
+    k = next(i for i, pid in enumerate(order) if starts[pid] <= boundary < starts[pid] + numels[pid])
+    lo = hi = k
+    used = numels[order[k]]
+    grown = True
+    while grown:
+        grown = False
+        if hi + 1 < len(order) and used + numels[order[hi + 1]] <= bucket_elems:
+            hi += 1
+            used += numels[order[hi]]
+            grown = True
+        if lo > 0 and used + numels[order[lo - 1]] <= bucket_elems:
+            lo -= 1
+            used += numels[order[lo]]
+            grown = True
+    return order[lo:hi + 1]
+
+
+def plan_bucket(world_size: int, bucket_bytes: int, elem_size: int) -> Any:
+    from owner_reduce.flush_plan import BucketEntry, plan_flush
+
+    numels = gpt2_param_numels()
+    owner_map = zero1_owner_map(numels, world_size)
+    entries, offset = [], 0
+    for pid in bucket_window(numels, world_size, bucket_bytes // elem_size):
+        entries.append(BucketEntry(pid, offset, numels[pid]))
+        offset += numels[pid]
+    return plan_flush(entries, owner_map, reduce_to_owner=True)
+
+
+# ---- one rank ------------------------------------------------------------------------------------------------
+
+
+def _flush(comm: Any, buf: Any, plan: Any | None) -> None:
+    """The owner flush (``plan``) or, with ``plan`` None, the native one: one AllReduce over the bucket."""
+    from owner_reduce.flush_plan import ALL
+
+    with comm.group():
+        if plan is None:
+            comm.all_reduce(buf)
+            return
+        for r in plan.ranges:
+            segment = buf.narrow(0, r.offset, r.count)
+            if r.root is ALL:
+                comm.all_reduce(segment)
+            else:
+                comm.reduce(segment, r.root)
+
+
+def _inputs(seed: int, n: int, dtype: Any) -> Any:
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(n, device="cuda", generator=gen, dtype=torch.float32).to(dtype)
+
+
+def _check_dtype(comm: Any, rank: int, ws: int, dtype_name: str, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from owner_reduce.flush_plan import ALL
+
+    dtype = getattr(torch, dtype_name)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    plan = plan_bucket(ws, int(args.bucket_mb * 2**20), elem)
+    n = plan.reduced_elems
+    mine = torch.zeros(n, dtype=torch.bool, device="cuda")  # elements whose result reaches this rank
+    for r in plan.ranges:
+        if r.root is ALL or r.root == rank:
+            mine[r.offset:r.offset + r.count] = True
+
+    def both(x: Any) -> tuple[Any, Any]:
+        ar, ow = x.clone(), x.clone()
+        ar.div_(ws)
+        ow.div_(ws)
+        _flush(comm, ar, None)
+        _flush(comm, ow, plan)
+        torch.cuda.synchronize()
+        return ar, ow
+
+    ar, ow = both(_inputs(7, n, dtype))  # the same on every rank
+    bitwise = bool(torch.equal(ar[mine], ow[mine]))
+    ar, ow = both(_inputs(1000 + rank, n, dtype))  # different on every rank
+    reference = sum(_inputs(1000 + r, n, dtype).double() / ws for r in range(ws))
+    rtol, atol = TOLERANCE[dtype_name]
+    close = all(bool(torch.allclose(t[mine].double(), reference[mine], rtol=rtol, atol=atol)) for t in (ar, ow))
+    max_err = max(float((t[mine].double() - reference[mine]).abs().max()) for t in (ar, ow)) if n else 0.0
+    del reference
+
+    source = _inputs(11 + rank, n, dtype)
+    buf = torch.empty_like(source)
+    times: dict[str, list[float]] = {"allreduce": [], "owner": []}
+    for i in range(args.warmup + args.iters):
+        for name, p in (("allreduce", None), ("owner", plan)):
+            buf.copy_(source)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            _flush(comm, buf, p)
+            end.record()
+            end.synchronize()
+            if i >= args.warmup:
+                times[name].append(start.elapsed_time(end))
+    reduce_ranges = sum(1 for r in plan.ranges if r.root is not ALL)
+    return {"dtype": dtype_name, "elems": n, "params": plan.tasks, "ranges": len(plan.ranges),
+            "reduce_ranges": reduce_ranges, "allreduce_ranges": len(plan.ranges) - reduce_ranges,
+            "owner_share": plan.owner_elems / n if n else 0.0, "received_elems": plan.received_elems(rank),
+            "bitwise_equal": bitwise, "within_tolerance": close, "max_abs_err": max_err, "rtol": rtol, "atol": atol,
+            "allreduce_ms": statistics.median(times["allreduce"]), "owner_ms": statistics.median(times["owner"])}
+
+
+def rank_main(rank: int, ws: int, unique_id: bytes, args: argparse.Namespace, results: Any) -> None:
+    try:
+        import torch
+
+        from owner_reduce.nccl_comm import CupyNcclComm
+
+        device = rank % torch.cuda.device_count()
+        torch.cuda.set_device(device)
+        comm = CupyNcclComm(unique_id, rank, ws, device=device)
+        try:
+            rows = [_check_dtype(comm, rank, ws, DTYPES[d], args) for d in args.dtypes]
+            gathered = comm.all_gather_ints([rank, len(rows)])
+        finally:
+            comm.close()
+        results.put((rank, True, {"device": device, "rows": rows, "gathered": gathered}))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+# ---- the parent ----------------------------------------------------------------------------------------------
+
+
+def _run_ranks(ws: int, unique_id: bytes, args: argparse.Namespace) -> dict[int, tuple[bool, Any]]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, ws, unique_id, args, results), daemon=True) for r in range(ws)]
+    for p in procs:
+        p.start()
+    outcome: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + args.timeout
+    try:
+        while len(outcome) < ws and time.monotonic() < deadline:
+            if any(not ok for ok, _ in outcome.values()):
+                deadline = min(deadline, time.monotonic() + 5)
+            try:
+                rank, ok, out = results.get(timeout=0.5)
+                outcome[rank] = (ok, out)
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for r, p in enumerate(procs) if r not in outcome):
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(outcome) == ws else 0.1)
+            if p.is_alive():
+                p.kill()
+    return outcome
+
+
+def _report(ws: int, outcome: dict[int, tuple[bool, Any]], header: dict[str, Any]) -> tuple[bool, list[dict]]:
+    rows_by_rank = [outcome[r][1]["rows"] for r in range(ws)]
+    ok = all(outcome[r][1]["gathered"] == [[q, len(rows_by_rank[0])] for q in range(ws)] for r in range(ws))
+    summary = []
+    for i, first in enumerate(rows_by_rank[0]):
+        per_rank = [rows[i] for rows in rows_by_rank]
+        ar = max(row["allreduce_ms"] for row in per_rank)
+        ow = max(row["owner_ms"] for row in per_rank)
+        bitwise = all(row["bitwise_equal"] for row in per_rank)
+        close = all(row["within_tolerance"] for row in per_rank)
+        ok = ok and bitwise and close
+        row = {**header, **{k: first[k] for k in ("dtype", "elems", "params", "ranges", "reduce_ranges",
+                                                    "allreduce_ranges", "owner_share", "rtol", "atol")},
+               "bitwise_equal": bitwise, "within_tolerance": close,
+               "max_abs_err": max(r["max_abs_err"] for r in per_rank),
+               "received_share": [r["received_elems"] / max(first["elems"], 1) for r in per_rank],
+               "allreduce_ms": ar, "owner_ms": ow, "ratio": ow / ar if ar else float("nan")}
+        summary.append(row)
+        print(f"  {row['dtype']}: {row['elems']} elements in {row['params']} gradients; plan {row['ranges']} ranges "
+              f"({row['reduce_ranges']} Reduce, {row['allreduce_ranges']} AllReduce), owner path "
+              f"{100 * row['owner_share']:.1f}% of elements; received per rank "
+              f"{', '.join(f'{100 * s:.1f}%' for s in row['received_share'])}")
+        print(f"    identical inputs, owner == AllReduce bitwise on received elements: {bitwise}")
+        print(f"    random inputs, both within rtol={row['rtol']} atol={row['atol']} of the fp64 reference: {close} "
+              f"(max abs err {row['max_abs_err']:.3g})")
+        print(f"    median flush (slowest rank): AllReduce {ar:.3f} ms, owner {ow:.3f} ms, ratio {row['ratio']:.3f}")
+        print(f"RESULT nccl_check ws={ws} dtype={row['dtype']} elems={row['elems']} allreduce_ms={ar:.4f} "
+              f"owner_ms={ow:.4f} ratio={row['ratio']:.4f} bitwise={bitwise} close={close}", flush=True)
+    return ok, summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=None, help="ranks (default: the number of GPUs)")
+    parser.add_argument("--bucket-mb", type=float, default=32.0, help="reduce bucket size in MiB per dtype")
+    parser.add_argument("--iters", type=int, default=20, help="timed flushes per path and dtype")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--dtypes", type=lambda s: [d.strip() for d in s.split(",") if d.strip()],
+                        default=["fp32", "bf16"], help=f"comma list of {', '.join(DTYPES)}")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds for all ranks together")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    unknown = [d for d in args.dtypes if d not in DTYPES]
+    if unknown:
+        parser.error(f"unknown dtypes {unknown}; choose from {list(DTYPES)}")
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("nccl_check: no CUDA GPU is visible (torch.cuda.is_available() is False): nothing to check", flush=True)
+        return NO_GPU
+    try:
+        from owner_reduce.nccl_comm import nccl_runtime_version, new_unique_id
+
+        version = nccl_runtime_version()
+        unique_id = new_unique_id()
+    except Exception as error:  # noqa: BLE001 - reported as "cannot run here"
+        print(f"nccl_check: cupy's NCCL is unavailable: {type(error).__name__}: {error}", flush=True)
+        return CANNOT_RUN
+    gpus = torch.cuda.device_count()
+    ws = args.world_size or gpus
+    if ws > gpus:
+        if version < (2, 30, 0):
+            print(f"nccl_check: {ws} ranks on {gpus} GPU(s) need NCCL >= 2.30 (NCCL_MULTI_RANK_GPU_ENABLE); "
+                  f"cupy loads NCCL {'.'.join(map(str, version))}", flush=True)
+            return CANNOT_RUN
+        os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+    header = {"world_size": ws, "gpus": gpus, "gpu": torch.cuda.get_device_name(0),
+              "nccl": ".".join(map(str, version)), "torch": torch.__version__, "bucket_mb": args.bucket_mb,
+              "iters": args.iters}
+    torch_nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "?"
+    print(f"nccl_check: NCCL {header['nccl']} through cupy (torch {torch.__version__} has NCCL {torch_nccl}); "
+          f"ws={ws} on {gpus} x {header['gpu']}; bucket {args.bucket_mb:g} MiB; {args.iters} iters after "
+          f"{args.warmup} warm-up" + ("; ranks share GPUs: timings are not an interconnect's" if ws > gpus else ""),
+          flush=True)
+    outcome = _run_ranks(ws, unique_id, args)
+    failed = {r: out for r, (ok, out) in outcome.items() if not ok}
+    if failed or len(outcome) < ws:
+        for r, tb in sorted(failed.items()):
+            print(f"--- rank {r} raised ---\n{tb}", file=sys.stderr)
+        missing = sorted(set(range(ws)) - set(outcome))
+        if missing:
+            print(f"nccl_check: ranks {missing} did not report within {args.timeout:g}s", file=sys.stderr)
+        return RANKS_FAILED
+    ok, summary = _report(ws, outcome, header)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    print(f"nccl_check: {'all checks passed' if ok else 'A CHECK FAILED'}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
