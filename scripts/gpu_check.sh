@@ -65,7 +65,7 @@ step() {
   rc=$?
   secs=$(( $(date +%s) - t0 ))
   cat "$STEPS_DIR/$name.txt" >> "$LOG"
-  grep -E '^(RESULT|nccl_check:|gpu_e2e:|  (float32|bfloat16|float16):|    )' "$STEPS_DIR/$name.txt" \
+  grep -E '^(RESULT|nccl_check:|gpu_e2e:|  (float32|bfloat16|float16|owner runtime):|  \[dc-probe\]|    )' "$STEPS_DIR/$name.txt" \
     | grep -v '^    File' | head -60 >> "$SUMMARY"
   case $rc in
     0) note "step $name: ok (${secs}s)";;
