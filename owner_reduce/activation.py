@@ -1,15 +1,14 @@
 """Wiring the Python runtime into one DeepCompile engine, at the moment DeepCompile initializes stage 1/2.
 
-Why at ``init_z1_and_2``: it is the one call that sees the engine (for the owner map and the process group),
-the compile config (for the flags) and the pass schedule, and it runs before DeepCompile asks for its
-handle. With both flags off this module does nothing at all and DeepCompile's own function runs.
+Why at ``init_z1_and_2`` (DeepCompile's entry for ZeRO stages 1 and 2; stage 3 has its own, left untouched): it
+is the one call that sees the engine (for the owner map and the process group), the compile config (for the
+flags) and the pass schedule, and it runs before DeepCompile asks for its handle.
+With both flags off this module does nothing at all and DeepCompile's own function runs.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-from deepspeed.utils import logger
 
 from . import cpu_compat
 from .comm import ReduceComm
@@ -17,10 +16,6 @@ from .compile_pass import owner_schedule
 from .flags import flags_of
 from .ops import ensure_dc_schemas, register_inductor_lowerings, set_active_runtime
 from .runtime import RuntimeSettings, Z1PythonRuntime
-
-STAGE2_IGNORED = ("DeepCompile reduce_to_owner/reduce_probe are ignored for ZeRO stage 2 (supported for stage 1); "
-                  "running DeepCompile's native stage-2 path")
-_stage2_warned = False
 
 
 def make_comm(process_group: Any) -> ReduceComm:
@@ -39,26 +34,13 @@ def build_runtime(engine: Any, flags: Any) -> Z1PythonRuntime:
     return Z1PythonRuntime(RuntimeSettings(flags=flags, owner_map=owner_map, map_problems=problems), make_comm)
 
 
-def _warn_stage2_once() -> None:
-    global _stage2_warned
-    if not _stage2_warned:
-        import deepspeed.comm as dist
-
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            logger.warning(STAGE2_IGNORED)
-        _stage2_warned = True
-
-
 def wrap_init_z1_and_2(original: Any) -> Any:
-    """DeepCompile's ``init_z1_and_2`` with the owner runtime put in place when a flag is on (stage 1)."""
+    """DeepCompile's ``init_z1_and_2`` with the owner runtime put in place when a flag is on (stages 1 and 2)."""
 
     def init_z1_and_2(engine: Any, backend: Any, compile_config: Any, compile_kwargs: Any, schedule: Any = None,
                       use_z2: bool = False) -> Any:
         flags = flags_of(compile_config)
         if not flags.any_on:
-            return original(engine, backend, compile_config, compile_kwargs, schedule, use_z2)
-        if use_z2:
-            _warn_stage2_once()
             return original(engine, backend, compile_config, compile_kwargs, schedule, use_z2)
 
         import deepspeed.compile.util as dc_util
@@ -81,7 +63,7 @@ def wrap_init_z1_and_2(original: Any) -> Any:
         dc_util.dc_handle = runtime
         set_active_runtime(runtime)
         try:
-            return original(engine, backend, compile_config, compile_kwargs, owner_schedule(schedule), False)
+            return original(engine, backend, compile_config, compile_kwargs, owner_schedule(schedule, use_z2), use_z2)
         except BaseException:
             release()
             raise

@@ -1,9 +1,9 @@
-"""The stage-1 reduce pass with owner_reduce's ops: DeepCompile's own pass, its nodes retargeted.
+"""The stage-1/2 reduce passes with owner_reduce's ops: DeepCompile's own passes, their nodes retargeted.
 
 Why retarget instead of re-implementing: ``add_z1_reduce`` decides where each ``reduce_grad`` goes, moves
 primals, adds ``end_backward`` with the right ``release_reduce_buckets`` and nulls the reduce outputs; all of
 that stays DeepCompile's. Only the two op targets change, so the graph runs the Python runtime.
-Contract: runs in place of ``zero1_compile``; conflicts with ``zero3_compile``.
+Contract: runs in place of ``zero1_compile`` / ``zero2_compile``; conflicts with ``zero3_compile``.
 """
 
 from __future__ import annotations
@@ -42,11 +42,24 @@ def add_owner_z1_reduce(gm: GraphModule, graph_id: int, graph_order: Any, profil
     return gm
 
 
-def owner_schedule(schedule: list | None) -> list:
-    """DeepCompile's stage-1 schedule with ``add_z1_reduce`` replaced by this pass (default: step 0)."""
+def add_owner_z2_reduce(gm: GraphModule, graph_id: int, graph_order: Any, profiling_results: Any,
+                        create_inputs_fn: Any, mem_budget: float, param_manager: Any, bwd: bool) -> GraphModule:
+    """The stage-2 counterpart: DeepCompile's ``add_z2_reduce`` (register_graph_z2), retargeted."""
     from deepspeed.compile.passes import zero_1_and_2_compile
 
+    gm = zero_1_and_2_compile.add_z2_reduce(gm, graph_id, graph_order, profiling_results, create_inputs_fn,
+                                            mem_budget, param_manager, bwd)
+    if bwd:
+        retarget(gm)
+    return gm
+
+
+def owner_schedule(schedule: list | None, use_z2: bool = False) -> list:
+    """DeepCompile's schedule with its stage-1/2 reduce pass replaced by ours (default: one pass at step 0)."""
+    from deepspeed.compile.passes import zero_1_and_2_compile
+
+    ours = {zero_1_and_2_compile.add_z1_reduce: add_owner_z1_reduce,
+            zero_1_and_2_compile.add_z2_reduce: add_owner_z2_reduce}
     if schedule is None:
-        return [(0, [add_owner_z1_reduce])]
-    return [(step, [add_owner_z1_reduce if p is zero_1_and_2_compile.add_z1_reduce else p for p in passes])
-            for step, passes in schedule]
+        return [(0, [add_owner_z2_reduce if use_z2 else add_owner_z1_reduce])]
+    return [(step, [ours.get(p, p) for p in passes]) for step, passes in schedule]

@@ -57,7 +57,9 @@ def group_tables(engine: Any) -> list[GroupTables]:
                         partition_count=dist.get_world_size(group=real_group),
                         partition_ids={pid: tuple(partition_ids.get(pid, ())) for pid in param_ids},
                         start_offsets={part: dict(offsets) for part, offsets in start_offsets.items()},
-                        same_comm_as_dp=_global_ranks(real_group) == dp_ranks))
+                        same_comm_as_dp=_global_ranks(real_group) == dp_ranks,
+                        whole_param_ids=frozenset(optimizer.get_param_id(p) for p in params
+                                                  if getattr(p, "use_muon", False))))
     return tables
 
 

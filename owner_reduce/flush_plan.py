@@ -49,10 +49,22 @@ class FlushPlan:
         return sum(r.count for r in self.ranges if r.root is ALL or r.root == rank)
 
 
-def plan_flush(entries: Sequence[BucketEntry], owner_map: OwnerMap, reduce_to_owner: bool) -> FlushPlan:
-    """Ranges in bucket order; single-owner gradients go to their owner when ``reduce_to_owner`` is on."""
+def plan_flush(entries: Sequence[BucketEntry], owner_map: OwnerMap, reduce_to_owner: bool,
+               slice_straddlers: bool = True) -> FlushPlan:
+    """Ranges in bucket order. With ``reduce_to_owner``, single-owner gradients go to their owner and (with
+    ``slice_straddlers``) each partition's slice of a straddling gradient goes to that partition's owner, as
+    DeepSpeed's eager stage-2 ``average_tensor`` does; everything else is AllReduced."""
     ranges: list[FlushRange] = []
     owner_tasks = owner_elems = eligible_tasks = eligible_elems = 0
+
+    def add(offset: int, count: int, root: int | None) -> None:
+        if count == 0:
+            return
+        if ranges and ranges[-1].root == root and ranges[-1].offset + ranges[-1].count == offset:
+            last = ranges[-1]
+            ranges[-1] = FlushRange(last.offset, last.count + count, root)
+        else:
+            ranges.append(FlushRange(offset, count, root))
     expected_offset = entries[0].offset if entries else 0
     for entry in entries:
         if entry.offset != expected_offset:
@@ -63,21 +75,17 @@ def plan_flush(entries: Sequence[BucketEntry], owner_map: OwnerMap, reduce_to_ow
         if placement.numel != entry.numel:
             raise ValueError(f"param_id {entry.param_id}: bucket holds {entry.numel} elements, the owner map "
                              f"{placement.numel}")
-        root = ALL
-        if placement.placement is Placement.ONE_OWNER:
+        eligible = placement.placement is Placement.ONE_OWNER or (slice_straddlers and placement.sliced)
+        if eligible:
             eligible_tasks += 1
             eligible_elems += entry.numel
-            if reduce_to_owner:
-                root = placement.owner
-                owner_tasks += 1
-                owner_elems += entry.numel
-        if entry.numel == 0:
+        if not (eligible and reduce_to_owner):
+            add(entry.offset, entry.numel, ALL)
             continue
-        if ranges and ranges[-1].root == root:
-            last = ranges[-1]
-            ranges[-1] = FlushRange(last.offset, last.count + entry.numel, root)
-        else:
-            ranges.append(FlushRange(entry.offset, entry.numel, root))
+        owner_tasks += 1
+        owner_elems += entry.numel
+        for piece in placement.slices:
+            add(entry.offset + piece.offset, piece.length, piece.owner)
     return FlushPlan(ranges=tuple(ranges),
                      tasks=len(entries),
                      reduced_elems=sum(e.numel for e in entries),

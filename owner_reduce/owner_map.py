@@ -46,6 +46,14 @@ class ParamPlacement:
     numel: int
     placement: Placement
     slices: tuple[ParamSlice, ...]
+    # False when every keeper needs the whole gradient (Muon orthogonalizes whole matrices): a straddling
+    # gradient then stays on AllReduce instead of reducing slice by slice.
+    sliceable: bool = True
+
+    @property
+    def sliced(self) -> bool:
+        """A straddling gradient that reduces slice by slice to each slice's owner."""
+        return self.placement is Placement.STRADDLES and self.sliceable
 
     @property
     def owner(self) -> int | None:
@@ -72,6 +80,7 @@ class GroupTables:
     partition_ids: Mapping[int, tuple[int, ...]]
     start_offsets: Mapping[int, Mapping[int, int]]
     same_comm_as_dp: bool
+    whole_param_ids: frozenset[int] = frozenset()  # keepers need the whole gradient (Muon's use_muon)
 
 
 class OwnerMapError(ValueError):
@@ -87,7 +96,7 @@ def _slices_of(tables: GroupTables, param_id: int, numel: int) -> tuple[ParamSli
     starts = [int(tables.start_offsets[p][param_id]) for p in partitions]
     if starts and starts[0] != 0:
         raise OwnerMapError(f"{where}: first partition {partitions[0]} starts at element {starts[0]}, not 0")
-    ends = starts[1:] + [numel]
+    ends = starts[1:] + [numel] if starts else []
     slices = []
     for partition, start, end in zip(partitions, starts, ends, strict=True):
         if not start < end <= numel and not (numel == 0 and start == end == 0):
@@ -109,7 +118,8 @@ def _place(tables: GroupTables, param_id: int, numel: int) -> ParamPlacement:
         placement = Placement.ONE_OWNER
     else:
         placement = Placement.STRADDLES
-    return ParamPlacement(param_id=param_id, group=tables.group, numel=numel, placement=placement, slices=slices)
+    return ParamPlacement(param_id=param_id, group=tables.group, numel=numel, placement=placement, slices=slices,
+                          sliceable=param_id not in tables.whole_param_ids)
 
 
 class OwnerMap:
@@ -184,15 +194,24 @@ class OwnerMap:
         """The init line, exactly: ``DeepCompile reduce_to_owner: X/Y gradients reduce to one rank``."""
         return f"{SUMMARY_PREFIX} {self.count(Placement.ONE_OWNER)}/{len(self)} gradients reduce to one rank"
 
-    def owner_share(self) -> float:
-        """Share of gradient elements in single-owner parameters (what can take the owner path whole)."""
+    def owner_share(self, sliced: bool = False) -> float:
+        """Share of gradient elements on the owner path: single-owner parameters, plus sliced straddlers."""
         total = sum(p.numel for p in self)
-        return sum(p.numel for p in self if p.placement is Placement.ONE_OWNER) / total if total else 0.0
+        owned = sum(p.numel for p in self if p.placement is Placement.ONE_OWNER or (sliced and p.sliced))
+        return owned / total if total else 0.0
+
+    def init_line(self, sliced: bool) -> str:
+        """What rank 0 prints at init: the summary, plus the sliced straddlers when slicing is on."""
+        if not sliced:
+            return self.summary()
+        n = sum(1 for p in self if p.sliced)
+        return (f"{self.summary()}; {n} straddling gradients reduce in slices to their owners "
+                f"({100 * self.owner_share(sliced=True):.1f}% of elements on the owner path)")
 
     def digest(self) -> str:
         """A stable hash of the whole map; equal on every rank exactly when the maps are equal."""
         h = hashlib.sha256(f"owner_map/v1 ws={self._dp_world_size};".encode())
         for p in sorted(self, key=lambda p: p.param_id):
             pieces = ",".join(f"{s.offset}+{s.length}@{s.owner}" for s in p.slices)
-            h.update(f"{p.param_id}:{p.group}:{p.numel}:{p.placement.value}:{pieces};".encode())
+            h.update(f"{p.param_id}:{p.group}:{p.numel}:{p.placement.value}:{int(p.sliceable)}:{pieces};".encode())
         return h.hexdigest()

@@ -115,6 +115,8 @@ class Z1PythonRuntime:
         self.flush_log: list[FlushRecord] = []
         self._params: dict[int, _Param] = {}
         self._graphs: dict[int, tuple[int, ...]] = {}
+        self._stage = 0  # 1 or 2, from register_graph_z1 / register_graph_z2
+        self._has_acc_grad: dict[int, bool] = {}  # stage 2: the grad buffer already holds this step's sum
         self._buckets: DoubleBufferedBuckets | None = None
         self._streams: HostStreams | CudaStreams | None = None  # chosen from the first gradient's device
         self._pending: dict[torch.dtype, list[_Task]] = defaultdict(list)
@@ -132,7 +134,7 @@ class Z1PythonRuntime:
         self._buckets = DoubleBufferedBuckets(int(reduce_bucket_size), bool(compile_config.double_buffer))
         self._check_agreement(int(reduce_bucket_size))
         if self.comm.rank == 0:
-            self.stats.init_line = self.settings.owner_map.summary()
+            self.stats.init_line = self.settings.owner_map.init_line(sliced=self.settings.flags.reduce_to_owner)
             emit(self.stats.init_line)
 
     def register_param(self, ds_id: int, ds_shape: Any, ds_tensor: torch.Tensor, grad_buffer: torch.Tensor,
@@ -145,6 +147,16 @@ class Z1PythonRuntime:
         self._params[ds_id] = self._params[ds_id]._replace(grad_buffer=grad_buffer, offset=int(offset))
 
     def register_graph_z1(self, graph_id: int, ds_ids: Any) -> None:
+        self._register_graph(1, graph_id, ds_ids)
+
+    def register_graph_z2(self, graph_id: int, ds_ids: Any) -> None:
+        self._register_graph(2, graph_id, ds_ids)
+
+    def _register_graph(self, stage: int, graph_id: int, ds_ids: Any) -> None:
+        if self._stage not in (0, stage):
+            raise RuntimeError(f"owner_reduce: graph {graph_id} registered for ZeRO stage {stage}, "
+                               f"earlier graphs for stage {self._stage}")
+        self._stage = stage
         self._graphs[graph_id] = tuple(int(i) for i in ds_ids)
 
     def start_backward(self, update: bool) -> None:
@@ -193,6 +205,10 @@ class Z1PythonRuntime:
             raise KeyError(f"owner_reduce: reduce_grad for graph {graph_id}, which was never registered")
         self.stats.reduce_grad_calls += 1
         grad = grad.detach()
+        if self._stage == 2:
+            # z2.cpp: every micro-step reduces; the grad buffers accumulate the reduced sums (see _copy_out).
+            self._enqueue(ds_id, grad)
+            return
         running = self._accumulated.pop(ds_id, None)
         if running is not None:
             running.add_(grad)
@@ -211,6 +227,8 @@ class Z1PythonRuntime:
             self._flush(dtype)
         if self._streams is not None:
             self._streams.synchronize()  # the optimizer reads the grad buffers next
+        if self._stage == 2 and self._update:
+            self._has_acc_grad.clear()  # the next step's first reduction overwrites the buffers
         if release_reduce_buckets and self._buckets is not None:
             self._buckets.clear()
 
@@ -268,22 +286,36 @@ class Z1PythonRuntime:
         self._buckets.swap(dtype)
 
     def _copy_out(self, tasks: list[_Task], buffer: torch.Tensor) -> int:
-        rank = self.comm.rank
-        owner_path = self.settings.flags.reduce_to_owner
         kept = 0
         for t in tasks:
             param = self._params[t.ds_id]
             grad_buf = param.grad_buffer.view(-1)
             if grad_buf.numel() == 0:
                 continue
-            placement = self.settings.owner_map.placement(t.ds_id)
-            if owner_path and placement.placement is Placement.ONE_OWNER and placement.owner != rank:
-                # The reduced value never reached this rank: copying would hand the optimizer garbage.
-                raise RuntimeError(f"owner_reduce: rank {rank} holds a grad buffer for param {t.ds_id}, whose "
-                                   f"owner is rank {placement.owner}; the owner map and DeepCompile disagree")
-            grad_buf.copy_(buffer.narrow(0, t.offset + param.offset, grad_buf.numel()))
+            self._check_received(t.ds_id, param.offset, grad_buf.numel())
+            reduced = buffer.narrow(0, t.offset + param.offset, grad_buf.numel())
+            if self._stage == 2 and self._has_acc_grad.get(t.ds_id, False):
+                grad_buf.add_(reduced)
+            else:
+                grad_buf.copy_(reduced)
+            self._has_acc_grad[t.ds_id] = True
             kept += grad_buf.numel()
         return kept
+
+    def _check_received(self, ds_id: int, offset: int, numel: int) -> None:
+        """A grad buffer must lie in what reached this rank; otherwise the optimizer would get garbage."""
+        if not self.settings.flags.reduce_to_owner:
+            return
+        placement = self.settings.owner_map.placement(ds_id)
+        if placement.placement is not Placement.ONE_OWNER and not placement.sliced:
+            return  # AllReduced: every rank received everything
+        rank = self.comm.rank
+        if any(s.owner == rank and s.offset <= offset and offset + numel <= s.offset + s.length
+               for s in placement.slices):
+            return
+        owners = ", ".join(f"[{s.offset}, +{s.length}) -> rank {s.owner}" for s in placement.slices)
+        raise RuntimeError(f"owner_reduce: rank {rank} holds a grad buffer for elements [{offset}, +{numel}) of "
+                           f"param {ds_id}, which reduce elsewhere ({owners}); the owner map and DeepCompile disagree")
 
     def _count(self, plan: FlushPlan, kept: int, dtype: torch.dtype) -> None:
         s = self.stats

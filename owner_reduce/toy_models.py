@@ -60,3 +60,16 @@ class TinyTransformer(nn.Module):
             h = h + block["down"](torch.nn.functional.gelu(block["up"](block["norm2"](h))))
         logits = self.head(self.norm(h))
         return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class FewBigTensors(nn.Module):
+    """A few large matrices and nothing else; with dim 45, partition boundaries fall inside them at ws 2, 3 and 4."""
+
+    def __init__(self, dim: int = 45, layers: int = 3) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(dim, dim) / dim**0.5) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for w in self.weights:
+            x = torch.tanh(x @ w)
+        return nn.functional.mse_loss(x, y)

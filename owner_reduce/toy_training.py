@@ -25,9 +25,10 @@ class TrainSpec:
     reduce_to_owner: bool = True
     reduce_probe: bool = True
     reduce_bucket_size: int | None = None
-    model: str = "odd_mlp"  # or "tiny_transformer"
+    model: str = "odd_mlp"  # or "tiny_transformer", "few_big_tensors"
     model_kwargs: tuple[tuple[str, Any], ...] = ()  # (name, value) pairs: specs stay hashable
     micro_batch: int = 4
+    zero_stage: int = 1
     lr: float = 1e-2
     seed: int = 0
     record_collectives: bool = False
@@ -42,7 +43,7 @@ class TrainSpec:
 def _model_and_batches(spec: TrainSpec, rank: int) -> tuple[Any, Any]:
     import torch
 
-    from .toy_models import OddMLP, TinyTransformer
+    from .toy_models import FewBigTensors, OddMLP, TinyTransformer
 
     torch.manual_seed(spec.seed)
     generator = torch.Generator().manual_seed(1234 + (0 if spec.same_data else 7919 * (rank + 1)))
@@ -60,8 +61,16 @@ def _model_and_batches(spec: TrainSpec, rank: int) -> tuple[Any, Any]:
         def batch() -> tuple[Any, Any]:
             tokens = torch.randint(0, vocab, (spec.micro_batch, seq + 1), generator=generator)
             return tokens[:, :-1], tokens[:, 1:]
+    elif spec.model == "few_big_tensors":
+        model = FewBigTensors(**dict(spec.model_kwargs))
+        dim = model.weights[0].shape[0]
+
+        def batch() -> tuple[Any, Any]:
+            return (torch.randn(spec.micro_batch, dim, generator=generator),
+                    torch.randn(spec.micro_batch, dim, generator=generator))
     else:
-        raise ValueError(f"TrainSpec.model must be 'odd_mlp' or 'tiny_transformer', got {spec.model!r}")
+        raise ValueError(f"TrainSpec.model must be 'odd_mlp', 'tiny_transformer' or 'few_big_tensors', "
+                         f"got {spec.model!r}")
     return model, batch
 
 
@@ -105,7 +114,7 @@ def train(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
     import owner_reduce
 
     model, batch = _model_and_batches(spec, rank)
-    zero: dict[str, Any] = {"stage": 1}
+    zero: dict[str, Any] = {"stage": spec.zero_stage}
     if spec.reduce_bucket_size is not None:
         zero["reduce_bucket_size"] = spec.reduce_bucket_size
     config: dict[str, Any] = {

@@ -32,6 +32,11 @@ def test_placements_and_slices():
     assert m.owner(3) == 1 and m.slices(3) == (ParamSlice(0, 0, 1),)
     assert m.summary() == "DeepCompile reduce_to_owner: 4/5 gradients reduce to one rank"
     assert m.owner_share() == pytest.approx(12 / 20)
+    assert m.owner_share(sliced=True) == 1.0
+    assert m.init_line(sliced=False) == m.summary()
+    assert m.init_line(sliced=True) == ("DeepCompile reduce_to_owner: 4/5 gradients reduce to one rank; 1 straddling "
+                                        "gradients reduce in slices to their owners (100.0% of elements on the owner "
+                                        "path)")
 
 
 def test_other_communicator_group_is_allreduce():

@@ -15,7 +15,9 @@ from owner_reduce.toy_training import TrainSpec, train
 PROBE_RE = re.compile(r"^\[dc-probe\]\[r(\d+)\] flushReduceBucket #(\d+) dtype=Float tasks=(\d+) reduced_elems=(\d+) "
                       r"kept_elems=(\d+) discarded=(\d+\.\d)% pre_div=1 owner_tasks=(\d+) owner_elems=(\d+) "
                       r"\((\d+\.\d)%\)( \w+=\S+)*$")
-INIT_RE = re.compile(r"^DeepCompile reduce_to_owner: (\d+)/(\d+) gradients reduce to one rank$")
+INIT_RE = re.compile(r"^DeepCompile reduce_to_owner: (\d+)/(\d+) gradients reduce to one rank"
+                     r"(; \d+ straddling gradients reduce in slices to their owners "
+                     r"\(\d+\.\d% of elements on the owner path\))?$")
 N_PARAMS = 6  # OddMLP: three weights, three biases
 
 
@@ -42,14 +44,15 @@ def _assert_bitwise(owner: tuple, plain: tuple) -> None:
             f"rank {rank}: params differ by up to {_max_param_diff(o['params'], p['params']):.3e}"
 
 
-def _assert_runtime_ran(results: tuple, spec: TrainSpec, owner_path: bool) -> None:
+def _assert_runtime_ran(results: tuple, spec: TrainSpec, owner_path: bool, n_params: int = N_PARAMS) -> None:
     micro_steps = spec.steps * spec.grad_accum
+    reducing_steps = micro_steps if spec.zero_stage == 2 else spec.steps  # stage 1 accumulates locally
     for rank, r in enumerate(results):
         s = r["stats"]
         assert s is not None, f"rank {rank}: no owner_reduce runtime"
-        assert s.reduce_grad_calls == micro_steps * N_PARAMS, (rank, s)
-        assert s.end_backward_calls == micro_steps and s.flushes >= spec.steps
-        assert s.accumulated_calls == spec.steps * (spec.grad_accum - 1) * N_PARAMS
+        assert s.reduce_grad_calls == micro_steps * n_params, (rank, s)
+        assert s.end_backward_calls == micro_steps and s.flushes >= reducing_steps
+        assert s.accumulated_calls == (micro_steps - reducing_steps) * n_params
         assert s.profiling_calls > 0, "DeepCompile's profiler did not run the graph"
         if owner_path:
             assert s.owner_elems > 0 and s.reduce_calls > 0, (rank, s)
@@ -63,7 +66,9 @@ def _assert_runtime_ran(results: tuple, spec: TrainSpec, owner_path: bool) -> No
             assert all(int(m.group(1)) == rank for m in matches)
             assert (sum(int(m.group(8)) for m in matches) > 0) == owner_path, s.probe_lines
     init = results[0]["stats"].init_line
-    assert init is not None and INIT_RE.match(init), init
+    m = INIT_RE.match(init or "")
+    assert m, init
+    assert bool(m.group(3)) == spec.reduce_to_owner, "the sliced-straddler sentence appears with the owner path only"
     assert all(r["stats"].init_line is None for r in results[1:]), "only rank 0 prints the init line"
 
 
@@ -204,3 +209,48 @@ def test_flags_off_leaves_deepspeed_untouched():
     for r, ref in zip(results, reference, strict=True):
         assert r["dc_handle"] is None and not r["dc_ops_defined"] and r["stats"] is None
         assert r["losses"] == ref["losses"]
+
+
+# ---- straddling parameters reduce in slices; ZeRO stage 2 ---------------------------------------------------
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_few_big_tensors_reduce_in_slices_bitwise_equal(world_size):
+    spec = TrainSpec(mode="owner", model="few_big_tensors", steps=4, record_collectives=True)
+    owner = _run(world_size, spec)
+    _assert_runtime_ran(owner, spec, owner_path=True, n_params=3)
+    _assert_bitwise(owner, _reference(world_size, spec))
+    _assert_same_collectives_on_all_ranks(owner)
+    init = owner[0]["stats"].init_line
+    m = re.match(r"^DeepCompile reduce_to_owner: (\d+)/3 gradients reduce to one rank; (\d+) straddling gradients "
+                 r"reduce in slices to their owners \((\d+\.\d)% of elements on the owner path\)$", init)
+    assert m, init
+    assert int(m.group(2)) >= world_size - 1 and float(m.group(3)) >= 99.9
+    for r in owner:
+        s = r["stats"]
+        assert s.owner_elems == s.reduced_elems and s.all_reduce_calls == 0
+        # Nothing reached a rank that it did not keep.
+        assert all(" discarded=0.0% " in line for line in s.probe_lines), s.probe_lines
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size,grad_accum,backend", [(2, 1, "eager"), (3, 2, "eager"), (2, 2, "inductor")])
+def test_stage2_identical_data_bitwise_equal(world_size, grad_accum, backend):
+    spec = TrainSpec(mode="owner", zero_stage=2, backend=backend, steps=4, grad_accum=grad_accum,
+                     record_collectives=True)
+    owner = _run(world_size, spec)
+    _assert_runtime_ran(owner, spec, owner_path=True)
+    _assert_bitwise(owner, _reference(world_size, spec))
+    _assert_same_collectives_on_all_ranks(owner)
+
+
+@pytest.mark.timeout(300)
+def test_stage2_different_data_within_tolerance():
+    spec = TrainSpec(mode="owner", zero_stage=2, steps=4, grad_accum=2, same_data=False)
+    owner = _run(3, spec)
+    plain = _reference(3, spec)
+    _assert_runtime_ran(owner, spec, owner_path=True)
+    for o, p in zip(owner, plain, strict=True):
+        for k in p["params"]:
+            torch.testing.assert_close(o["params"][k], p["params"][k], rtol=1e-5, atol=1e-6)
+    assert owner[0]["losses"] != owner[1]["losses"]

@@ -54,10 +54,11 @@ def test_copy_out_gets_the_reduced_value_on_the_keeper(rank, owner):
         if buf.numel():
             expected = grads[pid][param.offset:param.offset + buf.numel()]
             assert torch.equal(buf, expected), (pid, buf, expected)
-    kinds = [c[0] for c in comm.calls]
-    assert kinds == (["reduce", "all_reduce", "reduce"] if owner else ["all_reduce"])
+    # Order c, b, a: c -> r1; b's [0, 2) -> r0 and [2, 5) -> r1 (sliced); a -> r0.
+    assert comm.calls == ([("reduce", 1, 5), ("reduce", 0, 2), ("reduce", 1, 3), ("reduce", 0, 6)] if owner
+                          else [("all_reduce", None, 16)])
     assert comm.groups == 1 and comm.open_groups == 0
-    assert rt.stats.owner_elems == (11 if owner else 0) and rt.stats.flushes == 1
+    assert rt.stats.owner_elems == (16 if owner else 0) and rt.stats.flushes == 1
 
 
 def test_accumulation_across_micro_steps_then_one_reduction():
@@ -102,8 +103,40 @@ def test_profiling_communicates_nothing():
 def test_a_grad_buffer_on_a_non_owner_is_refused():
     rt, _ = _runtime(rank=0)
     rt.update_param_grad_buffer(2, torch.zeros(5), 0)  # rank 0 claims c, owned by rank 1
-    with pytest.raises(RuntimeError, match="owner is rank 1"):
+    with pytest.raises(RuntimeError, match=r"elements \[0, \+5\) of param 2, which reduce elsewhere"):
         _backward(rt, _grads())
+
+
+def test_a_straddler_slice_of_another_rank_is_refused():
+    rt, _ = _runtime(rank=0)
+    rt.update_param_grad_buffer(1, torch.zeros(3), 2)  # rank 0 claims b's [2, 5), rank 1's slice
+    with pytest.raises(RuntimeError, match=r"\[2, \+3\) of param 1, which reduce elsewhere"):
+        _backward(rt, _grads())
+
+
+def test_stage2_reduces_every_micro_step_and_accumulates_in_the_buffer():
+    comm = MirrorComm(rank=0)
+    settings = RuntimeSettings(OwnerReduceFlags(True, False), OwnerMap.from_group_tables([TABLES], 2))
+    rt = Z1PythonRuntime(settings, comm_factory=lambda group: comm)
+    rt.init(None, types.SimpleNamespace(double_buffer=True), 64)
+    buffers = {0: torch.zeros(6), 1: torch.zeros(2), 2: torch.empty(0)}
+    for pid, buf in buffers.items():
+        rt.register_param(pid, (NUMELS[pid],), torch.zeros(NUMELS[pid]), buf, 0)
+    rt.register_graph_z2(12, [0, 1, 2])
+    for update, scale in ((False, 1.0), (True, 2.0)):
+        rt.start_backward(update)
+        for pid, g in _grads(scale).items():
+            rt.reduce_grad(g, 12, pid)
+        rt.end_backward(12, False)
+    assert rt.stats.flushes == 2 and rt.stats.accumulated_calls == 0
+    assert torch.equal(buffers[0], _grads(3.0)[0])  # sum of both micro-steps
+    rt.start_backward(True)  # a new step overwrites
+    for pid, g in _grads(5.0).items():
+        rt.reduce_grad(g, 12, pid)
+    rt.end_backward(12, False)
+    assert torch.equal(buffers[0], _grads(5.0)[0])
+    with pytest.raises(RuntimeError, match="registered for ZeRO stage 1"):
+        rt.register_graph_z1(13, [0])
 
 
 def test_probe_lines_stop_after_twenty_flushes():
