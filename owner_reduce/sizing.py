@@ -11,10 +11,10 @@ Model (DESIGN.md, "Performance model"), per rank, bandwidth-bound, ring:
 - Reduces to different roots inside one NCCL group run together; a rank sends every range whose root it
   is not, so a bucket split evenly over the n owners costs (n-1)/n * S/B, like a ReduceScatter.
 Times are kept in units of "elements sent by the busiest rank"; divide by B (elements/s) for seconds.
-Three paths are compared: ``native`` (DeepCompile today: one AllReduce per gradient), ``owner`` (this
-package: single-owner gradients Reduce to their owner, straddling ones AllReduce, ranges merged per run)
-and ``sliced`` (a bound, not implemented: every partition's slice of a straddling gradient reduced to its
-owner, so every element goes to exactly one rank).
+Three paths are compared: ``native`` (DeepCompile today: one AllReduce per gradient), ``owner`` (the
+proposal: single-owner gradients Reduce to their owner, straddling ones AllReduce, ranges merged per run)
+and ``sliced`` (what ``reduce_to_owner`` does: every partition's slice of a straddling gradient also reduces
+to its owner, so every element goes to exactly one rank). Both come from ``flush_plan.plan_flush``.
 """
 
 from __future__ import annotations
@@ -115,19 +115,23 @@ def delivered_bytes(owner_map: OwnerMap, dtype_bytes: int = 2) -> DeliveredBytes
     n = owner_map.dp_world_size
     total = sum(p.numel for p in owner_map)
     everyone = sum(p.numel for p in owner_map if p.placement is not Placement.ONE_OWNER)  # still AllReduce
-    other_comm = sum(p.numel for p in owner_map if p.placement is Placement.OTHER_COMM)
+    # Sliced: only other-communicator groups and whole-gradient (Muon) straddlers still reach every rank.
+    sliced_everyone = sum(p.numel for p in owner_map if p.placement is not Placement.ONE_OWNER and not p.sliced)
     owned = [0] * n
     kept = [0] * n
+    sliced_owned = [0] * n
     for p in owner_map:
         if p.placement is Placement.ONE_OWNER:
             owned[p.slices[0].owner] += p.numel
         for piece in p.slices:
             kept[piece.owner] += piece.length
+            if p.placement is Placement.ONE_OWNER or p.sliced:
+                sliced_owned[piece.owner] += piece.length
     return DeliveredBytes(
         dtype_bytes=dtype_bytes, world_size=n,
         allreduce=RankStat.of([total * dtype_bytes] * n),
         owner=RankStat.of([(owned[r] + everyone) * dtype_bytes for r in range(n)]),
-        sliced=RankStat.of([(kept[r] + other_comm) * dtype_bytes for r in range(n)]),
+        sliced=RankStat.of([(sliced_owned[r] + sliced_everyone) * dtype_bytes for r in range(n)]),
         kept=RankStat.of([k * dtype_bytes for k in kept]))
 
 
@@ -173,28 +177,6 @@ def simulate_flushes(owner_map: OwnerMap, grad_order: Sequence[int], bucket_size
     if entries:
         flushes.append(tuple(entries))
     return tuple(flushes)
-
-
-def sliced_ranges(entries: Sequence[BucketEntry], owner_map: OwnerMap) -> tuple[FlushRange, ...]:
-    """The ranges of a flush if every partition's slice went to its owner (the bound, not implemented)."""
-    ranges: list[FlushRange] = []
-
-    def add(offset: int, count: int, root: int | None) -> None:
-        if count == 0:
-            return
-        if ranges and ranges[-1].root == root and ranges[-1].offset + ranges[-1].count == offset:
-            last = ranges[-1]
-            ranges[-1] = FlushRange(last.offset, last.count + count, root)
-        else:
-            ranges.append(FlushRange(offset, count, root))
-
-    for entry in entries:
-        placement = owner_map.placement(entry.param_id)
-        if placement.placement is Placement.OTHER_COMM:
-            add(entry.offset, entry.numel, ALL)
-        for piece in placement.slices:
-            add(entry.offset + piece.offset, piece.length, piece.owner)
-    return tuple(ranges)
 
 
 def ring_time(ranges: Sequence[FlushRange], world_size: int) -> float:
@@ -267,8 +249,8 @@ def size_buckets(owner_map: OwnerMap, grad_order: Sequence[int], bucket_size: in
     sized = []
     for index, entries in enumerate(simulate_flushes(owner_map, grad_order, bucket_size, double_buffer), 1):
         native = plan_flush(entries, owner_map, reduce_to_owner=False)
-        owner = plan_flush(entries, owner_map, reduce_to_owner=True)
-        sliced = sliced_ranges(entries, owner_map)
+        owner = plan_flush(entries, owner_map, reduce_to_owner=True, slice_straddlers=False)
+        sliced = plan_flush(entries, owner_map, reduce_to_owner=True).ranges
         # Native: each gradient is its own AllReduce, but they share one group, so time adds up as one range.
         sized.append(FlushSizing(index=index, tasks=owner.tasks, elems=owner.reduced_elems,
                                  owner_elems=owner.owner_elems, native_calls=len(entries),
@@ -327,7 +309,8 @@ def format_report(report: SizingReport) -> str:
         "elements on the owner path (single-owner parameters):",
         f"  single-owner {s.single_owner_params}/{s.params} params, {s.single_owner_elems:,}/{s.elems:,} elements "
         f"= {_pct(s.share)}",
-        f"  straddling   {s.straddling_params} params, {s.straddling_elems:,} elements (stay on AllReduce)",
+        f"  straddling   {s.straddling_params} params, {s.straddling_elems:,} elements (reduce in slices with "
+        "reduce_to_owner; AllReduce in the proposal)",
     ]
     if s.other_comm_params:
         lines.append(f"  other comm   {s.other_comm_params} params, {s.other_comm_elems:,} elements (AllReduce)")
@@ -335,9 +318,10 @@ def format_report(report: SizingReport) -> str:
         "",
         "bytes delivered per rank per step (reduced results arriving at a rank):   mean / max",
         f"  AllReduce (native)          {_mib(d.allreduce.mean):>14} / {_mib(d.allreduce.max):>14}",
-        f"  owner path                  {_mib(d.owner.mean):>14} / {_mib(d.owner.max):>14}   "
+        f"  owner, straddlers AllReduce {_mib(d.owner.mean):>14} / {_mib(d.owner.max):>14}   "
         f"({_pct(d.owner_over_allreduce)} of AllReduce)",
-        f"  sliced bound (not built)    {_mib(d.sliced.mean):>14} / {_mib(d.sliced.max):>14}",
+        f"  owner, straddlers sliced    {_mib(d.sliced.mean):>14} / {_mib(d.sliced.max):>14}   "
+        f"({_pct(d.sliced.mean / d.allreduce.mean if d.allreduce.mean else 1.0)} of AllReduce; reduce_to_owner)",
         f"  kept by the optimizer       {_mib(d.kept.mean):>14} / {_mib(d.kept.max):>14}",
     ]
     for b in report.buckets:
@@ -349,11 +333,12 @@ def format_report(report: SizingReport) -> str:
             "(gradients in reverse parameter order)",
             f"  collective calls per flush (mean, max):  native {b.native_calls / per:.1f}, "
             f"{max((f.native_calls for f in b.flushes), default=0)}   owner {b.owner_calls / per:.1f}, "
-            f"{max((f.owner_calls for f in b.flushes), default=0)}   sliced bound {b.sliced_calls / per:.1f}",
+            f"{max((f.owner_calls for f in b.flushes), default=0)}   sliced {b.sliced_calls / per:.1f}, "
+            f"{max((f.sliced_calls for f in b.flushes), default=0)}",
             f"  collective calls per step:               native {b.native_calls}   owner {b.owner_calls}   "
-            f"sliced bound {b.sliced_calls}",
+            f"sliced {b.sliced_calls}",
             f"  ring-model time, owner / native:         {b.owner_time_ratio:.3f}   "
-            f"(sliced bound {b.sliced_time_ratio:.3f}; native AllReduce = 2(n-1)/n = {2 * (n - 1) / n:.3f} S/B)",
+            f"(sliced {b.sliced_time_ratio:.3f}; native AllReduce = 2(n-1)/n = {2 * (n - 1) / n:.3f} S/B)",
         ]
     lines += ["", "estimate: bandwidth-bound ring model, per rank; latency, compute overlap and host time ignored."]
     lines += [f"note: {note}" for note in report.notes]

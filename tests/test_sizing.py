@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from owner_reduce.flush_plan import ALL, BucketEntry, FlushRange
+from owner_reduce.flush_plan import ALL, BucketEntry, FlushRange, plan_flush
 from owner_reduce.gpt_presets import GPT, PRESETS, build_gpt, build_uninitialized
 from owner_reduce.owner_map import GroupTables, OwnerMap
 from owner_reduce.sizing import (
@@ -26,7 +26,6 @@ from owner_reduce.sizing import (
     simulate_flushes,
     size_buckets,
     size_the_win,
-    sliced_ranges,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -137,7 +136,8 @@ def test_ring_model_matches_the_design_numbers_at_n8():
 @pytest.mark.timeout(30)
 def test_sliced_ranges_merge_adjacent_same_owner():
     entries = [BucketEntry(3, 0, 3), BucketEntry(2, 3, 5), BucketEntry(1, 8, 4), BucketEntry(0, 12, 6)]
-    assert sliced_ranges(entries, _map()) == (FlushRange(0, 8, 1), FlushRange(8, 3, 0), FlushRange(11, 1, 1),
+    ranges = plan_flush(entries, _map(), reduce_to_owner=True).ranges
+    assert ranges == (FlushRange(0, 8, 1), FlushRange(8, 3, 0), FlushRange(11, 1, 1),
                                               FlushRange(12, 6, 0))
 
 
