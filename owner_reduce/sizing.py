@@ -270,7 +270,7 @@ class SizingReport:
     model: str
     world_size: int
     dtype: str
-    summary_line: str  # OwnerMap.summary(), the init line exactly
+    summary_line: str  # the init line exactly as the runtime prints it with reduce_to_owner on
     share: ElementShare
     delivered: DeliveredBytes
     buckets: tuple[BucketSizing, ...]
@@ -283,7 +283,7 @@ def size_the_win(owner_map: OwnerMap, grad_order: Sequence[int], bucket_sizes: S
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} not one of {', '.join(DTYPE_BYTES)}")
     return SizingReport(model=model, world_size=owner_map.dp_world_size, dtype=dtype,
-                        summary_line=owner_map.summary(), share=element_share(owner_map),
+                        summary_line=owner_map.init_line(sliced=True), share=element_share(owner_map),
                         delivered=delivered_bytes(owner_map, DTYPE_BYTES[dtype]),
                         buckets=tuple(size_buckets(owner_map, grad_order, b) for b in bucket_sizes),
                         build_seconds=build_seconds, notes=tuple(notes))

@@ -29,7 +29,8 @@ from owner_reduce.sizing import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-INIT_LINE = re.compile(r"^DeepCompile reduce_to_owner: (\d+)/(\d+) gradients reduce to one rank$")
+INIT_LINE = re.compile(r"^DeepCompile reduce_to_owner: (\d+)/(\d+) gradients reduce to one rank(; (\d+) straddling "
+                       r"gradients reduce in slices to their owners \((\d+\.\d)% of elements on the owner path\))?$")
 
 
 def _map() -> OwnerMap:
@@ -204,6 +205,7 @@ def test_command_on_tiny_preset_json_two_world_sizes():
     for r in data["reports"]:
         match = INIT_LINE.match(r["summary_line"])
         assert match and int(match.group(1)) == r["share"]["single_owner_params"]
+        assert int(match.group(4) or 0) == r["share"]["straddling_params"]
         assert int(match.group(2)) == r["share"]["params"] == 2 + 2 * 12 + 2  # wte, wpe, 2 blocks, ln_f
         assert r["share"]["elems"] == PRESETS["tiny"].num_params()
         d = r["delivered"]
