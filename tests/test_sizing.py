@@ -147,7 +147,8 @@ def test_report_text_and_json():
     m = _map()
     report = size_the_win(m, backward_order([0, 1, 2, 3]), (100, 10), model="hand-built", dtype="fp32")
     text = format_report(report)
-    assert text.splitlines()[0] == "DeepCompile reduce_to_owner: 3/4 gradients reduce to one rank"
+    assert text.splitlines()[0] == ("DeepCompile reduce_to_owner: 3/4 gradients reduce to one rank; 1 straddling "
+                                    "gradients reduce in slices to their owners (100.0% of elements on the owner path)")
     assert INIT_LINE.match(text.splitlines()[0])
     assert "77.8%" in text  # share of elements on the owner path
     data = json.loads(json.dumps(report_to_dict(report)))
