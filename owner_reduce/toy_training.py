@@ -33,6 +33,7 @@ class TrainSpec:
     seed: int = 0
     record_collectives: bool = False
     progress: bool = False  # rank 0 draws a progress bar on stderr
+    inject_fault: str | None = None  # negative controls only: see owner_reduce.faults
     time_runtime: bool = False  # host time of each reduce_grad (without flushes) and each flush, in ns
 
     def __post_init__(self) -> None:
@@ -113,6 +114,10 @@ def train(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
 
     import owner_reduce
 
+    if spec.inject_fault is not None:
+        from .faults import inject
+
+        inject(spec.inject_fault, world_size)
     model, batch = _model_and_batches(spec, rank)
     zero: dict[str, Any] = {"stage": spec.zero_stage}
     if spec.reduce_bucket_size is not None:
