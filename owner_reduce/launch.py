@@ -35,16 +35,21 @@ def free_port() -> int:
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: Sequence[Any],
-               results: Any, env: dict[str, str]) -> None:
-    os.environ.update(env)
+               results: Any, env: dict[str, str], dist_backend: str | None) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(env)  # before torch touches CUDA: CUDA_VISIBLE_DEVICES and LOCAL_RANK may be set here
     try:
-        import deepspeed
         import torch
 
-        torch.set_num_threads(1)  # N ranks share the machine's few cores
-        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        if dist_backend == "nccl":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        else:
+            torch.set_num_threads(1)  # N ranks share the machine's few cores
+        if dist_backend is not None:
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend=dist_backend, verbose=False)
         out = fn(rank, world_size, *args)
         # Plain pickle bytes, not the queue's tensor sharing: shared-memory handles die with this process.
         results.put((rank, True, pickle.dumps(out)))
@@ -61,17 +66,22 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ar
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 240.0,
-              env: dict[str, str] | None = None) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; return results by rank.
+              env: dict[str, str] | None = None, rank_env: Sequence[dict[str, str]] | None = None,
+              dist_backend: str | None = "gloo") -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return results by rank.
 
-    ``fn`` must be importable by name (module level). Raises RankFailure if any rank raised, RankTimeout
-    if any rank had not reported within ``timeout`` seconds; all ranks are dead when this returns.
+    Each rank gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* plus ``env`` and its own ``rank_env[rank]``, then
+    ``deepspeed.init_distributed(dist_backend)`` ("gloo"; "nccl" also selects the CUDA device LOCAL_RANK
+    modulo the visible devices; None: no process group, ``fn`` brings its own). ``fn`` must be importable by
+    name (module level). Raises RankFailure if any rank raised, RankTimeout if any rank had not reported within
+    ``timeout`` seconds; all ranks are dead when this returns.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
+    envs = [{**(env or {}), **(rank_env[r] if rank_env else {})} for r in range(world_size)]
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, tuple(args), results, dict(env or {})),
+        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, tuple(args), results, envs[r], dist_backend),
                     daemon=True) for r in range(world_size)
     ]
     for p in procs:

@@ -18,15 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import pickle
-import queue
-import socket
 import statistics
 import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -47,12 +42,6 @@ class Job:
     bf16: bool = False
     cpu: bool = False
     seed: int = 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(rank: int, world_size: int, job: Job) -> dict[str, Any]:
@@ -113,75 +102,26 @@ def _train(rank: int, world_size: int, job: Job) -> dict[str, Any]:
             "params": {n: p.detach().float().cpu() for n, p in engine.module.named_parameters()}}
 
 
-def _rank_main(rank: int, world_size: int, port: int, job: Job, gpu: str | None, results: Any) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      LOCAL_RANK="0" if gpu is not None else str(rank),
-                      LOCAL_WORLD_SIZE="1" if gpu is not None else str(world_size))
-    if gpu is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before torch touches CUDA: this rank sees one GPU, cuda:0
-    try:
-        import deepspeed
-        import torch
-
-        if gpu is not None:
-            torch.cuda.set_device(0)
-        else:
-            torch.set_num_threads(1)
-        deepspeed.init_distributed(dist_backend="gloo" if gpu is None else "nccl", verbose=False)
-        results.put((rank, True, pickle.dumps(_train(rank, world_size, job))))
-    except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        try:
-            import torch.distributed as tdist
-
-            if tdist.is_initialized():
-                tdist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - best effort on the way out
-            pass
-
-
 def launch(job: Job, world_size: int, timeout: float) -> list[dict[str, Any]]:
-    """Run ``job`` on ``world_size`` fresh ranks; results by rank, or RuntimeError with every rank's traceback."""
-    visible = None
+    """Run ``job`` on ``world_size`` fresh ranks; results by rank, or RuntimeError with every rank's traceback.
+
+    On GPUs each rank sees one device (cuda:0, LOCAL_RANK 0), so several ranks can share one GPU.
+    """
+    from owner_reduce.launch import RankFailure, RankTimeout, run_ranks
+
+    rank_env = None
     if not job.cpu:
         import torch
 
         listed = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
         visible = listed or [str(i) for i in range(torch.cuda.device_count())]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, daemon=True,
-                         args=(r, world_size, port, job, None if visible is None else visible[r % len(visible)],
-                               results)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    outcome: dict[int, tuple[bool, Any]] = {}
-    deadline = time.monotonic() + timeout
+        rank_env = [{"CUDA_VISIBLE_DEVICES": visible[r % len(visible)], "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+                    for r in range(world_size)]
     try:
-        while len(outcome) < world_size and time.monotonic() < deadline:
-            if any(not ok for ok, _ in outcome.values()):
-                deadline = min(deadline, time.monotonic() + 5)
-            try:
-                rank, ok, out = results.get(timeout=0.5)
-                outcome[rank] = (ok, out)
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for r, p in enumerate(procs) if r not in outcome):
-                    break
-    finally:
-        for p in procs:
-            p.join(timeout=10 if len(outcome) == world_size else 0.1)
-            if p.is_alive():
-                p.kill()
-    failed = {r: out for r, (ok, out) in outcome.items() if not ok}
-    missing = sorted(set(range(world_size)) - set(outcome))
-    if failed or missing:
-        text = "".join(f"\n--- rank {r} raised ---\n{tb}" for r, tb in sorted(failed.items()))
-        if missing:
-            text += f"\nranks {missing} did not report within {timeout:g}s (exit codes {[p.exitcode for p in procs]})"
-        raise RuntimeError(f"{job.mode} job failed:{text}")
-    return [pickle.loads(outcome[r][1]) for r in range(world_size)]
+        return run_ranks(_train, world_size, args=(job,), timeout=timeout, rank_env=rank_env,
+                         dist_backend="gloo" if job.cpu else "nccl")
+    except (RankFailure, RankTimeout) as error:
+        raise RuntimeError(f"{job.mode} job failed: {error}") from error
 
 
 def compare(name: str, a: dict[str, Any], b: dict[str, Any], atol: float) -> dict[str, Any]:

@@ -21,13 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import queue
 import statistics
 import sys
-import time
-import traceback
 from typing import Any
 
 NO_GPU, CANNOT_RUN, RANKS_FAILED = 3, 4, 5
@@ -183,57 +179,28 @@ def _check_dtype(comm: Any, rank: int, ws: int, dtype_name: str, args: argparse.
             "allreduce_ms": statistics.median(times["allreduce"]), "owner_ms": statistics.median(times["owner"])}
 
 
-def rank_main(rank: int, ws: int, unique_id: bytes, args: argparse.Namespace, results: Any) -> None:
+def rank_main(rank: int, ws: int, unique_id: bytes, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from owner_reduce.nccl_comm import CupyNcclComm
+
+    device = rank % torch.cuda.device_count()
+    torch.cuda.set_device(device)
+    comm = CupyNcclComm(unique_id, rank, ws, device=device)
     try:
-        import torch
-
-        from owner_reduce.nccl_comm import CupyNcclComm
-
-        device = rank % torch.cuda.device_count()
-        torch.cuda.set_device(device)
-        comm = CupyNcclComm(unique_id, rank, ws, device=device)
-        try:
-            rows = [_check_dtype(comm, rank, ws, DTYPES[d], args) for d in args.dtypes]
-            gathered = comm.all_gather_ints([rank, len(rows)])
-        finally:
-            comm.close()
-        results.put((rank, True, {"device": device, "rows": rows, "gathered": gathered}))
-    except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        results.put((rank, False, traceback.format_exc()))
+        rows = [_check_dtype(comm, rank, ws, DTYPES[d], args) for d in args.dtypes]
+        gathered = comm.all_gather_ints([rank, len(rows)])
+    finally:
+        comm.close()
+    return {"device": device, "rows": rows, "gathered": gathered}
 
 
 # ---- the parent ----------------------------------------------------------------------------------------------
 
 
-def _run_ranks(ws: int, unique_id: bytes, args: argparse.Namespace) -> dict[int, tuple[bool, Any]]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, ws, unique_id, args, results), daemon=True) for r in range(ws)]
-    for p in procs:
-        p.start()
-    outcome: dict[int, tuple[bool, Any]] = {}
-    deadline = time.monotonic() + args.timeout
-    try:
-        while len(outcome) < ws and time.monotonic() < deadline:
-            if any(not ok for ok, _ in outcome.values()):
-                deadline = min(deadline, time.monotonic() + 5)
-            try:
-                rank, ok, out = results.get(timeout=0.5)
-                outcome[rank] = (ok, out)
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for r, p in enumerate(procs) if r not in outcome):
-                    break
-    finally:
-        for p in procs:
-            p.join(timeout=5 if len(outcome) == ws else 0.1)
-            if p.is_alive():
-                p.kill()
-    return outcome
-
-
-def _report(ws: int, outcome: dict[int, tuple[bool, Any]], header: dict[str, Any]) -> tuple[bool, list[dict]]:
-    rows_by_rank = [outcome[r][1]["rows"] for r in range(ws)]
-    ok = all(outcome[r][1]["gathered"] == [[q, len(rows_by_rank[0])] for q in range(ws)] for r in range(ws))
+def _report(ws: int, results: list[dict[str, Any]], header: dict[str, Any]) -> tuple[bool, list[dict]]:
+    rows_by_rank = [results[r]["rows"] for r in range(ws)]
+    ok = all(results[r]["gathered"] == [[q, len(rows_by_rank[0])] for q in range(ws)] for r in range(ws))
     summary = []
     for i, first in enumerate(rows_by_rank[0]):
         per_rank = [rows[i] for rows in rows_by_rank]
@@ -306,16 +273,14 @@ def main(argv: list[str] | None = None) -> int:
           f"ws={ws} on {gpus} x {header['gpu']}; bucket {args.bucket_mb:g} MiB; {args.iters} iters after "
           f"{args.warmup} warm-up" + ("; ranks share GPUs: timings are not an interconnect's" if ws > gpus else ""),
           flush=True)
-    outcome = _run_ranks(ws, unique_id, args)
-    failed = {r: out for r, (ok, out) in outcome.items() if not ok}
-    if failed or len(outcome) < ws:
-        for r, tb in sorted(failed.items()):
-            print(f"--- rank {r} raised ---\n{tb}", file=sys.stderr)
-        missing = sorted(set(range(ws)) - set(outcome))
-        if missing:
-            print(f"nccl_check: ranks {missing} did not report within {args.timeout:g}s", file=sys.stderr)
+    from owner_reduce.launch import RankFailure, RankTimeout, run_ranks
+
+    try:  # no DeepSpeed, no torch process group: the ranks meet through the NCCL unique id alone
+        results = run_ranks(rank_main, ws, args=(unique_id, args), timeout=args.timeout, dist_backend=None)
+    except (RankFailure, RankTimeout) as error:
+        print(f"nccl_check: {error}", file=sys.stderr)
         return RANKS_FAILED
-    ok, summary = _report(ws, outcome, header)
+    ok, summary = _report(ws, results, header)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)
