@@ -111,8 +111,8 @@ def print_table(summary: dict[str, Any]) -> None:
     print(f"bytes saved: {summary['bytes_saved_share']:.1%}; max |loss diff| {summary['max_abs_loss_diff']:.3e} "
           f"(relative {summary['max_rel_loss_diff']:.3e}) over {summary['steps']} steps, "
           f"{summary['max_abs_loss_diff_first_10']:.1e} in the first 10")
-    print("(different data per rank: the two paths sum in different orders, and Adam amplifies last-bit differences "
-          "over the steps; plain ZeRO-1 drifts from either path by the same order)")
+    print("(different data per rank: the two paths sum in different orders, like any change of NCCL algorithm; "
+          "see docs/reduce_to_owner.md, Numerics)")
 
 
 def main() -> int:
@@ -122,6 +122,7 @@ def main() -> int:
     parser.add_argument("--dim", type=int, default=48)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--bucket-size", type=int, default=20000, help="reduce_bucket_size in elements")
+    parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (the acceptance script's)")
     parser.add_argument("--out", type=Path, default=Path("out/demo"))
     parser.add_argument("--timeout", type=float, default=600)
     args = parser.parse_args()
@@ -132,7 +133,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     base = TrainSpec(model="tiny_transformer", model_kwargs=(("dim", args.dim), ("layers", args.layers)),
                      steps=args.steps, same_data=False, reduce_probe=True, record_collectives=True, progress=True,
-                     reduce_bucket_size=args.bucket_size, micro_batch=4)
+                     reduce_bucket_size=args.bucket_size, micro_batch=4, lr=args.lr)
     runs: dict[str, list[dict[str, Any]]] = {}
     for name, owner in (("allreduce", False), ("owner", True)):
         print(f"== DeepCompile ZeRO-1, {args.world_size} gloo ranks, {args.steps} steps, "
