@@ -14,7 +14,7 @@ from . import cpu_compat
 from .comm import ReduceComm
 from .compile_pass import owner_schedule
 from .flags import flags_of
-from .ops import ensure_dc_schemas, register_inductor_lowerings, set_active_runtime
+from .ops import ensure_dc_schemas, register_inductor_lowerings, release_dc_schemas, set_active_runtime
 from .runtime import RuntimeSettings, Z1PythonRuntime
 
 
@@ -45,28 +45,46 @@ def wrap_init_z1_and_2(original: Any) -> Any:
 
         import deepspeed.compile.util as dc_util
 
+        from .ops import active_runtime_or_none
+
+        if active_runtime_or_none() is not None:
+            # DeepCompile drives one process-wide handle (start_backward, reduce_grad by graph): two live engines
+            # on it would steal each other's calls, natively as here.
+            raise RuntimeError("owner_reduce: another DeepCompile engine with reduce_to_owner/reduce_probe is live in "
+                               "this process; destroy it (engine.destroy()) before compiling a second one")
         if cpu_compat.is_cpu_accelerator():
             cpu_compat.apply()
-        ensure_dc_schemas()
+        defined_schemas = ensure_dc_schemas()
         register_inductor_lowerings()
         runtime = build_runtime(engine, flags)
         previous_handle = dc_util.dc_handle
+        hooks_before = list(dc_util.pre_backward_hooks)
 
         def release() -> None:
             # Note (handle lifetime): the engine calls cleanup() when DeepCompile is deactivated; from then on
-            # get_deepcompile_handle() returns whatever it returned before this engine compiled.
+            # get_deepcompile_handle() returns what it returned before, DeepCompile's pre-backward hooks of this
+            # engine are gone (DeepSpeed never removes them), and the dc schemas owner_reduce defined are too,
+            # so that a later engine can load DeepCompile's native extension.
             if dc_util.dc_handle is runtime:
                 dc_util.dc_handle = previous_handle
-            set_active_runtime(None)
+            dc_util.pre_backward_hooks[:] = [h for h in dc_util.pre_backward_hooks if h not in added_hooks]
+            if active_runtime_or_none() is runtime:
+                set_active_runtime(None)
+            if defined_schemas:
+                release_dc_schemas()
 
         runtime.on_cleanup = release
         dc_util.dc_handle = runtime
         set_active_runtime(runtime)
+        added_hooks: list[Any] = []
         try:
             return original(engine, backend, compile_config, compile_kwargs, owner_schedule(schedule, use_z2), use_z2)
         except BaseException:
-            release()
+            if runtime.comm is None:  # init never completed, so DeepSpeed will not call cleanup(): release here
+                release()
             raise
+        finally:
+            added_hooks[:] = [h for h in dc_util.pre_backward_hooks if h not in hooks_before]
 
     init_z1_and_2.__wrapped__ = original  # type: ignore[attr-defined]
     return init_z1_and_2

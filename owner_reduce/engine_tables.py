@@ -75,8 +75,9 @@ def build_owner_map(engine: Any) -> OwnerMap:
 def disagreements_with_optimizer(owner_map: OwnerMap, engine: Any) -> list[str]:
     """Where the map contradicts this rank's optimizer; empty when they agree.
 
-    Checks the map against what ZeRO-1 itself uses on this rank: ``is_param_in_current_partition``, the
-    order of ``params_in_partition``, ``first_offset``, and the exact element range DeepCompile copies into
+    Checks the map against what ZeRO-1 itself uses on this rank: ``is_param_in_current_partition``,
+    ``params_in_partition`` (members and parameter order, which DeepCompile's buffer pairing relies on),
+    ``first_offset``, and the exact element range DeepCompile copies into
     this rank's partition (``grad_start_offset`` and ``grad_partition_insertion_offset`` bounded by the
     partition size). Cheap enough to run once at init.
     """
@@ -95,9 +96,14 @@ def disagreements_with_optimizer(owner_map: OwnerMap, engine: Any) -> list[str]:
                 problems.append(f"group {g} param_id {p.param_id}: map says in partition of rank {dp_rank}: "
                                 f"{p.param_id in mine}, optimizer says {expected}")
         in_partition = [optimizer.get_param_id(p) for p in optimizer.params_in_partition[g]]
-        if [pid for pid in in_partition if pid in mine] != in_partition or len(in_partition) != len(mine):
-            problems.append(f"group {g}: params in rank {dp_rank}'s partition: map {sorted(mine)}, "
-                            f"optimizer {in_partition}")
+        # DeepCompile pairs grad buffers with parameters in parameter order, so ZeRO's partition must list
+        # them in that order too (round_robin_gradients reorders it, and DeepCompile would mis-pair them).
+        in_param_order = [p.param_id for p in placements if p.param_id in mine]
+        if in_param_order != in_partition:
+            problems.append(f"group {g}: rank {dp_rank}'s partition holds params {in_partition} (optimizer), "
+                            f"the map says {in_param_order} in parameter order"
+                            + (" (round_robin_gradients reorders partitions, which DeepCompile does not support)"
+                               if getattr(optimizer, "round_robin_gradients", False) else ""))
             continue
         first = mine[in_partition[0]].offset if in_partition else 0
         if first != optimizer.first_offset[g]:

@@ -95,8 +95,11 @@ def uninstall() -> None:
         import deepspeed.runtime.config as ds_config
 
         from . import cpu_compat
+        from .ops import active_runtime_or_none, release_dc_schemas
 
         ds_config.CompileConfig = _installed["compile_config"]
         init_module.init_z1_and_2 = _installed["init_z1_and_2"]
         cpu_compat.restore()
+        if active_runtime_or_none() is None:  # a live engine still runs its graphs: its cleanup releases them
+            release_dc_schemas()
         _installed.clear()

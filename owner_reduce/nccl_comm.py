@@ -199,10 +199,26 @@ class CupyNcclComm(ReduceComm):
         Collective over ``process_group``: every rank must call it.
         """
         import torch.distributed as dist
+        from torch._dispatch.python import no_python_dispatcher
 
         group = _group_or_world(process_group)
         unique_id = exchange_unique_id(group)
-        return cls(unique_id, dist.get_rank(group), dist.get_world_size(group), stream=stream)
+        # ncclCommInitRank blocks until every rank joins: settle everything that can fail on one rank alone
+        # (cupy, the device) first, and agree on it, so that no rank waits in an init its peers never reach.
+        device, problem = None, None
+        try:
+            _nccl()
+            device = _current_cuda_device()
+        except Exception as error:  # noqa: BLE001 - agreed on below
+            problem = f"{type(error).__name__}: {error}"
+        problems: list[str | None] = [None] * dist.get_world_size(group)
+        with no_python_dispatcher():
+            dist.all_gather_object(problems, problem, group=group)
+        failed = {r: p for r, p in enumerate(problems) if p is not None}
+        if failed:
+            raise RuntimeError("owner_reduce: not creating the NCCL communicator: "
+                               + "; ".join(f"rank {r}: {p}" for r, p in sorted(failed.items())))
+        return cls(unique_id, dist.get_rank(group), dist.get_world_size(group), device=device, stream=stream)
 
     # ---- the seam ------------------------------------------------------------------------------------------
 

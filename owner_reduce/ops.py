@@ -23,6 +23,10 @@ def set_active_runtime(runtime: Any) -> None:
     _runtime = runtime
 
 
+def active_runtime_or_none() -> Any:
+    return _runtime
+
+
 def active_runtime() -> Any:
     if _runtime is None:
         raise RuntimeError("owner_reduce: a reduce op ran but no owner_reduce runtime is active "
@@ -108,6 +112,14 @@ def ensure_dc_schemas() -> bool:
     torch.library.register_fake("dc::free_tensors", lambda a: None, lib=lib)
     _dc_library = lib
     return True
+
+
+def release_dc_schemas() -> None:
+    """Drop the ``dc`` schemas owner_reduce defined (torch allows one definition of a namespace per process)."""
+    global _dc_library
+    if _dc_library is not None:
+        _dc_library._destroy()
+        _dc_library = None
 
 
 _lowered = False

@@ -131,8 +131,14 @@ class Z1PythonRuntime:
 
     def init(self, process_group: Any, compile_config: Any, reduce_bucket_size: int) -> None:
         self.comm = self._comm_factory(process_group)
-        self._buckets = DoubleBufferedBuckets(int(reduce_bucket_size), bool(compile_config.double_buffer))
-        self._check_agreement(int(reduce_bucket_size))
+        try:
+            self._buckets = DoubleBufferedBuckets(int(reduce_bucket_size), bool(compile_config.double_buffer))
+            self._check_agreement(int(reduce_bucket_size))
+        except BaseException:
+            # DeepSpeed calls cleanup() only after a successful init: release the communicator here.
+            self.comm.close()
+            self.comm = None
+            raise
         if self.comm.rank == 0:
             self.stats.init_line = self.settings.owner_map.init_line(sliced=self.settings.flags.reduce_to_owner)
             emit(self.stats.init_line)
@@ -141,10 +147,19 @@ class Z1PythonRuntime:
                        offset: int) -> None:
         if ds_id not in self.settings.owner_map:
             raise KeyError(f"owner_reduce: DeepCompile registered param {ds_id}, which the owner map lacks")
-        self._params[ds_id] = _Param(ds_tensor, grad_buffer, int(offset))
+        self._params[ds_id] = _Param(ds_tensor, self._checked_buffer(ds_id, grad_buffer, offset), int(offset))
 
     def update_param_grad_buffer(self, ds_id: int, grad_buffer: torch.Tensor, offset: int) -> None:
-        self._params[ds_id] = self._params[ds_id]._replace(grad_buffer=grad_buffer, offset=int(offset))
+        self._params[ds_id] = self._params[ds_id]._replace(grad_buffer=self._checked_buffer(ds_id, grad_buffer, offset),
+                                                           offset=int(offset))
+
+    def _checked_buffer(self, ds_id: int, grad_buffer: torch.Tensor, offset: int) -> torch.Tensor:
+        # As the native registry: a registered buffer starts at zero. A buffer for elements that reduce to
+        # another rank is refused here, before any collective of the step has started.
+        if grad_buffer.numel():
+            self._check_received(ds_id, int(offset), grad_buffer.numel())
+            grad_buffer.zero_()
+        return grad_buffer
 
     def register_graph_z1(self, graph_id: int, ds_ids: Any) -> None:
         self._register_graph(1, graph_id, ds_ids)
@@ -175,6 +190,8 @@ class Z1PythonRuntime:
         self._graphs.clear()
 
     def cleanup(self) -> None:
+        if self._streams is not None:
+            self._streams.synchronize()  # nothing in flight may still read the buckets or the communicator
         self.reset()
         self._pending.clear()
         self._accumulated.clear()
@@ -228,7 +245,9 @@ class Z1PythonRuntime:
         if self._streams is not None:
             self._streams.synchronize()  # the optimizer reads the grad buffers next
         if self._stage == 2 and self._update:
-            self._has_acc_grad.clear()  # the next step's first reduction overwrites the buffers
+            # z2.cpp: this graph's parameters start the next step by overwriting (other graphs clear theirs).
+            for ds_id in self._graphs.get(graph_id, ()):
+                self._has_acc_grad.pop(ds_id, None)
         if release_reduce_buckets and self._buckets is not None:
             self._buckets.clear()
 
@@ -262,28 +281,30 @@ class Z1PythonRuntime:
                           self.settings.flags.reduce_to_owner)
         streams = self._streams
         assert streams is not None
-        with streams.reducing([t.copy_event for t in tasks]):
-            used = bucket.buffer.narrow(0, 0, bucket.offset)
-            if self._pre_div:
-                used.div_(comm.world_size)
-            with comm.group():
-                for r in plan.ranges:
-                    segment = bucket.buffer.narrow(0, r.offset, r.count)
-                    if r.root is ALL:
-                        comm.all_reduce(segment)
-                    else:
-                        comm.reduce(segment, r.root)
-                    if self.record_collectives:
-                        self.collective_log.append(("all_reduce" if r.root is ALL else "reduce", r.root, r.count,
-                                                    str(dtype)))
-            kept = self._copy_out(tasks, bucket.buffer)
-            streams.bucket_released(bucket)
+        try:
+            with streams.reducing([t.copy_event for t in tasks]):
+                used = bucket.buffer.narrow(0, 0, bucket.offset)
+                if self._pre_div:
+                    used.div_(comm.world_size)
+                with comm.group():
+                    for r in plan.ranges:
+                        segment = bucket.buffer.narrow(0, r.offset, r.count)
+                        if r.root is ALL:
+                            comm.all_reduce(segment)
+                        else:
+                            comm.reduce(segment, r.root)
+                        if self.record_collectives:
+                            self.collective_log.append(("all_reduce" if r.root is ALL else "reduce", r.root,
+                                                        r.count, str(dtype)))
+                kept = self._copy_out(tasks, bucket.buffer)
+                streams.bucket_released(bucket)
+        finally:
+            self._buckets.swap(dtype)  # even after an error: the next flush must not find a half-used bucket
         self._count(plan, kept, dtype)
         if self.record_collectives:
             self.flush_log.append(FlushRecord(str(dtype).removeprefix("torch."), bucket.buffer.element_size(),
                                               plan.reduced_elems, plan.received_elems(comm.rank), kept,
                                               plan.owner_elems, len(plan.ranges)))
-        self._buckets.swap(dtype)
 
     def _copy_out(self, tasks: list[_Task], buffer: torch.Tensor) -> int:
         kept = 0
@@ -291,8 +312,7 @@ class Z1PythonRuntime:
             param = self._params[t.ds_id]
             grad_buf = param.grad_buffer.view(-1)
             if grad_buf.numel() == 0:
-                continue
-            self._check_received(t.ds_id, param.offset, grad_buf.numel())
+                continue  # checked at registration: a non-empty buffer lies in what reached this rank
             reduced = buffer.narrow(0, t.offset + param.offset, grad_buf.numel())
             if self._stage == 2 and self._has_acc_grad.get(t.ds_id, False):
                 grad_buf.add_(reduced)

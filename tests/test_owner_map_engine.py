@@ -132,3 +132,26 @@ def test_moe_expert_groups_are_allreduce():
         assert r["expert"] and all(kind == "other_comm" and owner is None for kind, owner in r["expert"].values())
         assert r["dense"] and "other_comm" not in r["dense"]
         assert r["problems"] == []
+
+
+def _round_robin_worker(rank, world_size):
+    import deepspeed
+    import torch
+
+    from owner_reduce import build_owner_map
+    from owner_reduce.engine_tables import disagreements_with_optimizer
+    from owner_reduce.toy_models import OddMLP
+
+    torch.manual_seed(0)
+    model = OddMLP()
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1, "round_robin_gradients": True},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return disagreements_with_optimizer(build_owner_map(engine), engine)
+
+
+@pytest.mark.timeout(240)
+def test_round_robin_partition_order_is_refused():
+    """round_robin_gradients reorders ZeRO's partitions; DeepCompile pairs grad buffers in parameter order."""
+    problems = run_ranks(_round_robin_worker, 2, timeout=200)
+    assert any("round_robin_gradients" in p for rank_problems in problems for p in rank_problems), problems

@@ -101,17 +101,43 @@ def test_profiling_communicates_nothing():
 
 
 def test_a_grad_buffer_on_a_non_owner_is_refused():
-    rt, _ = _runtime(rank=0)
-    rt.update_param_grad_buffer(2, torch.zeros(5), 0)  # rank 0 claims c, owned by rank 1
+    rt, comm = _runtime(rank=0)
     with pytest.raises(RuntimeError, match=r"elements \[0, \+5\) of param 2, which reduce elsewhere"):
-        _backward(rt, _grads())
+        rt.update_param_grad_buffer(2, torch.zeros(5), 0)  # rank 0 claims c, owned by rank 1
+    assert comm.calls == [], "refused before any collective"
 
 
 def test_a_straddler_slice_of_another_rank_is_refused():
     rt, _ = _runtime(rank=0)
-    rt.update_param_grad_buffer(1, torch.zeros(3), 2)  # rank 0 claims b's [2, 5), rank 1's slice
     with pytest.raises(RuntimeError, match=r"\[2, \+3\) of param 1, which reduce elsewhere"):
-        _backward(rt, _grads())
+        rt.update_param_grad_buffer(1, torch.zeros(3), 2)  # rank 0 claims b's [2, 5), rank 1's slice
+
+
+def test_registered_buffers_start_at_zero():
+    rt, _ = _runtime(rank=0)
+    stale = torch.full((6,), 7.0)
+    rt.update_param_grad_buffer(0, stale, 0)
+    assert torch.equal(stale, torch.zeros(6))
+
+
+def test_stage2_two_graphs_keep_accumulating_their_own_parameters():
+    """z2.cpp clears has_acc_grad per graph: a graph flushed later in the update step still adds."""
+    comm = MirrorComm(rank=0)
+    settings = RuntimeSettings(OwnerReduceFlags(True, False), OwnerMap.from_group_tables([TABLES], 2))
+    rt = Z1PythonRuntime(settings, comm_factory=lambda group: comm)
+    rt.init(None, types.SimpleNamespace(double_buffer=True), 64)
+    buffers = {0: torch.zeros(6), 1: torch.zeros(2), 2: torch.empty(0)}
+    for pid, buf in buffers.items():
+        rt.register_param(pid, (NUMELS[pid],), torch.zeros(NUMELS[pid]), buf, 0)
+    rt.register_graph_z2(21, [1, 2])  # backward runs graph 21 first, then graph 20
+    rt.register_graph_z2(20, [0])
+    for update, scale in ((False, 1.0), (True, 10.0)):
+        rt.start_backward(update)
+        for graph, pids in ((21, (1, 2)), (20, (0,))):
+            for pid in pids:
+                rt.reduce_grad(_grads(scale)[pid], graph, pid)
+            rt.end_backward(graph, False)
+    assert torch.equal(buffers[0], _grads(11.0)[0]) and torch.equal(buffers[1], _grads(11.0)[1][:2])
 
 
 def test_stage2_reduces_every_micro_step_and_accumulates_in_the_buffer():
