@@ -284,9 +284,10 @@ def test_unique_id_exchange_over_gloo(two_ranks):
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(("scenario", "cause"), [
     ("cpu_accelerator", "cupy NCCL cannot be used: all ranks: the DeepSpeed accelerator is 'cpu', not 'cuda'"),
-    # Each rank's own error names its rank, so the reasons differ and are listed rank by rank.
-    ("creation_fails", "creating the cupy NCCL communicator failed: rank 0: RuntimeError: owner_reduce NCCL "
-                       "communicator creation (world_size=2, rank=0"),
+    # Without a GPU the device cannot be resolved on either rank: the agreed step before ncclCommInitRank
+    # stops every rank before any of them blocks in it, naming each rank's cause.
+    ("creation_fails", "creating the cupy NCCL communicator failed: all ranks: RuntimeError: owner_reduce: not "
+                       "creating the NCCL communicator: rank 0: "),
     ("peer_without_cupy", "cupy NCCL cannot be used: rank 1: cupy's NCCL binding is unavailable (ModuleNotFoundError"),
 ])
 def test_fallback_is_agreed_warned_once_and_results_unchanged(two_ranks, scenario, cause):
@@ -298,7 +299,7 @@ def test_fallback_is_agreed_warned_once_and_results_unchanged(two_ranks, scenari
     assert r0["warnings"][0].startswith(f"{FALLBACK_PREFIX}: ")
     assert cause in r0["warnings"][0], r0["warnings"][0]
     if scenario == "creation_fails":
-        assert "; rank 1: RuntimeError: owner_reduce NCCL communicator creation" in r0["warnings"][0]
+        assert "; rank 1: " in r0["warnings"][0]
     assert r0["sum"] == r1["sum"] == [3.0] * 5
     assert [r["create_calls"] for r in two_ranks] == [0, 0]
 
