@@ -30,28 +30,28 @@ def retarget(gm: GraphModule) -> int:
     return changed
 
 
-def add_owner_z1_reduce(gm: GraphModule, graph_id: int, graph_order: Any, profiling_results: Any,
-                        create_inputs_fn: Any, mem_budget: float, param_manager: Any, bwd: bool) -> GraphModule:
-    """Same signature as DeepCompile's passes (``deepspeed.compile.backend.run_opt_passes`` calls it)."""
-    from deepspeed.compile.passes import zero_1_and_2_compile
+def _retargeted(native_pass_name: str, doc: str) -> Any:
+    """DeepCompile's pass ``zero_1_and_2_compile.<native_pass_name>`` with its backward nodes retargeted."""
 
-    gm = zero_1_and_2_compile.add_z1_reduce(gm, graph_id, graph_order, profiling_results, create_inputs_fn,
-                                            mem_budget, param_manager, bwd)
-    if bwd:
-        retarget(gm)
-    return gm
+    def owner_pass(gm: GraphModule, graph_id: int, graph_order: Any, profiling_results: Any, create_inputs_fn: Any,
+                   mem_budget: float, param_manager: Any, bwd: bool) -> GraphModule:
+        from deepspeed.compile.passes import zero_1_and_2_compile
+
+        native = getattr(zero_1_and_2_compile, native_pass_name)
+        gm = native(gm, graph_id, graph_order, profiling_results, create_inputs_fn, mem_budget, param_manager, bwd)
+        if bwd:
+            retarget(gm)
+        return gm
+
+    owner_pass.__name__ = owner_pass.__qualname__ = f"add_owner_{native_pass_name.removeprefix('add_')}"
+    owner_pass.__doc__ = doc
+    return owner_pass
 
 
-def add_owner_z2_reduce(gm: GraphModule, graph_id: int, graph_order: Any, profiling_results: Any,
-                        create_inputs_fn: Any, mem_budget: float, param_manager: Any, bwd: bool) -> GraphModule:
-    """The stage-2 counterpart: DeepCompile's ``add_z2_reduce`` (register_graph_z2), retargeted."""
-    from deepspeed.compile.passes import zero_1_and_2_compile
-
-    gm = zero_1_and_2_compile.add_z2_reduce(gm, graph_id, graph_order, profiling_results, create_inputs_fn,
-                                            mem_budget, param_manager, bwd)
-    if bwd:
-        retarget(gm)
-    return gm
+# Same signature as DeepCompile's passes (``deepspeed.compile.backend.run_opt_passes`` calls them).
+add_owner_z1_reduce = _retargeted("add_z1_reduce", "Stage 1: DeepCompile's ``add_z1_reduce``, retargeted.")
+add_owner_z2_reduce = _retargeted("add_z2_reduce", "Stage 2: DeepCompile's ``add_z2_reduce`` (register_graph_z2), "
+                                                   "retargeted.")
 
 
 def owner_schedule(schedule: list | None, use_z2: bool = False) -> list:

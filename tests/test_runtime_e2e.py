@@ -78,15 +78,30 @@ def _assert_same_collectives_on_all_ranks(results: tuple) -> None:
     assert all(log == logs[0] for log in logs[1:]), "ranks issued different collective sequences"
 
 
+def _owner_run_matching_plain(world_size: int, spec: TrainSpec, n_params: int = N_PARAMS) -> tuple:
+    """Identical data: the owner run really ran, equals plain ZeRO bitwise, and every rank issued the same calls."""
+    owner = _run(world_size, spec)
+    _assert_runtime_ran(owner, spec, owner_path=True, n_params=n_params)
+    _assert_bitwise(owner, _reference(world_size, spec))
+    _assert_same_collectives_on_all_ranks(owner)
+    return owner
+
+
+def _assert_close_to_plain(owner: tuple, plain: tuple) -> None:
+    """Different data per rank: equal within a tight tolerance, and the ranks really saw different data."""
+    for o, p in zip(owner, plain, strict=True):
+        torch.testing.assert_close(torch.tensor(o["losses"]), torch.tensor(p["losses"]), rtol=1e-5, atol=1e-6)
+        for k in p["params"]:
+            torch.testing.assert_close(o["params"][k], p["params"][k], rtol=1e-5, atol=1e-6)
+    assert owner[0]["losses"] != owner[1]["losses"]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_identical_data_bitwise_equal_eager(world_size):
     spec = TrainSpec(mode="owner", backend="eager", steps=5, record_collectives=True,
                      reduce_bucket_size=300 if world_size == 4 else None)
-    owner = _run(world_size, spec)
-    _assert_runtime_ran(owner, spec, owner_path=True)
-    _assert_bitwise(owner, _reference(world_size, spec))
-    _assert_same_collectives_on_all_ranks(owner)
+    owner = _owner_run_matching_plain(world_size, spec)
     # Collectives per flush: runs of owners, not parameters.
     stats = owner[0]["stats"]
     assert stats.collectives < stats.flushes * N_PARAMS
@@ -97,10 +112,7 @@ def test_identical_data_bitwise_equal_eager(world_size):
 def test_identical_data_bitwise_equal_inductor(world_size):
     spec = TrainSpec(mode="owner", backend="inductor", steps=5, grad_accum=2 if world_size == 4 else 1,
                      record_collectives=True)
-    owner = _run(world_size, spec)
-    _assert_runtime_ran(owner, spec, owner_path=True)
-    _assert_bitwise(owner, _reference(world_size, spec))
-    _assert_same_collectives_on_all_ranks(owner)
+    _owner_run_matching_plain(world_size, spec)
 
 
 @pytest.mark.timeout(300)
@@ -108,22 +120,14 @@ def test_identical_data_bitwise_equal_inductor(world_size):
 def test_different_data_per_rank_within_tolerance(grad_accum):
     spec = TrainSpec(mode="owner", backend="eager", steps=5, grad_accum=grad_accum, same_data=False)
     owner = _run(2, spec)
-    plain = _reference(2, spec)
     _assert_runtime_ran(owner, spec, owner_path=True)
-    for o, p in zip(owner, plain, strict=True):
-        torch.testing.assert_close(torch.tensor(o["losses"]), torch.tensor(p["losses"]), rtol=1e-5, atol=1e-6)
-        for k in p["params"]:
-            torch.testing.assert_close(o["params"][k], p["params"][k], rtol=1e-5, atol=1e-6)
-    # Different data must actually produce different per-rank gradients: the ranks' losses differ.
-    assert owner[0]["losses"] != owner[1]["losses"]
+    _assert_close_to_plain(owner, _reference(2, spec))
 
 
 @pytest.mark.timeout(300)
 def test_identical_data_gradient_accumulation_bitwise_equal():
-    spec = TrainSpec(mode="owner", backend="eager", steps=4, grad_accum=2)
-    owner = _run(3, spec)
-    _assert_runtime_ran(owner, spec, owner_path=True)
-    _assert_bitwise(owner, _reference(3, spec))
+    spec = TrainSpec(mode="owner", backend="eager", steps=4, grad_accum=2, record_collectives=True)
+    _owner_run_matching_plain(3, spec)
 
 
 @pytest.mark.timeout(300)
@@ -197,10 +201,7 @@ def test_flags_off_leaves_deepspeed_untouched():
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_few_big_tensors_reduce_in_slices_bitwise_equal(world_size):
     spec = TrainSpec(mode="owner", model="few_big_tensors", steps=4, record_collectives=True)
-    owner = _run(world_size, spec)
-    _assert_runtime_ran(owner, spec, owner_path=True, n_params=3)
-    _assert_bitwise(owner, _reference(world_size, spec))
-    _assert_same_collectives_on_all_ranks(owner)
+    owner = _owner_run_matching_plain(world_size, spec, n_params=3)
     init = owner[0]["stats"].init_line
     m = re.match(r"^DeepCompile reduce_to_owner: (\d+)/3 gradients reduce to one rank; (\d+) straddling gradients "
                  r"reduce in slices to their owners \((\d+\.\d)% of elements on the owner path\)$", init)
@@ -218,19 +219,12 @@ def test_few_big_tensors_reduce_in_slices_bitwise_equal(world_size):
 def test_stage2_identical_data_bitwise_equal(world_size, grad_accum, backend):
     spec = TrainSpec(mode="owner", zero_stage=2, backend=backend, steps=4, grad_accum=grad_accum,
                      record_collectives=True)
-    owner = _run(world_size, spec)
-    _assert_runtime_ran(owner, spec, owner_path=True)
-    _assert_bitwise(owner, _reference(world_size, spec))
-    _assert_same_collectives_on_all_ranks(owner)
+    _owner_run_matching_plain(world_size, spec)
 
 
 @pytest.mark.timeout(300)
 def test_stage2_different_data_within_tolerance():
     spec = TrainSpec(mode="owner", zero_stage=2, steps=4, grad_accum=2, same_data=False)
     owner = _run(3, spec)
-    plain = _reference(3, spec)
     _assert_runtime_ran(owner, spec, owner_path=True)
-    for o, p in zip(owner, plain, strict=True):
-        for k in p["params"]:
-            torch.testing.assert_close(o["params"][k], p["params"][k], rtol=1e-5, atol=1e-6)
-    assert owner[0]["losses"] != owner[1]["losses"]
+    _assert_close_to_plain(owner, _reference(3, spec))

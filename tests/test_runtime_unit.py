@@ -31,6 +31,18 @@ def _runtime(rank=0, owner=True, probe=True, bucket=64, problems=(), comm=None):
     return rt, comm
 
 
+def _rank0_runtime(bucket=64, device="cpu"):
+    """Rank 0 of 2, owner path on, probe off; grad buffers as DeepCompile registers them on rank 0 (offset 0)."""
+    comm = MirrorComm(rank=0)
+    settings = RuntimeSettings(OwnerReduceFlags(True, False), OwnerMap.from_group_tables([TABLES], 2))
+    rt = Z1PythonRuntime(settings, comm_factory=lambda group: comm)
+    rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
+    buffers = {0: torch.zeros(6, device=device), 1: torch.zeros(2, device=device), 2: torch.empty(0, device=device)}
+    for pid, buf in buffers.items():
+        rt.register_param(pid, (NUMELS[pid],), torch.zeros(NUMELS[pid], device=device), buf, 0)
+    return rt, buffers
+
+
 def _grads(scale=1.0):
     return {pid: torch.arange(1, n + 1, dtype=torch.float32) * scale for pid, n in NUMELS.items()}
 
@@ -122,13 +134,7 @@ def test_registered_buffers_start_at_zero():
 
 def test_stage2_two_graphs_keep_accumulating_their_own_parameters():
     """z2.cpp clears has_acc_grad per graph: a graph flushed later in the update step still adds."""
-    comm = MirrorComm(rank=0)
-    settings = RuntimeSettings(OwnerReduceFlags(True, False), OwnerMap.from_group_tables([TABLES], 2))
-    rt = Z1PythonRuntime(settings, comm_factory=lambda group: comm)
-    rt.init(None, types.SimpleNamespace(double_buffer=True), 64)
-    buffers = {0: torch.zeros(6), 1: torch.zeros(2), 2: torch.empty(0)}
-    for pid, buf in buffers.items():
-        rt.register_param(pid, (NUMELS[pid],), torch.zeros(NUMELS[pid]), buf, 0)
+    rt, buffers = _rank0_runtime()
     rt.register_graph_z2(21, [1, 2])  # backward runs graph 21 first, then graph 20
     rt.register_graph_z2(20, [0])
     for update, scale in ((False, 1.0), (True, 10.0)):
@@ -141,13 +147,7 @@ def test_stage2_two_graphs_keep_accumulating_their_own_parameters():
 
 
 def test_stage2_reduces_every_micro_step_and_accumulates_in_the_buffer():
-    comm = MirrorComm(rank=0)
-    settings = RuntimeSettings(OwnerReduceFlags(True, False), OwnerMap.from_group_tables([TABLES], 2))
-    rt = Z1PythonRuntime(settings, comm_factory=lambda group: comm)
-    rt.init(None, types.SimpleNamespace(double_buffer=True), 64)
-    buffers = {0: torch.zeros(6), 1: torch.zeros(2), 2: torch.empty(0)}
-    for pid, buf in buffers.items():
-        rt.register_param(pid, (NUMELS[pid],), torch.zeros(NUMELS[pid]), buf, 0)
+    rt, buffers = _rank0_runtime()
     rt.register_graph_z2(12, [0, 1, 2])
     for update, scale in ((False, 1.0), (True, 2.0)):
         rt.start_backward(update)
@@ -207,14 +207,8 @@ def test_cleanup_and_unknown_methods():
 @pytest.mark.parametrize("bucket", [64, 6, 4])
 def test_cuda_streams_give_the_same_result(bucket):
     """Copy stream, reduce stream and events: the same values as on CPU, with buckets reused and grown."""
-    comm = MirrorComm(rank=0)
-    settings = RuntimeSettings(OwnerReduceFlags(True, False), OwnerMap.from_group_tables([TABLES], 2))
-    rt = Z1PythonRuntime(settings, comm_factory=lambda group: comm)
-    rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
     cuda = torch.device("cuda")
-    buffers = {0: torch.zeros(6, device=cuda), 1: torch.zeros(2, device=cuda), 2: torch.empty(0, device=cuda)}
-    for pid, buf in buffers.items():
-        rt.register_param(pid, (NUMELS[pid],), torch.zeros(NUMELS[pid], device=cuda), buf, 0)
+    rt, buffers = _rank0_runtime(bucket=bucket, device=cuda)
     rt.register_graph_z1(11, [0, 1, 2])
     for step in range(3):
         grads = {pid: g.to(cuda) * (step + 1) for pid, g in _grads().items()}
