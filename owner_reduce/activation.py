@@ -78,13 +78,15 @@ def wrap_init_z1_and_2(original: Any) -> Any:
         set_active_runtime(runtime)
         added_hooks: list[Any] = []
         try:
-            return original(engine, backend, compile_config, compile_kwargs, owner_schedule(schedule, use_z2), use_z2)
+            backend_fn = original(engine, backend, compile_config, compile_kwargs, owner_schedule(schedule, use_z2),
+                                  use_z2)
         except BaseException:
+            added_hooks[:] = [h for h in dc_util.pre_backward_hooks if h not in hooks_before]
             if runtime.comm is None:  # init never completed, so DeepSpeed will not call cleanup(): release here
                 release()
             raise
-        finally:
-            added_hooks[:] = [h for h in dc_util.pre_backward_hooks if h not in hooks_before]
+        added_hooks[:] = [h for h in dc_util.pre_backward_hooks if h not in hooks_before]
+        return backend_fn
 
     init_z1_and_2.__wrapped__ = original  # type: ignore[attr-defined]
     return init_z1_and_2
