@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-MODES = ("plain", "compiled", "owner")  # ZeRO-1 eager hooks / ZeRO-1 + torch.compile / DeepCompile + owner_reduce
+# ZeRO eager hooks / ZeRO + torch.compile / DeepCompile + owner_reduce / DeepCompile's native runtime (GPU only)
+MODES = ("plain", "compiled", "owner", "native")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class TrainSpec:
     model_kwargs: tuple[tuple[str, Any], ...] = ()  # (name, value) pairs: specs stay hashable
     micro_batch: int = 4
     zero_stage: int = 1
+    bf16: bool = False
     lr: float = 1e-2
     seed: int = 0
     record_collectives: bool = False
@@ -111,6 +113,7 @@ def train(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
     """Train ``spec.steps`` optimizer steps; return losses, final parameters, runtime counters and log lines."""
     import deepspeed
     import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
 
     import owner_reduce
 
@@ -129,11 +132,16 @@ def train(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
         "zero_optimization": zero,
         "steps_per_print": 1_000_000,
     }
+    if spec.bf16:
+        config["bf16"] = {"enabled": True}
     if spec.mode == "owner":
         owner_reduce.install()
         config["compile"] = {"deepcompile": True, "reduce_to_owner": spec.reduce_to_owner,
                              "reduce_probe": spec.reduce_probe}
+    elif spec.mode == "native":
+        config["compile"] = {"deepcompile": True}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    accelerator = get_accelerator()
     compile_start = time.perf_counter()
     if spec.mode != "plain":
         engine.compile(backend=spec.backend)
@@ -144,7 +152,7 @@ def train(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
     for step in range(spec.steps):
         start = time.perf_counter()
         for _ in range(spec.grad_accum):
-            loss = engine(*batch())
+            loss = engine(*(t.to(engine.device) for t in batch()))
             if runtime is None and spec.mode == "owner":
                 from .ops import active_runtime
 
@@ -155,6 +163,7 @@ def train(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
+        accelerator.synchronize()
         step_times.append(time.perf_counter() - start)
         if spec.progress and rank == 0:
             _progress(step + 1, spec.steps, losses[-1])
@@ -163,7 +172,8 @@ def train(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
     dist.barrier()
     return {
         "losses": losses,
-        "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+        "params": {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()},
+        "comm": None if runtime is None or runtime.comm is None else type(runtime.comm).__name__,
         "stats": None if runtime is None else runtime.stats,
         "collective_log": None if runtime is None else list(runtime.collective_log),
         "flush_log": None if runtime is None else list(runtime.flush_log),

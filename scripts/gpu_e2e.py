@@ -45,61 +45,20 @@ class Job:
 
 
 def _train(rank: int, world_size: int, job: Job) -> dict[str, Any]:
-    import deepspeed
-    import deepspeed.comm as dist
-    import torch
+    """One rank of ``job``: owner_reduce's shared training run (identical batches on every rank), summarized."""
+    from owner_reduce.toy_training import TrainSpec, train
 
-    from owner_reduce.toy_models import TinyTransformer
-
-    torch.manual_seed(job.seed)
-    model = TinyTransformer(vocab=job.vocab, dim=job.dim, layers=job.layers, seq=job.seq)
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": job.micro_batch,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
-        "zero_optimization": {"stage": 1, "reduce_bucket_size": job.bucket},
-        "steps_per_print": 1_000_000,
-    }
-    if job.bf16:
-        config["bf16"] = {"enabled": True}
-    if job.mode == "owner":
-        import owner_reduce
-
-        owner_reduce.install()
-        config["compile"] = {"deepcompile": True, "reduce_to_owner": True, "reduce_probe": True}
-    elif job.mode == "native":
-        config["compile"] = {"deepcompile": True}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    start = time.perf_counter()
-    if job.mode != "plain":
-        engine.compile(backend=job.backend)
-    device = engine.device
-    gen = torch.Generator().manual_seed(1234)  # identical batches on every rank: comparisons can be bitwise
-    losses, step_s, comm_name, runtime = [], [], None, None
-    first_step_s = 0.0
-    for step in range(job.steps):
-        tokens = torch.randint(0, job.vocab, (job.micro_batch, job.seq + 1), generator=gen).to(device)
-        t0 = time.perf_counter()
-        loss = engine(tokens[:, :-1], tokens[:, 1:])
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.item()))
-        if not job.cpu:
-            torch.cuda.synchronize()
-        step_s.append(time.perf_counter() - t0)
-        if step == 0:
-            first_step_s = time.perf_counter() - start
-            if job.mode == "owner":
-                from owner_reduce.ops import active_runtime
-
-                runtime = active_runtime()
-                comm_name = type(runtime.comm).__name__ if runtime is not None and runtime.comm else None
-    dist.barrier()
+    spec = TrainSpec(mode=job.mode, backend=job.backend, steps=job.steps, micro_batch=job.micro_batch,
+                     model="tiny_transformer",
+                     model_kwargs=(("vocab", job.vocab), ("dim", job.dim), ("layers", job.layers), ("seq", job.seq)),
+                     reduce_bucket_size=job.bucket, bf16=job.bf16, lr=1e-3, seed=job.seed, reduce_probe=True)
+    out = train(rank, world_size, spec)
     stats = None
-    if runtime is not None:
-        stats = {k: v for k, v in asdict(runtime.stats).items() if k != "probe_lines"}
-        stats["probe_lines"] = runtime.stats.probe_lines[:4]
-    return {"losses": losses, "step_s": step_s, "first_step_s": first_step_s, "comm": comm_name, "stats": stats,
-            "params": {n: p.detach().float().cpu() for n, p in engine.module.named_parameters()}}
+    if out["stats"] is not None:
+        stats = asdict(out["stats"])
+        stats["probe_lines"] = stats["probe_lines"][:4]
+    return {"losses": out["losses"], "step_s": out["step_times"], "first_step_s": out["first_step_s"],
+            "comm": out["comm"], "stats": stats, "params": {n: p.float() for n, p in out["params"].items()}}
 
 
 def launch(job: Job, world_size: int, timeout: float) -> list[dict[str, Any]]:
