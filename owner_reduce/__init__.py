@@ -4,16 +4,16 @@ Opt-in: ``owner_reduce.install()`` once, then ``compile.reduce_to_owner`` / ``co
 DeepSpeed config. Importing this package changes nothing in DeepSpeed.
 """
 
-from .flags import FLAG_KEYS, OwnerReduceConfigError, OwnerReduceFlags, flags_of, parse_flags
-from .install import OwnerReduceInstallError, install, is_installed, uninstall
-from .owner_map import GroupTables, OwnerMap, OwnerMapError, ParamPlacement, ParamSlice, Placement
+from .planning.flags import FLAG_KEYS, OwnerReduceConfigError, OwnerReduceFlags, flags_of, parse_flags
+from .planning.owner_map import GroupTables, OwnerMap, OwnerMapError, ParamPlacement, ParamSlice, Placement
+from .wiring.install import OwnerReduceInstallError, install, is_installed, uninstall
 
 __version__ = "0.1.0"
 
 
 def build_owner_map(engine):  # noqa: ANN001, ANN201 - thin lazy wrapper, see engine_tables.build_owner_map
     """The owner map of a DeepSpeed ZeRO-1 engine (imports deepspeed.comm only when called)."""
-    from .engine_tables import build_owner_map as _build
+    from .wiring.engine_tables import build_owner_map as _build
 
     return _build(engine)
 

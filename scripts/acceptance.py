@@ -70,8 +70,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=900)
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from owner_reduce.launch import run_ranks
-    from owner_reduce.toy_training import TrainSpec, train
+    from owner_reduce.harness.launch import run_ranks
+    from owner_reduce.harness.toy_training import TrainSpec, train
 
     args.out.mkdir(parents=True, exist_ok=True)
     base = TrainSpec(model="tiny_transformer", steps=args.steps, same_data=False, lr=args.lr, reduce_probe=True,

@@ -57,8 +57,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=900)
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from owner_reduce.launch import run_ranks
-    from owner_reduce.toy_training import TrainSpec, train
+    from owner_reduce.harness.launch import run_ranks
+    from owner_reduce.harness.toy_training import TrainSpec, train
 
     op_us, bare_us = _op_call_cost(20000)
     base = TrainSpec(model="tiny_transformer", model_kwargs=(("dim", args.dim), ("layers", args.layers)),

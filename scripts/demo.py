@@ -127,8 +127,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=600)
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from owner_reduce.launch import run_ranks
-    from owner_reduce.toy_training import TrainSpec, train
+    from owner_reduce.harness.launch import run_ranks
+    from owner_reduce.harness.toy_training import TrainSpec, train
 
     args.out.mkdir(parents=True, exist_ok=True)
     base = TrainSpec(model="tiny_transformer", model_kwargs=(("dim", args.dim), ("layers", args.layers)),

@@ -109,7 +109,7 @@ print(f"versions: python {__import__('sys').version.split()[0]}, torch {torch.__
       f"{torch.cuda.device_count()} GPU(s)")
 try:
     import cupy
-    from owner_reduce.nccl_comm import nccl_runtime_version
+    from owner_reduce.runtime.nccl_comm import nccl_runtime_version
     print(f"versions: cupy {cupy.__version__}, NCCL through cupy {'.'.join(map(str, nccl_runtime_version()))}")
 except Exception as e:
     print(f"versions: cupy NCCL unavailable: {type(e).__name__}: {e}")
@@ -125,7 +125,7 @@ read -r GPUS CUPY_OK TORCH_OK HAVE_DS < <(timeout 90 "$PY" - <<'EOF' 2>/dev/null
 import importlib.util, torch
 gpus = torch.cuda.device_count()
 try:
-    from owner_reduce.nccl_comm import nccl_runtime_version
+    from owner_reduce.runtime.nccl_comm import nccl_runtime_version
     cupy_ok = gpus >= 2 or nccl_runtime_version() >= (2, 30, 0)
 except Exception:
     cupy_ok = False

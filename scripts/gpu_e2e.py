@@ -1,6 +1,6 @@
 """DeepCompile ZeRO-1 end to end on GPUs: owner path vs plain ZeRO-1 vs native DeepCompile, same model and data.
 
-Why its own launcher: ``owner_reduce.launch.run_ranks`` starts gloo ranks on the CPU accelerator; here every
+Why its own launcher: ``owner_reduce.harness.launch.run_ranks`` starts gloo ranks on the CPU accelerator; here every
 rank runs DeepSpeed's NCCL backend on a GPU. Each rank sees exactly one GPU (CUDA_VISIBLE_DEVICES) and is
 LOCAL_RANK 0, so several ranks can share one GPU, which NCCL >= 2.30 allows with NCCL_MULTI_RANK_GPU_ENABLE=1
 (set here when ranks outnumber GPUs). Each mode runs as its own job (fresh processes), one after the other:
@@ -46,7 +46,7 @@ class Job:
 
 def _train(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     """One rank of ``job``: owner_reduce's shared training run (identical batches on every rank), summarized."""
-    from owner_reduce.toy_training import TrainSpec, train
+    from owner_reduce.harness.toy_training import TrainSpec, train
 
     spec = TrainSpec(mode=job.mode, backend=job.backend, steps=job.steps, micro_batch=job.micro_batch,
                      model="tiny_transformer",
@@ -66,7 +66,7 @@ def launch(job: Job, world_size: int, timeout: float) -> list[dict[str, Any]]:
 
     On GPUs each rank sees one device (cuda:0, LOCAL_RANK 0), so several ranks can share one GPU.
     """
-    from owner_reduce.launch import RankFailure, RankTimeout, run_ranks
+    from owner_reduce.harness.launch import RankFailure, RankTimeout, run_ranks
 
     rank_env = None
     if not job.cpu:

@@ -42,7 +42,7 @@ def gpt2_param_numels(layers: int = 12, dim: int = 768, vocab: int = 50257, ctx:
 
 def zero1_owner_map(numels: list[int], world_size: int) -> Any:
     """ZeRO-1 partitioning of one flat group: padded to a multiple of 2*ws, equal contiguous partitions."""
-    from owner_reduce.owner_map import GroupTables, OwnerMap
+    from owner_reduce.planning.owner_map import GroupTables, OwnerMap
 
     total = sum(numels)
     align = 2 * world_size
@@ -89,7 +89,7 @@ def bucket_window(numels: list[int], world_size: int, bucket_elems: int) -> list
 
 
 def plan_bucket(world_size: int, bucket_bytes: int, elem_size: int) -> Any:
-    from owner_reduce.flush_plan import BucketEntry, plan_flush
+    from owner_reduce.planning.flush_plan import BucketEntry, plan_flush
 
     numels = gpt2_param_numels()
     owner_map = zero1_owner_map(numels, world_size)
@@ -105,7 +105,7 @@ def plan_bucket(world_size: int, bucket_bytes: int, elem_size: int) -> Any:
 
 def _flush(comm: Any, buf: Any, plan: Any | None) -> None:
     """The owner flush (``plan``) or, with ``plan`` None, the native one: one AllReduce over the bucket."""
-    from owner_reduce.flush_plan import ALL
+    from owner_reduce.planning.flush_plan import ALL
 
     with comm.group():
         if plan is None:
@@ -129,7 +129,7 @@ def _inputs(seed: int, n: int, dtype: Any) -> Any:
 def _check_dtype(comm: Any, rank: int, ws: int, dtype_name: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from owner_reduce.flush_plan import ALL
+    from owner_reduce.planning.flush_plan import ALL
 
     dtype = getattr(torch, dtype_name)
     elem = torch.empty(0, dtype=dtype).element_size()
@@ -182,7 +182,7 @@ def _check_dtype(comm: Any, rank: int, ws: int, dtype_name: str, args: argparse.
 def rank_main(rank: int, ws: int, unique_id: bytes, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from owner_reduce.nccl_comm import CupyNcclComm
+    from owner_reduce.runtime.nccl_comm import CupyNcclComm
 
     device = rank % torch.cuda.device_count()
     torch.cuda.set_device(device)
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         print("nccl_check: no CUDA GPU is visible (torch.cuda.is_available() is False): nothing to check", flush=True)
         return NO_GPU
     try:
-        from owner_reduce.nccl_comm import nccl_runtime_version, new_unique_id
+        from owner_reduce.runtime.nccl_comm import nccl_runtime_version, new_unique_id
 
         version = nccl_runtime_version()
         unique_id = new_unique_id()
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
           f"ws={ws} on {gpus} x {header['gpu']}; bucket {args.bucket_mb:g} MiB; {args.iters} iters after "
           f"{args.warmup} warm-up" + ("; ranks share GPUs: timings are not an interconnect's" if ws > gpus else ""),
           flush=True)
-    from owner_reduce.launch import RankFailure, RankTimeout, run_ranks
+    from owner_reduce.harness.launch import RankFailure, RankTimeout, run_ranks
 
     try:  # no DeepSpeed, no torch process group: the ranks meet through the NCCL unique id alone
         results = run_ranks(rank_main, ws, args=(unique_id, args), timeout=args.timeout, dist_backend=None)

@@ -26,9 +26,9 @@ from pathlib import Path
 _START = time.perf_counter()  # before torch and deepspeed are imported: the wall time printed covers them
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from owner_reduce.gpt_presets import PRESETS, describe  # noqa: E402
-from owner_reduce.sizing import DEFAULT_BUCKET_SIZE, DTYPE_BYTES, format_report, report_to_dict  # noqa: E402
-from owner_reduce.sizing_engine import ModelSpec, size_in_subprocess, size_model  # noqa: E402
+from owner_reduce.offline_sizing.fake_engine import ModelSpec, size_in_subprocess, size_model  # noqa: E402
+from owner_reduce.offline_sizing.gpt_presets import PRESETS, describe  # noqa: E402
+from owner_reduce.planning.sizing import DEFAULT_BUCKET_SIZE, DTYPE_BYTES, format_report, report_to_dict  # noqa: E402
 
 
 def _elements(text: str) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from owner_reduce.comm import ReduceComm
+from owner_reduce.runtime.comm import ReduceComm
 
 
 class MirrorComm(ReduceComm):

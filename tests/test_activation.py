@@ -6,7 +6,7 @@ import deepspeed.compile.util as dc_util
 import torch
 
 from owner_reduce import activation, cpu_compat
-from owner_reduce.compile_pass import add_owner_z1_reduce, add_owner_z2_reduce, owner_schedule
+from owner_reduce.wiring.compile_pass import add_owner_z1_reduce, add_owner_z2_reduce, owner_schedule
 
 
 def _spy():

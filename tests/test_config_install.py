@@ -7,7 +7,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 
 import owner_reduce
 from owner_reduce import OwnerReduceConfigError, OwnerReduceFlags, flags_of
-from owner_reduce.launch import run_ranks
+from owner_reduce.harness.launch import run_ranks
 
 
 def _ds(compile_section=None):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from owner_reduce.flags import OwnerReduceConfigError, OwnerReduceFlags, flags_of, parse_flags
+from owner_reduce.planning.flags import OwnerReduceConfigError, OwnerReduceFlags, flags_of, parse_flags
 
 
 def test_defaults_are_off():

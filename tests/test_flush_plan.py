@@ -2,8 +2,8 @@
 
 import pytest
 
-from owner_reduce.flush_plan import ALL, BucketEntry, FlushRange, plan_flush
-from owner_reduce.owner_map import GroupTables, OwnerMap
+from owner_reduce.planning.flush_plan import ALL, BucketEntry, FlushRange, plan_flush
+from owner_reduce.planning.owner_map import GroupTables, OwnerMap
 
 
 def _map():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from owner_reduce.launch import run_ranks
+from owner_reduce.harness.launch import run_ranks
 
 
 def _lifecycle_worker(rank, world_size):
@@ -12,7 +12,7 @@ def _lifecycle_worker(rank, world_size):
 
     import owner_reduce
     from owner_reduce import ops
-    from owner_reduce.toy_models import OddMLP
+    from owner_reduce.harness.toy_models import OddMLP
 
     owner_reduce.install()
     hooks_before = len(dc_util.pre_backward_hooks)

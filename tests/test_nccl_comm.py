@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from owner_reduce import nccl_comm
-from owner_reduce.comm import ReduceComm, TorchDistComm
-from owner_reduce.comm_select import FALLBACK_PREFIX, SelectSteps, combine_reasons, local_readiness, select_comm
-from owner_reduce.flush_plan import ALL
-from owner_reduce.launch import run_ranks
-from owner_reduce.owner_map import Placement
+from owner_reduce.harness.launch import run_ranks
+from owner_reduce.planning.flush_plan import ALL
+from owner_reduce.planning.owner_map import Placement
+from owner_reduce.runtime.comm import ReduceComm, TorchDistComm
+from owner_reduce.runtime.comm_select import FALLBACK_PREFIX, SelectSteps, combine_reasons, local_readiness, select_comm
 
 nccl = pytest.importorskip("cupy.cuda.nccl")
 HAS_CUDA = torch.cuda.is_available()

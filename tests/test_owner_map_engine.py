@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from owner_reduce.launch import run_ranks
-from owner_reduce.owner_map import OwnerMap, ParamSlice, Placement
+from owner_reduce.harness.launch import run_ranks
+from owner_reduce.planning.owner_map import OwnerMap, ParamSlice, Placement
 
 
 def _tamper(owner_map: OwnerMap, how: str) -> OwnerMap:
@@ -33,7 +33,7 @@ def _map_worker(rank, world_size, two_groups):
     from zero1_engines import odd_mlp_engine
 
     from owner_reduce import build_owner_map
-    from owner_reduce.engine_tables import disagreements_with_optimizer
+    from owner_reduce.wiring.engine_tables import disagreements_with_optimizer
 
     engine = odd_mlp_engine(two_groups=two_groups, empty_param=True)
     opt = engine.optimizer
@@ -91,7 +91,7 @@ def _moe_worker(rank, world_size):
     import torch
 
     from owner_reduce import build_owner_map
-    from owner_reduce.engine_tables import disagreements_with_optimizer
+    from owner_reduce.wiring.engine_tables import disagreements_with_optimizer
 
     class MoEModel(torch.nn.Module):
         def __init__(self):
@@ -139,8 +139,8 @@ def _round_robin_worker(rank, world_size):
     import torch
 
     from owner_reduce import build_owner_map
-    from owner_reduce.engine_tables import disagreements_with_optimizer
-    from owner_reduce.toy_models import OddMLP
+    from owner_reduce.harness.toy_models import OddMLP
+    from owner_reduce.wiring.engine_tables import disagreements_with_optimizer
 
     torch.manual_seed(0)
     model = OddMLP()

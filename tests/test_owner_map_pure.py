@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from owner_reduce.owner_map import GroupTables, OwnerMap, OwnerMapError, ParamSlice, Placement
+from owner_reduce.planning.owner_map import GroupTables, OwnerMap, OwnerMapError, ParamSlice, Placement
 
 
 def _tables(group=0, same_comm=True):

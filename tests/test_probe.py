@@ -1,7 +1,7 @@
 """The probe line format (DESIGN.md's example, exactly)."""
 
-from owner_reduce.flush_plan import FlushPlan, FlushRange
-from owner_reduce.probe import FlushReport, format_probe_line
+from owner_reduce.planning.flush_plan import FlushPlan, FlushRange
+from owner_reduce.planning.probe import FlushReport, format_probe_line
 
 DESIGN_EXAMPLE = ("[dc-probe][r0] flushReduceBucket #3 dtype=BFloat16 tasks=118 reduced_elems=52428800 "
                   "kept_elems=6553600 discarded=87.5% pre_div=1 owner_tasks=0 owner_elems=0 (0.0%)")

@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
-from owner_reduce.launch import RankFailure, run_ranks
-from owner_reduce.toy_training import TrainSpec, train
+from owner_reduce.harness.launch import RankFailure, run_ranks
+from owner_reduce.harness.toy_training import TrainSpec, train
 
 PROBE_RE = re.compile(r"^\[dc-probe\]\[r(\d+)\] flushReduceBucket #(\d+) dtype=Float tasks=(\d+) reduced_elems=(\d+) "
                       r"kept_elems=(\d+) discarded=(\d+\.\d)% pre_div=1 owner_tasks=(\d+) owner_elems=(\d+) "

@@ -6,9 +6,9 @@ import pytest
 import torch
 from fakes import MirrorComm
 
-from owner_reduce.flags import OwnerReduceFlags
-from owner_reduce.owner_map import GroupTables, OwnerMap
-from owner_reduce.runtime import OwnerReduceMismatchError, RuntimeSettings, Z1PythonRuntime
+from owner_reduce.planning.flags import OwnerReduceFlags
+from owner_reduce.planning.owner_map import GroupTables, OwnerMap
+from owner_reduce.runtime.handle import OwnerReduceMismatchError, OwnerReduceRuntime, RuntimeSettings
 
 # ws=2, partition_size 8: a(6) -> r0, b(5) straddles [0:2]->r0 [2:5]->r1, c(5) -> r1
 NUMELS = {0: 6, 1: 5, 2: 5}
@@ -20,7 +20,7 @@ TABLES = GroupTables(group=0, param_ids=(0, 1, 2), numels=(6, 5, 5), partition_c
 def _runtime(rank=0, owner=True, probe=True, bucket=64, problems=(), comm=None):
     comm = comm or MirrorComm(rank=rank)
     settings = RuntimeSettings(OwnerReduceFlags(owner, probe), OwnerMap.from_group_tables([TABLES], 2), problems)
-    rt = Z1PythonRuntime(settings, comm_factory=lambda group: comm)
+    rt = OwnerReduceRuntime(settings, comm_factory=lambda group: comm)
     rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
     # As DeepCompile registers on rank 0: a whole, b's first 2 elements (offset 0), nothing of c.
     kept = {0: (torch.zeros(6), 0), 1: (torch.zeros(2), 0), 2: (torch.empty(0), 0)} if rank == 0 else \
@@ -35,7 +35,7 @@ def _rank0_runtime(bucket=64, device="cpu"):
     """Rank 0 of 2, owner path on, probe off; grad buffers as DeepCompile registers them on rank 0 (offset 0)."""
     comm = MirrorComm(rank=0)
     settings = RuntimeSettings(OwnerReduceFlags(True, False), OwnerMap.from_group_tables([TABLES], 2))
-    rt = Z1PythonRuntime(settings, comm_factory=lambda group: comm)
+    rt = OwnerReduceRuntime(settings, comm_factory=lambda group: comm)
     rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
     buffers = {0: torch.zeros(6, device=device), 1: torch.zeros(2, device=device), 2: torch.empty(0, device=device)}
     for pid, buf in buffers.items():
@@ -177,7 +177,7 @@ def test_probe_lines_stop_after_twenty_flushes():
 def test_agreement_mismatch_is_refused(column, name):
     comm = MirrorComm()
     settings = RuntimeSettings(OwnerReduceFlags(True, True), OwnerMap.from_group_tables([TABLES], 2))
-    rt = Z1PythonRuntime(settings, comm_factory=lambda group: comm)
+    rt = OwnerReduceRuntime(settings, comm_factory=lambda group: comm)
     good = [1, 3, 64, int(settings.owner_map.digest()[:15], 16), 0]
     bad = list(good)
     bad[column] += 1

@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from owner_reduce.flush_plan import ALL, BucketEntry, FlushRange, plan_flush
-from owner_reduce.gpt_presets import GPT, PRESETS, build_gpt, build_uninitialized
-from owner_reduce.owner_map import GroupTables, OwnerMap
-from owner_reduce.sizing import (
+from owner_reduce.offline_sizing.gpt_presets import GPT, PRESETS, build_gpt, build_uninitialized
+from owner_reduce.planning.flush_plan import ALL, BucketEntry, FlushRange, plan_flush
+from owner_reduce.planning.owner_map import GroupTables, OwnerMap
+from owner_reduce.planning.sizing import (
     backward_order,
     delivered_bytes,
     element_share,

@@ -2,7 +2,7 @@
 
 Why one function for all three: "plain ZeRO-1" and "DeepCompile + owner_reduce" must see exactly the same
 model, data and optimizer, and the only way to be sure of that is to build both in one place. Runs inside
-a rank started by ``owner_reduce.launch.run_ranks``.
+a rank started by ``owner_reduce.harness.launch.run_ranks``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class TrainSpec:
     seed: int = 0
     record_collectives: bool = False
     progress: bool = False  # rank 0 draws a progress bar on stderr
-    inject_fault: str | None = None  # negative controls only: see owner_reduce.faults
+    inject_fault: str | None = None  # negative controls only: see owner_reduce.harness.faults
     time_runtime: bool = False  # host time of each reduce_grad (without flushes) and each flush, in ns
 
     def __post_init__(self) -> None:
@@ -154,7 +154,7 @@ def train(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
         for _ in range(spec.grad_accum):
             loss = engine(*(t.to(engine.device) for t in batch()))
             if runtime is None and spec.mode == "owner":
-                from .ops import active_runtime
+                from ..wiring.ops import active_runtime
 
                 runtime = active_runtime()
                 runtime.record_collectives = spec.record_collectives

@@ -12,7 +12,7 @@ from typing import Any
 
 import deepspeed.comm as dist
 
-from .owner_map import GroupTables, OwnerMap, Placement
+from ..planning.owner_map import GroupTables, OwnerMap, Placement
 
 # The optimizer attributes read here (DeepSpeedZeroOptimizer, deepspeed 0.19.x).
 REQUIRED_OPTIMIZER_ATTRS: tuple[str, ...] = (

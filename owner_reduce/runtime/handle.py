@@ -1,7 +1,7 @@
-"""The Python ZeRO-1 reduce runtime that stands where DeepCompile's native extension stands.
+"""The Python reduce runtime for ZeRO stages 1 and 2 that stands where DeepCompile's native extension stands.
 
 Why Python: DeepCompile reaches its extension only through ``get_deepcompile_handle()``; an object with the
-same methods there drives the whole stage-1 reduce path, so the owner path needs no C++/CUDA build.
+same methods there drives the whole stage-1/2 reduce path, so the owner path needs no C++/CUDA build.
 Semantics follow ``z1.cpp`` / ``deepcompile.h``: gradients accumulate across micro-steps until the
 accumulation boundary, then go into per-dtype double-buffered buckets; a bucket flushes when the next
 gradient would overflow it and at ``end_backward``; each flush pre-divides by the world size, SUM-reduces,
@@ -23,12 +23,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..planning.flags import OwnerReduceFlags
+from ..planning.flush_plan import ALL, BucketEntry, FlushPlan, plan_flush
+from ..planning.owner_map import OwnerMap, Placement
+from ..planning.probe import PROBE_FLUSH_LIMIT, FlushReport, format_probe_line
 from .buckets import DoubleBufferedBuckets
 from .comm import ReduceComm
-from .flags import OwnerReduceFlags
-from .flush_plan import ALL, BucketEntry, FlushPlan, plan_flush
-from .owner_map import OwnerMap, Placement
-from .probe import PROBE_FLUSH_LIMIT, FlushReport, format_probe_line
 from .streams import CudaStreams, HostStreams, make_streams
 
 _AGREEMENT_PROTOCOL = 1
@@ -102,8 +102,8 @@ class _Task(NamedTuple):
     copy_event: Any  # CUDA: the copy stream's event for this task's copy into the bucket; CPU: None
 
 
-class Z1PythonRuntime:
-    """The DeepCompile handle for ZeRO stage 1 (``init``, ``register_param``, ... ``cleanup``)."""
+class OwnerReduceRuntime:
+    """The DeepCompile handle for ZeRO stages 1 (z1.cpp) and 2 (z2.cpp): ``init`` ... ``cleanup``."""
 
     def __init__(self, settings: RuntimeSettings, comm_factory: Any) -> None:
         self.settings = settings
@@ -209,8 +209,8 @@ class Z1PythonRuntime:
         # Called only for names not defined above: a handle method this runtime does not provide.
         if name.startswith("_"):
             raise AttributeError(name)
-        raise AttributeError(f"owner_reduce's ZeRO-1 runtime has no DeepCompile handle method '{name}' "
-                             "(it replaces the native runtime for stage 1 only)")
+        raise AttributeError(f"owner_reduce's runtime has no DeepCompile handle method '{name}' "
+                             "(it replaces the native runtime for ZeRO stages 1 and 2 only)")
 
     # ---- the two graph ops -------------------------------------------------------------------------------
 

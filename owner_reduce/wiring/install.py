@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .flags import FLAG_KEYS, parse_flags
+from ..planning.flags import FLAG_KEYS, parse_flags
 
 _lock = threading.Lock()
 _installed: dict[str, Any] = {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .flush_plan import FlushRange
+from ..planning.flush_plan import FlushRange
 
 FAULTS = ("wrong_root", "skip_range")
 
@@ -18,7 +18,7 @@ def inject(fault: str, world_size: int) -> None:
     """From now on, in this process, every flush plan has its first owner range broken as ``fault`` says."""
     if fault not in FAULTS:
         raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
-    import owner_reduce.runtime as runtime_module
+    import owner_reduce.runtime.handle as runtime_module
 
     original = runtime_module.plan_flush
 

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..planning.owner_map import OwnerMap
+from ..planning.sizing import DEFAULT_BUCKET_SIZE, SizingReport, backward_order, size_the_win
 from .gpt_presets import GPT as GPTModel
 from .gpt_presets import PRESETS, GPTConfig, build_uninitialized, describe
-from .owner_map import OwnerMap
-from .sizing import DEFAULT_BUCKET_SIZE, SizingReport, backward_order, size_the_win
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def build_layout(spec: ModelSpec, world_size: int) -> BuiltLayout:
     """Build a real ZeRO-1 engine as rank 0 of ``world_size`` (fake group) and read its owner map."""
     import deepspeed
 
-    from .engine_tables import build_owner_map, zero_optimizer_of
+    from ..wiring.engine_tables import build_owner_map, zero_optimizer_of
 
     start = time.perf_counter()
     init_fake_world(world_size)

@@ -10,28 +10,28 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..planning.flags import flags_of
+from ..runtime.comm import ReduceComm
+from ..runtime.handle import OwnerReduceRuntime, RuntimeSettings
 from . import cpu_compat
-from .comm import ReduceComm
 from .compile_pass import owner_schedule
-from .flags import flags_of
 from .ops import ensure_dc_schemas, register_inductor_lowerings, release_dc_schemas, set_active_runtime
-from .runtime import RuntimeSettings, Z1PythonRuntime
 
 
 def make_comm(process_group: Any) -> ReduceComm:
     """The communicator for the data-parallel group: cupy NCCL where every rank can build it, else
     torch.distributed (gloo on CPU), chosen alike on every rank (see ``comm_select``)."""
-    from .comm_select import select_comm
+    from ..runtime.comm_select import select_comm
 
     return select_comm(process_group)
 
 
-def build_runtime(engine: Any, flags: Any) -> Z1PythonRuntime:
+def build_runtime(engine: Any, flags: Any) -> OwnerReduceRuntime:
     from .engine_tables import build_owner_map, disagreements_with_optimizer
 
     owner_map = build_owner_map(engine)
     problems = tuple(disagreements_with_optimizer(owner_map, engine))
-    return Z1PythonRuntime(RuntimeSettings(flags=flags, owner_map=owner_map, map_problems=problems), make_comm)
+    return OwnerReduceRuntime(RuntimeSettings(flags=flags, owner_map=owner_map, map_problems=problems), make_comm)
 
 
 def wrap_init_z1_and_2(original: Any) -> Any:
