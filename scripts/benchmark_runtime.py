@@ -21,7 +21,7 @@ def _op_call_cost(iterations: int) -> tuple[float, float]:
     """Median µs of one reduce_grad op call with a runtime that does nothing, and of a bare Python call."""
     import torch
 
-    from owner_reduce import ops
+    from owner_reduce.wiring import ops
 
     class Null:
         def reduce_grad(self, grad: torch.Tensor, graph_id: int, ds_id: int) -> None:

@@ -5,7 +5,7 @@ import types
 import deepspeed.compile.util as dc_util
 import torch
 
-from owner_reduce import activation, cpu_compat
+from owner_reduce.wiring import activation, cpu_compat
 from owner_reduce.wiring.compile_pass import add_owner_z1_reduce, add_owner_z2_reduce, owner_schedule
 
 

@@ -11,8 +11,8 @@ def _lifecycle_worker(rank, world_size):
     import torch
 
     import owner_reduce
-    from owner_reduce import ops
     from owner_reduce.harness.toy_models import OddMLP
+    from owner_reduce.wiring import ops
 
     owner_reduce.install()
     hooks_before = len(dc_util.pre_backward_hooks)

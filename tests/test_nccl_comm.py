@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from owner_reduce import nccl_comm
 from owner_reduce.harness.launch import run_ranks
 from owner_reduce.planning.flush_plan import ALL
 from owner_reduce.planning.owner_map import Placement
+from owner_reduce.runtime import nccl_comm
 from owner_reduce.runtime.comm import ReduceComm, TorchDistComm
 from owner_reduce.runtime.comm_select import FALLBACK_PREFIX, SelectSteps, combine_reasons, local_readiness, select_comm
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from fakes import MirrorComm
 
-from owner_reduce import ops
+from owner_reduce.wiring import ops
 
 
 class _Recorder:
