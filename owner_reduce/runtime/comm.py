@@ -4,16 +4,23 @@ Why a seam: the flush logic must not care whether bytes move through gloo on CPU
 group, or a cupy NCCL communicator on a side stream. Each implementation provides ``group()`` (a context
 that batches the calls and always closes, also when a call raises), ``reduce(buf, root)`` and
 ``all_reduce(buf)``; ``root`` is a rank of the data-parallel communicator, not a global rank.
+
+Note (bounded waits): every wait on a collective is bounded by ``self.deadline`` (see ``deadline``) and
+fails with ``OwnerReduceCommError`` naming the rank, the flush (``group(flush=n)`` sets it), the call and
+the seconds waited; ``wait_until`` is the one place that waits on the device.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from . import deadline as deadlines
 
 
 class ReduceComm(ABC):
@@ -21,16 +28,21 @@ class ReduceComm(ABC):
 
     name: str = "abstract"
 
-    def __init__(self, rank: int, world_size: int) -> None:
+    def __init__(self, rank: int, world_size: int, deadline: deadlines.Deadline | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self._in_group = False
+        self.deadline = deadlines.from_environment() if deadline is None else deadline
+        self.flush: int | None = None  # the flush being issued or last issued (error messages)
 
     @contextlib.contextmanager
-    def group(self) -> Iterator[None]:
-        """Batch the calls of one flush; closed in ``finally`` so an error never leaves a group open."""
+    def group(self, flush: int | None = None) -> Iterator[None]:
+        """Batch the calls of one flush (number ``flush``, for errors); closed in ``finally`` so an error never
+        leaves a group open."""
         if self._in_group:
             raise RuntimeError(f"{self.name}: nested collective group on rank {self.rank}")
+        if flush is not None:
+            self.flush = flush
         self._in_group = True
         self._group_start()
         try:
@@ -38,6 +50,20 @@ class ReduceComm(ABC):
         finally:
             self._in_group = False
             self._group_end()
+
+    def wait_until(self, done: Callable[[], bool], call: str, flush: int | None = None) -> None:
+        """Poll ``done`` (a CUDA stream's or event's ``query``) within the deadline; on a timeout or an error
+        of this communicator, abort it and raise ``OwnerReduceCommError``."""
+        deadlines.poll_until_done(done, deadline=self.deadline, rank=self.rank,
+                                  flush=self.flush if flush is None else flush, call=call,
+                                  check_error=self._async_error, abort=self._abort)
+
+    def _async_error(self) -> str | None:
+        """An error the communicator reported asynchronously (NCCL), or None."""
+        return None
+
+    def _abort(self) -> None:  # noqa: B027 - optional hook
+        """Stop this communicator after a failed wait, without waiting for peers (at most once)."""
 
     def _group_start(self) -> None:  # noqa: B027 - optional hook
         pass
@@ -78,18 +104,26 @@ class TorchDistComm(ReduceComm):
         self._group = process_group
         super().__init__(dist.get_rank(group=process_group), dist.get_world_size(group=process_group))
         self._global_rank = [dist.get_global_rank(process_group, r) for r in range(self.world_size)]
+        self._works: list[tuple[Any, str]] = []  # issued in the open group, not yet waited for
+
+    # Note (bounded waits): every call is issued with async_op=True and waited with Work.wait(timeout): in
+    # a group, all of the flush's calls at its end against one deadline; outside a group, at once. A flush
+    # therefore fails within the deadline when a peer stalls, instead of DeepSpeed's group timeout.
 
     def reduce(self, buf: torch.Tensor, root: int) -> None:
         from torch._dispatch.python import no_python_dispatcher
 
         with no_python_dispatcher():
-            self._dist.reduce(buf, dst=self._global_rank[root], op=self._dist.ReduceOp.SUM, group=self._group)
+            work = self._dist.reduce(buf, dst=self._global_rank[root], op=self._dist.ReduceOp.SUM,
+                                     group=self._group, async_op=True)
+        self._issued(work, f"reduce(root={root}, count={buf.numel()}, dtype={str(buf.dtype).removeprefix('torch.')})")
 
     def all_reduce(self, buf: torch.Tensor) -> None:
         from torch._dispatch.python import no_python_dispatcher
 
         with no_python_dispatcher():
-            self._dist.all_reduce(buf, op=self._dist.ReduceOp.SUM, group=self._group)
+            work = self._dist.all_reduce(buf, op=self._dist.ReduceOp.SUM, group=self._group, async_op=True)
+        self._issued(work, f"all_reduce(count={buf.numel()}, dtype={str(buf.dtype).removeprefix('torch.')})")
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         from deepspeed.accelerator import get_accelerator
@@ -98,5 +132,28 @@ class TorchDistComm(ReduceComm):
         local = torch.tensor(values, dtype=torch.int64, device=get_accelerator().current_device_name())
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
         with no_python_dispatcher():
-            self._dist.all_gather(gathered, local, group=self._group)
+            work = self._dist.all_gather(gathered, local, group=self._group, async_op=True)
+        self._wait([(work, f"all_gather(count={local.numel()}, dtype=int64)")], flush=None)
         return [g.tolist() for g in gathered]
+
+    def _issued(self, work: Any, call: str) -> None:
+        if self._in_group:
+            self._works.append((work, call))
+        else:
+            self._wait([(work, call)], flush=self.flush)
+
+    def _group_end(self) -> None:
+        works, self._works = self._works, []
+        self._wait(works, flush=self.flush)
+
+    def _wait(self, works: list[tuple[Any, str]], flush: int | None) -> None:
+        """Wait for ``works`` in issue order, all within one deadline from now."""
+        from torch._dispatch.python import no_python_dispatcher
+
+        started = time.monotonic()
+        with no_python_dispatcher():
+            for i, (work, call) in enumerate(works):
+                if work is None:  # a rank outside the group (not ours: every rank of the group calls)
+                    continue
+                deadlines.wait_work(work, deadline=self.deadline, started=started, rank=self.rank, flush=flush,
+                                    call=call if len(works) == 1 else f"{call} (call {i + 1} of {len(works)})")

@@ -190,8 +190,12 @@ class OwnerReduceRuntime:
         self._graphs.clear()
 
     def cleanup(self) -> None:
-        if self._streams is not None:
-            self._streams.synchronize()  # nothing in flight may still read the buckets or the communicator
+        try:
+            self._sync_streams("cleanup")  # nothing in flight may still read the buckets or the communicator
+        finally:
+            self._release()
+
+    def _release(self) -> None:
         self.reset()
         self._pending.clear()
         self._accumulated.clear()
@@ -242,14 +246,19 @@ class OwnerReduceRuntime:
         self.stats.end_backward_calls += 1
         for dtype in list(self._pending):
             self._flush(dtype)
-        if self._streams is not None:
-            self._streams.synchronize()  # the optimizer reads the grad buffers next
+        self._sync_streams("end_backward")  # the optimizer reads the grad buffers next
         if self._stage == 2 and self._update:
             # z2.cpp: this graph's parameters start the next step by overwriting (other graphs clear theirs).
             for ds_id in self._graphs.get(graph_id, ()):
                 self._has_acc_grad.pop(ds_id, None)
         if release_reduce_buckets and self._buckets is not None:
             self._buckets.clear()
+
+    def _sync_streams(self, call: str) -> None:
+        """Wait for the reduce stream, bounded by the communicator's deadline (see ``comm.wait_until``)."""
+        if self._streams is not None:
+            comm = self.comm
+            self._streams.synchronize(None if comm is None else lambda done: comm.wait_until(done, call))
 
     # ---- buckets and the flush ---------------------------------------------------------------------------
 
@@ -263,7 +272,7 @@ class OwnerReduceRuntime:
             self._flush(grad.dtype)
             bucket = self._buckets.get(grad.dtype, grad.device)
         if numel > bucket.size:
-            self._streams.synchronize()  # the buffer being replaced may still be read by a flush in flight
+            self._sync_streams("bucket growth")  # the buffer being replaced may still be read by a flush in flight
             bucket.reserve(numel)
         start, view = bucket.allocate(numel)
         event = self._streams.copy_into_bucket(bucket, view, grad)
@@ -286,7 +295,7 @@ class OwnerReduceRuntime:
                 used = bucket.buffer.narrow(0, 0, bucket.offset)
                 if self._pre_div:
                     used.div_(comm.world_size)
-                with comm.group():
+                with comm.group(flush=self.stats.flushes + 1):
                     for r in plan.ranges:
                         segment = bucket.buffer.narrow(0, r.offset, r.count)
                         if r.root is ALL:

@@ -23,13 +23,21 @@ Note (ordering): NCCL kernels of this communicator and of torch's NCCL process g
 rank must issue them in the same order. The flush runs at the same point of the step on every rank, so it
 does; do not issue collectives of either from another thread while a flush is in flight.
 
+Note (bounded waits): nothing here waits with a plain ``synchronize()``: ``all_gather_ints`` and ``close``
+poll the stream and ``ncclCommGetAsyncError`` within the deadline (``ReduceComm.wait_until``), and so do the
+runtime's end-of-backward, bucket-growth and cleanup waits. On a timeout, an asynchronous NCCL error, a
+failed NCCL call or a call that raises inside a group, this rank aborts the communicator
+(``ncclCommAbort``, at most once; never ``ncclCommDestroy``, which waits for work the peers never finish).
+Peers then see a connection error where NCCL's transport reports one (network), or reach their own deadline.
+
 Note (init can block): ``ncclCommInitRank`` waits for every rank. ``comm_select`` agrees on every local
 precondition before any rank calls it, so a rank that cannot even try never leaves the others waiting.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -180,6 +188,7 @@ class CupyNcclComm(ReduceComm):
         self.stream = stream
         self._calls_in_group = 0
         self._comm: Any = None
+        self.aborted = False
         what = f"communicator creation (world_size={world_size}, rank={rank}, device={device})"
         try:
             import cupy
@@ -242,14 +251,46 @@ class CupyNcclComm(ReduceComm):
         what = f"all_gather(count={local.numel()}, dtype=int64)"
         self._call(what, lambda: self._live(what).allGather(local.data_ptr(), out.data_ptr(), local.numel(),
                                                             nccl_dtype(torch.int64), stream.cuda_stream))
-        stream.synchronize()
+        self.wait_until(stream.query, what, flush=None)
         return [row.tolist() for row in out.view(self.world_size, -1).cpu()]
 
     def close(self) -> None:
-        """Destroy the communicator (idempotent). Pending work on its stream is finished by NCCL first."""
+        """Release the communicator (idempotent, bounded): the work on its stream is waited for within the
+        deadline, then ``ncclCommDestroy``; if that wait fails, or the communicator was aborted, nothing is
+        destroyed (``ncclCommAbort`` already released it)."""
+        if self._comm is None:
+            return
+        self.wait_until(self._stream().query, "close (work still in flight on the communicator's stream)")
         comm, self._comm = self._comm, None
         if comm is not None:
             self._call("communicator destroy", comm.destroy)
+
+    @contextlib.contextmanager
+    def group(self, flush: int | None = None) -> Iterator[None]:
+        """As ``ReduceComm.group``; when anything raises inside it, this rank aborts the communicator, so it
+        never leaves its peers inside a half-issued group."""
+        try:
+            with super().group(flush):
+                yield
+        except BaseException:
+            self._abort()
+            raise
+
+    def _async_error(self) -> str | None:
+        comm = self._comm
+        if comm is None:
+            return None
+        try:
+            comm.check_async_error()  # ncclCommGetAsyncError: raises NcclError for an asynchronous failure
+        except Exception as error:  # noqa: BLE001 - reported through the wait's error
+            return f"{type(error).__name__}: {error}"
+        return None
+
+    def _abort(self) -> None:
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            self.aborted = True
+            comm.abort()  # ncclCommAbort: returns without waiting for peers; cupy forgets the handle
 
     # ---- group hooks ---------------------------------------------------------------------------------------
 
@@ -282,7 +323,8 @@ class CupyNcclComm(ReduceComm):
 
     def _live(self, what: str) -> Any:
         if self._comm is None:
-            raise RuntimeError(f"owner_reduce NCCL {what} on rank {self.rank}: the communicator is closed")
+            state = "was aborted after an earlier failure" if self.aborted else "is closed"
+            raise RuntimeError(f"owner_reduce NCCL {what} on rank {self.rank}: the communicator {state}")
         return self._comm
 
     def _check_buffer(self, buf: torch.Tensor, what: str) -> None:
@@ -316,4 +358,5 @@ class CupyNcclComm(ReduceComm):
         try:
             return fn()
         except Exception as error:  # noqa: BLE001 - NcclError, CUDARuntimeError: re-raised with rank and call
+            self._abort()  # a failed NCCL call leaves the peers waiting in it: stop this rank's side
             raise failure(what, self.rank, error) from error

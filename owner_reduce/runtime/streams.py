@@ -12,12 +12,15 @@ copy-out all run on it (collectives issued under ``torch.cuda.stream(reduce)`` u
 Note (bucket reuse): after a flush the bucket records a "free" event on the reduce stream; the compute stream
 waits for it before the next copy into that bucket. A bucket that must grow first drains the reduce stream.
 Note (optimizer): ``end_backward`` synchronizes the reduce stream, so the grad buffers are final before step().
+Note (bounded waits): ``synchronize(wait)`` hands the reduce stream's ``query`` to ``wait`` (the communicator's
+``wait_until``), which polls it within the deadline and aborts the communicator on failure; a plain
+``synchronize()`` would hang forever on an NCCL kernel whose peer stalled.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -37,7 +40,7 @@ class HostStreams:
     def bucket_released(self, bucket: Any) -> None:
         pass
 
-    def synchronize(self) -> None:
+    def synchronize(self, wait: Callable[[Callable[[], bool]], None] | None = None) -> None:
         pass
 
 
@@ -73,8 +76,11 @@ class CudaStreams:
         event.record(self.reduce_stream)
         bucket.free_event = event
 
-    def synchronize(self) -> None:
-        self.reduce_stream.synchronize()
+    def synchronize(self, wait: Callable[[Callable[[], bool]], None] | None = None) -> None:
+        if wait is None:
+            self.reduce_stream.synchronize()
+        else:
+            wait(self.reduce_stream.query)
 
 
 def make_streams(device: torch.device) -> HostStreams | CudaStreams:

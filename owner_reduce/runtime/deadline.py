@@ -1,0 +1,153 @@
+"""One deadline for every wait on owner_reduce's collectives, and the one error raised when it passes.
+
+Why: torch's ProcessGroupNCCL watchdog never sees NCCL kernels launched through cupy, and DeepSpeed creates
+its data-parallel group with torch's default timeout (30 minutes), not the one the user gave
+``deepspeed.init_distributed(timeout=...)``. A stalled or dead peer would hang every survivor for that long,
+or forever on the cupy path. So each wait here is bounded by the user's timeout: the default process
+group's, read once at communicator creation; ``OWNER_REDUCE_TIMEOUT_S`` overrides it.
+
+The core (``resolve``, ``poll_until_done``, ``wait_work``) takes its clock, sleep, completion and error
+checks as arguments, so it is tested with fakes and no process group. What happens on failure is the
+caller's: the cupy communicator aborts itself (``ncclCommAbort``, never ``ncclCommDestroy``) exactly once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+ENV_VAR = "OWNER_REDUCE_TIMEOUT_S"
+TORCH_DEFAULT_S = 1800.0  # torch's default_pg_timeout, used only when the default group's cannot be read
+
+# Polling: a few immediate checks (a finished wait costs only them), then sleeps growing to _MAX_SLEEP_S.
+_SPINS = 8
+_FIRST_SLEEP_S = 20e-6
+_MAX_SLEEP_S = 1e-3
+
+
+class OwnerReduceCommError(RuntimeError):
+    """A collective of owner_reduce did not complete: a timeout, or an error NCCL or gloo reported.
+
+    Names the rank, the flush (None: outside a flush, e.g. the init-time agreement), the call and the seconds
+    waited. On the cupy path the communicator has been aborted by then; the job cannot continue.
+    """
+
+    def __init__(self, *, rank: int, flush: int | None, call: str, waited_s: float, deadline: Deadline,
+                 reason: str) -> None:
+        where = "outside a flush" if flush is None else f"flush #{flush}"
+        super().__init__(f"owner_reduce: rank {rank}, {where}: {call} {reason} after waiting {waited_s:.1f} s "
+                         f"(deadline {deadline.describe()})")
+        self.rank = rank
+        self.flush = flush
+        self.call = call
+        self.waited_s = waited_s
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Deadline:
+    seconds: float
+    source: str  # where the value came from, for the error message
+
+    def describe(self) -> str:
+        return f"{self.seconds:g} s from {self.source}"
+
+
+def resolve(env_value: str | None, group_timeout_s: float | None) -> Deadline:
+    """The deadline: ``OWNER_REDUCE_TIMEOUT_S`` if set, else the default group's timeout, else torch's default."""
+    if env_value is not None and env_value.strip():
+        try:
+            seconds = float(env_value)
+        except ValueError:
+            seconds = float("nan")
+        if not seconds > 0 or seconds == float("inf"):
+            raise ValueError(f"owner_reduce: {ENV_VAR} must be a positive number of seconds, got {env_value!r}")
+        return Deadline(seconds, ENV_VAR)
+    if group_timeout_s is not None and group_timeout_s > 0:
+        return Deadline(float(group_timeout_s), "the default process group (init_distributed timeout)")
+    return Deadline(TORCH_DEFAULT_S, "torch's default (no process group timeout found)")
+
+
+def default_group_timeout_s() -> float | None:
+    """The timeout of torch's default process group, i.e. what ``init_distributed(timeout=...)`` set; None if
+    there is no group or no backend exposing one. Read from the backend's options (torch 2.13: every backend
+    of a ProcessGroup has ``options._timeout``), CUDA's backend first."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    from torch.distributed import distributed_c10d as c10d
+
+    group = c10d._get_default_group()
+    for device in ("cuda", "cpu"):
+        try:
+            backend = group._get_backend(torch.device(device))
+        except Exception:  # noqa: BLE001 - no backend for this device type
+            continue
+        timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+            return timeout.total_seconds()
+    return None
+
+
+def from_environment(environ: Mapping[str, str] | None = None) -> Deadline:
+    """The deadline for this process, now: read once per communicator, never per call."""
+    env = os.environ if environ is None else environ
+    return resolve(env.get(ENV_VAR), default_group_timeout_s())
+
+
+def poll_until_done(done: Callable[[], bool], *, deadline: Deadline, rank: int, flush: int | None, call: str,
+                    check_error: Callable[[], str | None] = lambda: None, abort: Callable[[], None] = lambda: None,
+                    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> float:
+    """Poll ``done`` (a CUDA event's or stream's ``query``) until it is true; return the seconds waited.
+
+    Between polls ``check_error`` (``ncclCommGetAsyncError``) may report an error. On an error or when the
+    deadline passes, ``abort`` runs (once, here) and ``OwnerReduceCommError`` is raised. Already done costs
+    one call of ``done``.
+    """
+    if done():
+        return 0.0
+    start = clock()
+    pause = _FIRST_SLEEP_S
+    polls = 0
+    while True:
+        error = check_error()
+        waited = clock() - start
+        if error is not None or waited >= deadline.seconds:
+            reason = "timed out" if error is None else f"failed: {error}"
+            try:
+                abort()
+            except Exception as abort_error:  # noqa: BLE001 - the wait's failure is the one to report
+                reason += f" (and aborting the communicator failed: {type(abort_error).__name__}: {abort_error})"
+            raise OwnerReduceCommError(rank=rank, flush=flush, call=call, waited_s=waited, deadline=deadline,
+                                       reason=reason)
+        polls += 1
+        if polls > _SPINS:
+            sleep(pause)
+            pause = min(pause * 2, _MAX_SLEEP_S)
+        if done():
+            return clock() - start
+
+
+def wait_work(work: Any, *, deadline: Deadline, started: float, rank: int, flush: int | None, call: str,
+              clock: Callable[[], float] = time.monotonic) -> None:
+    """Wait for a torch.distributed ``Work`` until ``started + deadline``; ``OwnerReduceCommError`` otherwise.
+
+    ``Work.wait(timeout)`` raises on a timeout (gloo: "Operation timed out!") and on a failed collective
+    (a peer that closed its connection); both become the one error, naming the call.
+    """
+    remaining = deadline.seconds - (clock() - started)
+    try:
+        if remaining <= 0 and not work.is_completed():
+            raise TimeoutError("Operation timed out!")
+        work.wait(datetime.timedelta(seconds=max(remaining, 0.001)))
+    except Exception as error:  # noqa: BLE001 - gloo and NCCL raise RuntimeError (or DistBackendError)
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        reason = "timed out" if "timed out" in text.lower() else f"failed: {type(error).__name__}: {text}"
+        raise OwnerReduceCommError(rank=rank, flush=flush, call=call, waited_s=clock() - started, deadline=deadline,
+                                   reason=reason) from error
