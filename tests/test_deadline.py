@@ -348,4 +348,4 @@ def test_torch_dist_flush_fails_at_the_deadline_when_a_peer_stalls():
     assert r0["error"].startswith("owner_reduce: rank 0, flush #5: reduce(root=0, count=4, dtype=float32) "
                                   "(call 1 of 2) timed out after waiting 2.0 s "
                                   "(deadline 2 s from OWNER_REDUCE_TIMEOUT_S)"), r0
-    assert 2.0 <= r0["elapsed"] < 10.0
+    assert 1.9 <= r0["elapsed"] < 10.0  # gloo's timed wait may wake a few µs early

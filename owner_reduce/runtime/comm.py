@@ -104,7 +104,7 @@ class TorchDistComm(ReduceComm):
         self._group = process_group
         super().__init__(dist.get_rank(group=process_group), dist.get_world_size(group=process_group))
         self._global_rank = [dist.get_global_rank(process_group, r) for r in range(self.world_size)]
-        self._works: list[tuple[Any, str]] = []  # issued in the open group, not yet waited for
+        self._works: list[tuple[Any, tuple[str, int | None, int, torch.dtype]]] = []  # issued, not yet waited for
 
     # Note (bounded waits): every call is issued with async_op=True and waited with Work.wait(timeout): in
     # a group, all of the flush's calls at its end against one deadline; outside a group, at once. A flush
@@ -116,14 +116,14 @@ class TorchDistComm(ReduceComm):
         with no_python_dispatcher():
             work = self._dist.reduce(buf, dst=self._global_rank[root], op=self._dist.ReduceOp.SUM,
                                      group=self._group, async_op=True)
-        self._issued(work, f"reduce(root={root}, count={buf.numel()}, dtype={str(buf.dtype).removeprefix('torch.')})")
+        self._issued(work, ("reduce", root, buf.numel(), buf.dtype))
 
     def all_reduce(self, buf: torch.Tensor) -> None:
         from torch._dispatch.python import no_python_dispatcher
 
         with no_python_dispatcher():
             work = self._dist.all_reduce(buf, op=self._dist.ReduceOp.SUM, group=self._group, async_op=True)
-        self._issued(work, f"all_reduce(count={buf.numel()}, dtype={str(buf.dtype).removeprefix('torch.')})")
+        self._issued(work, ("all_reduce", None, buf.numel(), buf.dtype))
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         from deepspeed.accelerator import get_accelerator
@@ -133,10 +133,10 @@ class TorchDistComm(ReduceComm):
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
         with no_python_dispatcher():
             work = self._dist.all_gather(gathered, local, group=self._group, async_op=True)
-        self._wait([(work, f"all_gather(count={local.numel()}, dtype=int64)")], flush=None)
+        self._wait([(work, ("all_gather", None, local.numel(), local.dtype))], flush=None)
         return [g.tolist() for g in gathered]
 
-    def _issued(self, work: Any, call: str) -> None:
+    def _issued(self, work: Any, call: tuple[str, int | None, int, torch.dtype]) -> None:
         if self._in_group:
             self._works.append((work, call))
         else:
@@ -146,7 +146,7 @@ class TorchDistComm(ReduceComm):
         works, self._works = self._works, []
         self._wait(works, flush=self.flush)
 
-    def _wait(self, works: list[tuple[Any, str]], flush: int | None) -> None:
+    def _wait(self, works: list[tuple[Any, tuple[str, int | None, int, torch.dtype]]], flush: int | None) -> None:
         """Wait for ``works`` in issue order, all within one deadline from now."""
         from torch._dispatch.python import no_python_dispatcher
 
@@ -156,4 +156,11 @@ class TorchDistComm(ReduceComm):
                 if work is None:  # a rank outside the group (not ours: every rank of the group calls)
                     continue
                 deadlines.wait_work(work, deadline=self.deadline, started=started, rank=self.rank, flush=flush,
-                                    call=call if len(works) == 1 else f"{call} (call {i + 1} of {len(works)})")
+                                    call=lambda call=call, i=i: _call_name(call, i, len(works)))
+
+
+def _call_name(call: tuple[str, int | None, int, torch.dtype], index: int, calls: int) -> str:
+    """``reduce(root=1, count=143, dtype=float32) (call 1 of 4)``: formatted only for an error."""
+    kind, root, count, dtype = call
+    name = f"{kind}({'' if root is None else f'root={root}, '}count={count}, dtype={str(dtype).removeprefix('torch.')})"
+    return name if calls == 1 else f"{name} (call {index + 1} of {calls})"

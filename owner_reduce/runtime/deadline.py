@@ -26,7 +26,7 @@ TORCH_DEFAULT_S = 1800.0  # torch's default_pg_timeout, used only when the defau
 # Polling: a few immediate checks (a finished wait costs only them), then sleeps growing to _MAX_SLEEP_S.
 _SPINS = 8
 _FIRST_SLEEP_S = 20e-6
-_MAX_SLEEP_S = 1e-3
+_MAX_SLEEP_S = 2e-4  # a wait that ends costs at most this much latency (end_backward on a GPU, every step)
 
 
 class OwnerReduceCommError(RuntimeError):
@@ -134,12 +134,13 @@ def poll_until_done(done: Callable[[], bool], *, deadline: Deadline, rank: int, 
             return clock() - start
 
 
-def wait_work(work: Any, *, deadline: Deadline, started: float, rank: int, flush: int | None, call: str,
-              clock: Callable[[], float] = time.monotonic) -> None:
+def wait_work(work: Any, *, deadline: Deadline, started: float, rank: int, flush: int | None,
+              call: str | Callable[[], str], clock: Callable[[], float] = time.monotonic) -> None:
     """Wait for a torch.distributed ``Work`` until ``started + deadline``; ``OwnerReduceCommError`` otherwise.
 
     ``Work.wait(timeout)`` raises on a timeout (gloo: "Operation timed out!") and on a failed collective
-    (a peer that closed its connection); both become the one error, naming the call.
+    (a peer that closed its connection); both become the one error, naming the call (``call`` may be a
+    function: the name is then formatted only on failure).
     """
     remaining = deadline.seconds - (clock() - started)
     try:
@@ -149,5 +150,5 @@ def wait_work(work: Any, *, deadline: Deadline, started: float, rank: int, flush
     except Exception as error:  # noqa: BLE001 - gloo and NCCL raise RuntimeError (or DistBackendError)
         text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         reason = "timed out" if "timed out" in text.lower() else f"failed: {type(error).__name__}: {text}"
-        raise OwnerReduceCommError(rank=rank, flush=flush, call=call, waited_s=clock() - started, deadline=deadline,
-                                   reason=reason) from error
+        raise OwnerReduceCommError(rank=rank, flush=flush, call=call() if callable(call) else call,
+                                   waited_s=clock() - started, deadline=deadline, reason=reason) from error
