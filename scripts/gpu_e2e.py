@@ -7,7 +7,11 @@ LOCAL_RANK 0, so several ranks can share one GPU, which NCCL >= 2.30 allows with
 - plain: ZeRO-1 with DeepSpeed's own hooks (the reference);
 - owner: DeepCompile + owner_reduce (reduce_to_owner, reduce_probe), which must pick the cupy NCCL communicator;
 - native: DeepCompile's own C++/CUDA runtime, if its extension builds here (a failure is reported, not fatal).
-Prints a RESULT line per comparison and writes everything to --json.
+Prints a RESULT line per run (median step time, host µs per ``reduce_grad`` on the owner path, peak GPU memory)
+and per comparison, and writes everything to --json. ``--require-bitwise`` (what gpu_check.sh uses at ws=1)
+makes anything but bitwise-equal losses and parameters a failure; the ranks then run with
+``torch.use_deterministic_algorithms(True, warn_only=True)`` and CUBLAS_WORKSPACE_CONFIG=:4096:8, so that
+plain and owner runs are comparable bit for bit on a GPU (embedding backward otherwise uses atomics).
 
 Exit codes: 0 owner matched plain (and native, where it ran), 1 a comparison failed, 3 no CUDA GPU,
 5 the owner or plain job failed.
@@ -42,23 +46,36 @@ class Job:
     bf16: bool = False
     cpu: bool = False
     seed: int = 0
+    deterministic: bool = False
 
 
 def _train(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     """One rank of ``job``: owner_reduce's shared training run (identical batches on every rank), summarized."""
+    import torch
+
     from owner_reduce.harness.toy_training import TrainSpec, train
 
+    if job.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
     spec = TrainSpec(mode=job.mode, backend=job.backend, steps=job.steps, micro_batch=job.micro_batch,
                      model="tiny_transformer",
                      model_kwargs=(("vocab", job.vocab), ("dim", job.dim), ("layers", job.layers), ("seq", job.seq)),
-                     reduce_bucket_size=job.bucket, bf16=job.bf16, lr=1e-3, seed=job.seed, reduce_probe=True)
+                     reduce_bucket_size=job.bucket, bf16=job.bf16, lr=1e-3, seed=job.seed, reduce_probe=True,
+                     time_runtime=job.mode == "owner")
+    if not job.cpu:
+        torch.cuda.reset_peak_memory_stats()
     out = train(rank, world_size, spec)
     stats = None
     if out["stats"] is not None:
         stats = asdict(out["stats"])
         stats["probe_lines"] = stats["probe_lines"][:4]
+    reduce_grad_ns = out["timings"].get("reduce_grad_ns", []) if out["timings"] else []
     return {"losses": out["losses"], "step_s": out["step_times"], "first_step_s": out["first_step_s"],
-            "comm": out["comm"], "stats": stats, "params": {n: p.float() for n, p in out["params"].items()}}
+            "comm": out["comm"], "stats": stats, "params": {n: p.float() for n, p in out["params"].items()},
+            # host time of one reduce_grad call without its flushes (owner path only; plain ZeRO has none)
+            "reduce_grad_us": statistics.median(reduce_grad_ns) / 1000 if reduce_grad_ns else None,
+            "reduce_grad_calls_timed": len(reduce_grad_ns),
+            "peak_gpu_mib": None if job.cpu else torch.cuda.max_memory_allocated() / 2**20}
 
 
 def launch(job: Job, world_size: int, timeout: float) -> list[dict[str, Any]]:
@@ -74,7 +91,8 @@ def launch(job: Job, world_size: int, timeout: float) -> list[dict[str, Any]]:
 
         listed = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
         visible = listed or [str(i) for i in range(torch.cuda.device_count())]
-        rank_env = [{"CUDA_VISIBLE_DEVICES": visible[r % len(visible)], "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+        rank_env = [{"CUDA_VISIBLE_DEVICES": visible[r % len(visible)], "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                     **({"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if job.deterministic else {})}
                     for r in range(world_size)]
     try:
         return run_ranks(_train, world_size, args=(job,), timeout=timeout, rank_env=rank_env,
@@ -83,7 +101,8 @@ def launch(job: Job, world_size: int, timeout: float) -> list[dict[str, Any]]:
         raise RuntimeError(f"{job.mode} job failed: {error}") from error
 
 
-def compare(name: str, a: dict[str, Any], b: dict[str, Any], atol: float) -> dict[str, Any]:
+def compare(name: str, a: dict[str, Any], b: dict[str, Any], atol: float,
+            require_bitwise: bool = False) -> dict[str, Any]:
     """Final parameters and losses of two runs (rank 0's; every rank holds the full model after ZeRO-1)."""
     import torch
 
@@ -92,7 +111,9 @@ def compare(name: str, a: dict[str, Any], b: dict[str, Any], atol: float) -> dic
     loss_diff = max(abs(x - y) for x, y in zip(a["losses"], b["losses"], strict=True))
     worst = max(diffs, key=diffs.get)
     row = {"comparison": name, "bitwise": bitwise, "max_param_diff": diffs[worst], "worst_param": worst,
-           "max_loss_diff": loss_diff, "atol": atol, "ok": diffs[worst] <= atol and loss_diff <= atol * 10}
+           "max_loss_diff": loss_diff, "atol": atol,
+           "ok": (bitwise and a["losses"] == b["losses"]) if require_bitwise
+           else diffs[worst] <= atol and loss_diff <= atol * 10}
     print(f"RESULT gpu_e2e {name}: bitwise={bitwise} max_param_diff={diffs[worst]:.3g} ({worst}) "
           f"max_loss_diff={loss_diff:.3g} ok={row['ok']}", flush=True)
     return row
@@ -115,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--total-timeout", type=float, default=None,
                         help="seconds for all modes; a mode that would start with under 30s left is skipped")
     parser.add_argument("--cpu", action="store_true", help="gloo ranks on the CPU (checks this script)")
+    parser.add_argument("--require-bitwise", action="store_true",
+                        help="owner vs plain must be bitwise equal (deterministic algorithms in the ranks)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
@@ -143,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             errors[mode] = f"not run: {max(limit, 0):.0f}s of --total-timeout left"
             print(f"gpu_e2e: {mode} job SKIPPED ({errors[mode]})", flush=True)
             continue
-        job = Job(mode=mode, steps=args.steps, backend=args.backend, bf16=args.bf16, cpu=args.cpu)
+        job = Job(mode=mode, steps=args.steps, backend=args.backend, bf16=args.bf16, cpu=args.cpu,
+                  deterministic=args.require_bitwise)
         start = time.monotonic()
         try:
             runs[mode] = launch(job, args.world_size, limit)
@@ -154,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         _print_run(mode, args.world_size, runs[mode], time.monotonic() - start)
         if mode != "plain" and "plain" in runs:
-            rows.append(compare(f"{mode} vs plain", runs[mode][0], runs["plain"][0], atol))
+            rows.append(compare(f"{mode} vs plain", runs[mode][0], runs["plain"][0], atol,
+                                require_bitwise=args.require_bitwise and mode == "owner"))
         if args.json:
             _write_json(args.json, args.world_size, rows, errors, runs)
     if args.json:
@@ -172,9 +197,11 @@ def main(argv: list[str] | None = None) -> int:
 def _print_run(mode: str, world_size: int, rows: list[dict[str, Any]], wall_s: float) -> None:
     timing = _timing(rows)
     r0 = rows[0]
+    us = "n/a" if r0["reduce_grad_us"] is None else f"{r0['reduce_grad_us']:.1f}"
+    mib = "n/a" if r0["peak_gpu_mib"] is None else f"{max(r['peak_gpu_mib'] for r in rows):.1f}"
     print(f"RESULT gpu_e2e mode={mode} ws={world_size} median_step_ms={timing['median_step_ms']:.2f} "
           f"first_step_s={timing['first_step_s']:.1f} wall_s={wall_s:.0f} comm={r0['comm']} "
-          f"final_loss={r0['losses'][-1]:.6f}", flush=True)
+          f"host_us_per_reduce_grad={us} peak_gpu_mib={mib} final_loss={r0['losses'][-1]:.6f}", flush=True)
     if r0["stats"]:
         s = r0["stats"]
         print(f"  owner runtime: flushes={s['flushes']} collectives={s['collectives']} "
@@ -190,6 +217,8 @@ def _write_json(path: str, world_size: int, rows: list[dict[str, Any]], errors: 
         json.dump({"world_size": world_size, "comparisons": rows, "errors": errors,
                    "owner_comm": runs["owner"][0]["comm"] if "owner" in runs else None,
                    "timing": {m: _timing(r) for m, r in runs.items()},
+                   "host_us_per_reduce_grad": {m: r[0]["reduce_grad_us"] for m, r in runs.items()},
+                   "peak_gpu_mib": {m: r[0]["peak_gpu_mib"] for m, r in runs.items()},
                    "losses": {m: r[0]["losses"] for m, r in runs.items()}}, f, indent=1)
 
 

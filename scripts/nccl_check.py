@@ -198,6 +198,16 @@ def rank_main(rank: int, ws: int, unique_id: bytes, args: argparse.Namespace) ->
 # ---- the parent ----------------------------------------------------------------------------------------------
 
 
+def timing_label(ws: int, gpus: int) -> str | None:
+    """What the flush timings mean at this world size: None where they measure communication between GPUs."""
+    if ws == 1:
+        return ("no communication measurement: at ws=1 NCCL only copies within one GPU; "
+                "this run checks correctness only")
+    if ws > gpus:
+        return "ranks share a GPU: not an interconnect measurement"
+    return None
+
+
 def _report(ws: int, results: list[dict[str, Any]], header: dict[str, Any]) -> tuple[bool, list[dict]]:
     rows_by_rank = [results[r]["rows"] for r in range(ws)]
     ok = all(results[r]["gathered"] == [[q, len(rows_by_rank[0])] for q in range(ws)] for r in range(ws))
@@ -223,9 +233,18 @@ def _report(ws: int, results: list[dict[str, Any]], header: dict[str, Any]) -> t
         print(f"    identical inputs, owner == AllReduce bitwise on received elements: {bitwise}")
         print(f"    random inputs, both within rtol={row['rtol']} atol={row['atol']} of the fp64 reference: {close} "
               f"(max abs err {row['max_abs_err']:.3g})")
-        print(f"    median flush (slowest rank): AllReduce {ar:.3f} ms, owner {ow:.3f} ms, ratio {row['ratio']:.3f}")
+        row["timing"] = timing_label(ws, header["gpus"])
+        if ws == 1:
+            print(f"    median flush: AllReduce {ar:.3f} ms, owner {ow:.3f} ms: {row['timing']}")
+            print(f"RESULT nccl_check ws=1 dtype={row['dtype']} elems={row['elems']} bitwise={bitwise} close={close} "
+                  f"timing=not-a-communication-measurement", flush=True)
+            continue
+        note = "" if row["timing"] is None else f" ({row['timing']})"
+        print(f"    median flush (slowest rank): AllReduce {ar:.3f} ms, owner {ow:.3f} ms, "
+              f"ratio {row['ratio']:.3f}{note}")
         print(f"RESULT nccl_check ws={ws} dtype={row['dtype']} elems={row['elems']} allreduce_ms={ar:.4f} "
-              f"owner_ms={ow:.4f} ratio={row['ratio']:.4f} bitwise={bitwise} close={close}", flush=True)
+              f"owner_ms={ow:.4f} ratio={row['ratio']:.4f} bitwise={bitwise} close={close}"
+              f"{'' if row['timing'] is None else ' timing=ranks-share-a-gpu'}", flush=True)
     return ok, summary
 
 
