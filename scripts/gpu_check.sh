@@ -96,6 +96,7 @@ mkdir -p "$OUTDIR"
 SUMMARY="$OUTDIR/gpu_summary.txt"
 LOG="$OUTDIR/gpu_check.log"
 STEPS_DIR=$(mktemp -d)  # each step's own output; not under $OUTDIR, where only a few files come back
+trap 'rm -rf "$STEPS_DIR"' EXIT
 : > "$SUMMARY"
 : > "$LOG"
 FAILED=0
@@ -126,7 +127,7 @@ step() {
   rc=$?
   secs=$(( $(date +%s) - t0 ))
   cat "$STEPS_DIR/$name.txt" >> "$LOG"
-  grep -E '^(RESULT|nccl_check:|gpu_e2e:|  (float32|bfloat16|float16|owner runtime):|  \[dc-probe\]|    )' "$STEPS_DIR/$name.txt" \
+  grep -E '^(RESULT|nccl_check:|gpu_e2e:|  (float32|bfloat16|float16|owner runtime):|  \[dc-probe\]|    |[0-9]+ (passed|failed|skipped|error))' "$STEPS_DIR/$name.txt" \
     | grep -v '^    File' | head -60 >> "$SUMMARY"
   case $rc in
     0) note "step $name: ok (${secs}s)"; RAN[$name]=ok;;
@@ -217,7 +218,12 @@ note ""
 note "MEASURED here (one GPU):"
 [ "${RAN[nccl_ws1]:-}" = ok ] && note "  - cupy NCCL flush correctness at ws=1 (owner plan == AllReduce bitwise; fp64 reference)"
 [ "${RAN[nccl_ws2]:-}" = ok ] && note "  - cupy NCCL flush correctness at ws=2, two ranks sharing one GPU"
-[ "${RAN[pytest_cuda]:-}" = ok ] && note "  - the CUDA tests (pytest -m cuda)"
+PYTEST_LINE=$(grep -E '^[0-9]+ (passed|failed|skipped|error)' "$STEPS_DIR/pytest_cuda.txt" 2>/dev/null | tail -1)
+if [ "${RAN[pytest_cuda]:-}" = ok ] && [[ "$PYTEST_LINE" == *passed* ]]; then
+  note "  - the CUDA tests (pytest -m cuda: $PYTEST_LINE)"
+elif [ "${RAN[pytest_cuda]:-}" = ok ]; then
+  RAN[pytest_cuda]="ran no test ($PYTEST_LINE)"
+fi
 [ "${RAN[e2e_ws1]:-}" = ok ] && note "  - DeepCompile + owner_reduce vs plain ZeRO-1 at ws=1: bitwise; host us per reduce_grad; peak GPU memory"
 [ "${RAN[native]:-}" = ok ] && note "  - native DeepCompile at ws=1 vs plain ZeRO-1"
 note "NOT MEASURED:"
