@@ -349,3 +349,69 @@ def test_torch_dist_flush_fails_at_the_deadline_when_a_peer_stalls():
                                   "(call 1 of 2) timed out after waiting 2.0 s "
                                   "(deadline 2 s from OWNER_REDUCE_TIMEOUT_S)"), r0
     assert 1.9 <= r0["elapsed"] < 10.0  # gloo's timed wait may wake a few µs early
+
+
+# ---- real NCCL (GPU only): abort on a real communicator, and a peer that never joins -------------------------
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.timeout(120)
+def test_real_communicator_aborts_once_on_timeout():
+    comm = nccl_comm.CupyNcclComm(nccl_comm.new_unique_id(), 0, 1)
+    comm.deadline = Deadline(0.1, "test")
+    assert comm.all_gather_ints([5]) == [[5]]  # the polled wait of a completed collective
+    with pytest.raises(OwnerReduceCommError, match=r"rank 0, flush #1: end_backward timed out"):
+        comm.wait_until(lambda: False, "end_backward", flush=1)
+    assert comm.aborted and comm._comm is None
+    comm.close()  # nothing left: returns at once
+    with pytest.raises(RuntimeError, match="was aborted after an earlier failure"):
+        comm.all_reduce(torch.ones(4, device="cuda"))
+
+
+def _gpu_peer_never_joins(rank: int, world_size: int) -> dict:
+    """Rank 1 builds the communicator, then sleeps through rank 0's flush: rank 0 must fail at the deadline
+    (3 s) by polling, abort, and come back; rank 1's own flush afterwards finds an aborted peer."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    comm = nccl_comm.CupyNcclComm.from_process_group(dist.group.WORLD)
+    out: dict = {"deadline": comm.deadline}
+    buf = torch.ones(1 << 16, device="cuda")
+    # Warm-up flush on both ranks: NCCL connects its transports lazily, on the host inside ncclGroupEnd, which
+    # no polling can bound; after this the flush below only enqueues and its wait is the polled one.
+    with comm.group(flush=0):
+        comm.all_reduce(buf)
+    comm.wait_until(torch.cuda.current_stream().query, "warm-up")
+    if rank == 1:
+        time.sleep(8)
+    start = time.monotonic()
+    try:
+        with comm.group(flush=1):
+            comm.all_reduce(buf)
+        comm.wait_until(torch.cuda.current_stream().query, "end_backward")
+        out["error"] = None
+    except OwnerReduceCommError as error:
+        out["error"] = str(error)
+    out["elapsed"] = time.monotonic() - start
+    out["aborted"] = comm.aborted
+    comm.close()
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.timeout(180)
+def test_real_nccl_flush_fails_at_the_deadline_when_a_peer_never_joins():
+    if torch.cuda.device_count() < 2 and nccl_comm.nccl_runtime_version() < (2, 30, 0):
+        pytest.skip("two ranks on one GPU need NCCL >= 2.30 (NCCL_MULTI_RANK_GPU_ENABLE)")
+    env = {ENV_VAR: "3"}
+    if torch.cuda.device_count() < 2:
+        env["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
+    r0, r1 = run_ranks(_gpu_peer_never_joins, 2, timeout=150, env=env)
+    assert r0["deadline"] == Deadline(3.0, ENV_VAR)
+    assert r0["error"] and "rank 0, flush #1: end_backward " in r0["error"] and r0["aborted"], r0
+    assert 3.0 <= r0["elapsed"] < 15.0, r0
+    assert r1["error"] and r1["aborted"] and r1["elapsed"] < 15.0, r1  # its peer aborted: it cannot finish either
