@@ -65,6 +65,12 @@ def _train(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     if not job.cpu:
         torch.cuda.reset_peak_memory_stats()
     out = train(rank, world_size, spec)
+    deadline = None
+    if job.mode == "owner":  # the bounded waits' deadline, read from this run's default process group
+        from owner_reduce.wiring.ops import active_runtime_or_none
+
+        runtime = active_runtime_or_none()
+        deadline = None if runtime is None or runtime.comm is None else runtime.comm.deadline.describe()
     stats = None
     if out["stats"] is not None:
         stats = asdict(out["stats"])
@@ -74,7 +80,7 @@ def _train(rank: int, world_size: int, job: Job) -> dict[str, Any]:
             "comm": out["comm"], "stats": stats, "params": {n: p.float() for n, p in out["params"].items()},
             # host time of one reduce_grad call without its flushes (owner path only; plain ZeRO has none)
             "reduce_grad_us": statistics.median(reduce_grad_ns) / 1000 if reduce_grad_ns else None,
-            "reduce_grad_calls_timed": len(reduce_grad_ns),
+            "reduce_grad_calls_timed": len(reduce_grad_ns), "deadline": deadline,
             "peak_gpu_mib": None if job.cpu else torch.cuda.max_memory_allocated() / 2**20}
 
 
@@ -206,7 +212,7 @@ def _print_run(mode: str, world_size: int, rows: list[dict[str, Any]], wall_s: f
         s = r0["stats"]
         print(f"  owner runtime: flushes={s['flushes']} collectives={s['collectives']} "
               f"reduce_calls={s['reduce_calls']} all_reduce_calls={s['all_reduce_calls']} "
-              f"owner_elems={s['owner_elems']}/{s['reduced_elems']}", flush=True)
+              f"owner_elems={s['owner_elems']}/{s['reduced_elems']} deadline: {r0['deadline']}", flush=True)
         for line in s["probe_lines"][:2]:
             print(f"  {line}", flush=True)
 
