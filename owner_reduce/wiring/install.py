@@ -4,6 +4,7 @@ Why a factory in place of ``CompileConfig``: DeepSpeed builds its compile config
 ``CompileConfig(**param_dict.get('compile', {}))`` inside ``deepspeed.runtime.config`` and the model forbids
 unknown keys. Swapping that one module-level name lets the flags through while a config that does not
 mention them still gets DeepSpeed's own class, built by DeepSpeed's own code: flags absent, nothing changes.
+A flag that cannot take effect is named in a warning when DeepSpeed reads the config (see ``unused_flags``).
 The runtime is wired in through ``deepspeed.compile.init_z1_and_2.init_z1_and_2`` (see ``activation``), which
 likewise calls straight through when both flags are off.
 """
@@ -74,6 +75,7 @@ def install() -> None:
         import deepspeed.runtime.config as ds_config
 
         from .activation import wrap_init_z1_and_2
+        from .unused_flags import wrap_do_warning_check
 
         original = ds_config.CompileConfig
         if hasattr(original, "owner_reduce_original") or hasattr(init_module.init_z1_and_2, "__wrapped__"):
@@ -81,9 +83,12 @@ def install() -> None:
                                           "owner_reduce; uninstall that one first")
         config_cls, factory = _make_compile_config_factory(original)
         original_init = init_module.init_z1_and_2
+        original_warning_check = ds_config.DeepSpeedConfig.__dict__["_do_warning_check"]
         ds_config.CompileConfig = factory
         init_module.init_z1_and_2 = wrap_init_z1_and_2(original_init)
-        _installed.update(compile_config=original, config_cls=config_cls, init_z1_and_2=original_init)
+        ds_config.DeepSpeedConfig._do_warning_check = wrap_do_warning_check(original_warning_check)
+        _installed.update(compile_config=original, config_cls=config_cls, init_z1_and_2=original_init,
+                          do_warning_check=original_warning_check)
 
 
 def uninstall() -> None:
@@ -99,6 +104,7 @@ def uninstall() -> None:
 
         ds_config.CompileConfig = _installed["compile_config"]
         init_module.init_z1_and_2 = _installed["init_z1_and_2"]
+        ds_config.DeepSpeedConfig._do_warning_check = _installed["do_warning_check"]
         cpu_compat.restore()
         if active_runtime_or_none() is None:  # a live engine still runs its graphs: its cleanup releases them
             release_dc_schemas()
