@@ -24,6 +24,10 @@ class OwnerReduceInstallError(RuntimeError):
     """DeepSpeed's private surface moved; the message names what is missing."""
 
 
+class OwnerReduceInUseError(RuntimeError):
+    """``uninstall()`` while an engine compiled with the flags is live: it would break that engine."""
+
+
 def _check_surface() -> None:
     from .surface import dc_schema_problems, surface_problems
 
@@ -92,7 +96,12 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Restore every DeepSpeed name ``install()`` replaced. Idempotent."""
+    """Restore every DeepSpeed name ``install()`` replaced. Idempotent.
+
+    Refused (``OwnerReduceInUseError``, nothing changed) while an engine compiled with the flags is live: its
+    compiled graphs still call owner_reduce's runtime, and on CPU DeepCompile needs the fixes ``install`` made
+    (undoing them fails the engine's next forward with ``Invalid device string``). ``engine.destroy()`` first.
+    """
     with _lock:
         if not _installed:
             return
@@ -102,10 +111,15 @@ def uninstall() -> None:
         from . import cpu_compat
         from .ops import active_runtime_or_none, release_dc_schemas
 
+        if active_runtime_or_none() is not None:
+            raise OwnerReduceInUseError(
+                "owner_reduce.uninstall(): refused, an engine compiled with compile.reduce_to_owner/reduce_probe "
+                "is still live in this process and its compiled graphs use owner_reduce's runtime; call "
+                "engine.destroy() first (owner_reduce stays installed, the engine keeps training)")
+
         ds_config.CompileConfig = _installed["compile_config"]
         init_module.init_z1_and_2 = _installed["init_z1_and_2"]
         ds_config.DeepSpeedConfig._do_warning_check = _installed["do_warning_check"]
         cpu_compat.restore()
-        if active_runtime_or_none() is None:  # a live engine still runs its graphs: its cleanup releases them
-            release_dc_schemas()
+        release_dc_schemas()
         _installed.clear()
