@@ -5,8 +5,10 @@ import pytest
 from owner_reduce.planning.flags import (
     OwnerReduceConfigError,
     OwnerReduceFlags,
+    describe_flag_disagreement,
     flags_of,
     inapplicable_flags,
+    pack_flags,
     parse_flags,
 )
 
@@ -82,3 +84,15 @@ def test_top_level_keys_are_named_whatever_else_is_set(key):
     assert reasons == (f"owner_reduce: '{key}' at the top level of the DeepSpeed config has no effect (DeepSpeed "
                        f"ignores unknown top-level keys); it belongs under 'compile': compile.{key}",)
     assert len(inapplicable_flags({key: False}, ON, False, 1)) == 2  # the top-level key, and deepcompile off
+
+
+def test_flag_disagreement_names_each_flag_and_each_ranks_value():
+    packed = [pack_flags(OwnerReduceFlags(True, True)), pack_flags(OwnerReduceFlags(False, True)),
+              pack_flags(OwnerReduceFlags(True, True)), pack_flags(OwnerReduceFlags(False, True))]
+    assert packed == [3, 2, 3, 2]  # the integer the runtime's agreement all_gather carries
+    assert describe_flag_disagreement(packed) == [
+        "compile.reduce_to_owner differs across ranks: true on ranks 0, 2, false on ranks 1, 3"]
+    assert describe_flag_disagreement([1, 2]) == [
+        "compile.reduce_to_owner differs across ranks: true on rank 0, false on rank 1",
+        "compile.reduce_probe differs across ranks: false on rank 0, true on rank 1"]
+    assert describe_flag_disagreement([3, 3, 3]) == []

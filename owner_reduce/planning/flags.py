@@ -8,7 +8,7 @@ Pure: no torch.distributed, no DeepSpeed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -88,3 +88,23 @@ def inapplicable_flags(top_level: Mapping[str, Any], flags: OwnerReduceFlags, de
         reasons.append(f"owner_reduce: {on} no effect: zero_optimization.stage is 3, where DeepCompile runs its "
                        "own native stage-3 runtime (owner_reduce supports ZeRO stages 1 and 2)")
     return tuple(reasons)
+
+
+def pack_flags(flags: OwnerReduceFlags) -> int:
+    """The flags as one integer (bit i: ``FLAG_KEYS[i]``), for the agreement all_gather at init."""
+    return sum(int(getattr(flags, key)) << i for i, key in enumerate(FLAG_KEYS))
+
+
+def describe_flag_disagreement(packed_by_rank: Sequence[int]) -> list[str]:
+    """One sentence per flag whose value differs across ranks, naming every rank's value in words:
+    ``compile.reduce_probe differs across ranks: true on rank 0, false on rank 1``."""
+    sentences = []
+    for i, key in enumerate(FLAG_KEYS):
+        ranks_by_value: dict[bool, list[int]] = {True: [], False: []}
+        for rank, packed in enumerate(packed_by_rank):
+            ranks_by_value[bool(packed >> i & 1)].append(rank)
+        if ranks_by_value[True] and ranks_by_value[False]:
+            parts = [f"{str(value).lower()} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+                     for value, ranks in sorted(ranks_by_value.items(), key=lambda item: item[1][0])]
+            sentences.append(f"{SECTION}.{key} differs across ranks: {', '.join(parts)}")
+    return sentences

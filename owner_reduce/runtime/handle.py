@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..planning.flags import OwnerReduceFlags
+from ..planning.flags import OwnerReduceFlags, describe_flag_disagreement, pack_flags
 from ..planning.flush_plan import ALL, BucketEntry, FlushPlan, plan_flush
 from ..planning.owner_map import OwnerMap, Placement
 from ..planning.probe import PROBE_FLUSH_LIMIT, FlushReport, format_probe_line
@@ -359,14 +359,16 @@ class OwnerReduceRuntime:
     def _check_agreement(self, bucket_size: int) -> None:
         """One all_gather of five integers; every rank raises on any mismatch, so no rank is left hanging."""
         flags = self.settings.flags
-        mine = [_AGREEMENT_PROTOCOL, int(flags.reduce_to_owner) | int(flags.reduce_probe) << 1, bucket_size,
+        mine = [_AGREEMENT_PROTOCOL, pack_flags(flags), bucket_size,
                 int(self.settings.owner_map.digest()[:15], 16), len(self.settings.map_problems)]
         rows = self.comm.all_gather_ints(mine)
-        names = ("protocol", "flags(owner|probe<<1)", "reduce_bucket_size", "owner map digest", "map problems")
+        names = ("protocol", "flags", "reduce_bucket_size", "owner map digest", "map problems")
         problems = []
         for i, name in enumerate(names[:4]):
             values = [row[i] for row in rows]
-            if len(set(values)) > 1:
+            if name == "flags" and describe_flag_disagreement(values):
+                problems += describe_flag_disagreement(values)
+            elif len(set(values)) > 1:
                 problems.append(f"{name} differs across ranks: {values}")
         bad_ranks = [r for r, row in enumerate(rows) if row[4]]
         if bad_ranks:
