@@ -17,6 +17,7 @@ corrupt the running sum.
 from __future__ import annotations
 
 import itertools
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -36,7 +37,12 @@ _AGREEMENT_PROTOCOL = 1
 
 def emit(line: str) -> None:
     """Print a line the user asked for: through DeepSpeed's logger when it shows INFO (its default level is
-    WARNING), otherwise on stdout, as DeepCompile prints its own reports."""
+    WARNING), otherwise on stdout, as DeepCompile prints its own reports.
+
+    Note (whole lines): every rank writes to the same terminal or pipe; ``print`` writes the text and the newline
+    separately, so another rank's line could land in between. The line goes out in one write with its newline
+    (the logger's handler does the same), after anything this process had buffered.
+    """
     import logging
 
     from deepspeed.utils import logger
@@ -44,7 +50,10 @@ def emit(line: str) -> None:
     if logger.isEnabledFor(logging.INFO):
         logger.info(line)
     else:
-        print(line, flush=True)
+        stream = sys.stdout
+        stream.flush()
+        stream.write(line + "\n")
+        stream.flush()
 
 
 class OwnerReduceMismatchError(RuntimeError):
@@ -372,7 +381,8 @@ class OwnerReduceRuntime:
                 problems.append(f"{name} differs across ranks: {values}")
         bad_ranks = [r for r, row in enumerate(rows) if row[4]]
         if bad_ranks:
-            problems.append(f"the owner map contradicts the optimizer on ranks {bad_ranks}"
+            problems.append(f"the owner map contradicts the optimizer on rank{'s' if len(bad_ranks) > 1 else ''} "
+                            f"{', '.join(map(str, bad_ranks))}"
                             + (f": {list(self.settings.map_problems)[:3]}" if self.settings.map_problems else ""))
         if problems:
             raise OwnerReduceMismatchError(f"owner_reduce on rank {self.comm.rank}: refusing to start: "
