@@ -42,10 +42,13 @@ def _initial_fc2() -> dict[str, torch.Tensor]:
     (3, 2, "eager", 2),
     (3, 1, "eager", 1),
 ])
-def test_frozen_and_zero_element_params_bitwise_equal_to_plain_zero1(world_size, zero_stage, backend, grad_accum):
+def test_frozen_and_zero_element_params_bitwise_equal_to_plain_zero(world_size, zero_stage, backend, grad_accum):
     spec = dataclasses.replace(SPEC, zero_stage=zero_stage, backend=backend, grad_accum=grad_accum)
     owner = _run(world_size, spec)
     _assert_runtime_ran(owner, spec, owner_path=True, n_params=N_REDUCED)
+    # Plain ZeRO without DeepCompile (eager hooks; inductor: torch.compile) handles these models. Stage 2 compares
+    # with plain ZeRO-2: with gradient accumulation it reduces every micro-step, so plain ZeRO-2 itself differs
+    # from plain ZeRO-1 in the last bits (measured: 3.3e-8 max |param difference| on the ws-3 case).
     _assert_bitwise(owner, _reference(world_size, spec))
     _assert_same_collectives_on_all_ranks(owner)
     frozen = _initial_fc2()
@@ -60,10 +63,11 @@ def test_frozen_and_zero_element_params_bitwise_equal_to_plain_zero1(world_size,
 
 @pytest.mark.timeout(300)
 def test_negative_control_broken_reduction_on_this_model_is_caught():
-    spec = dataclasses.replace(SPEC, inject_fault="wrong_root", record_collectives=False)
-    broken = _run(2, spec)
+    # The ws-3 stage-1 eager case's reference (cached when run in one session): a wrong root must not pass it.
+    spec = dataclasses.replace(SPEC, inject_fault="wrong_root")
+    broken = _run(3, spec)
     assert broken[0]["stats"].reduce_grad_calls > 0
-    plain = _reference(2, spec)
+    plain = _reference(3, spec)
     assert any(not torch.equal(b["params"][k], p["params"][k]) for b, p in zip(broken, plain, strict=True)
                for k in p["params"]), "a wrong_root reduction went unnoticed by the comparison"
 
