@@ -66,14 +66,17 @@ def test_other_compile_keys_still_validated(installed):
 
 def test_install_is_idempotent_and_uninstall_restores_exactly():
     original = ds_config.CompileConfig
+    original_check = DeepSpeedConfig.__dict__["_do_warning_check"]
     assert original is CompileConfig
     owner_reduce.install()
     patched = ds_config.CompileConfig
     owner_reduce.install()
     assert ds_config.CompileConfig is patched and patched is not original
+    assert DeepSpeedConfig.__dict__["_do_warning_check"] is not original_check
     owner_reduce.uninstall()
     owner_reduce.uninstall()
     assert ds_config.CompileConfig is original and not owner_reduce.is_installed()
+    assert DeepSpeedConfig.__dict__["_do_warning_check"] is original_check
     with pytest.raises(ValueError, match="reduce_probe"):
         _ds({"reduce_probe": True})
 
