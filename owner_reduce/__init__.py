@@ -7,7 +7,7 @@ DeepSpeed config. Importing this package changes nothing in DeepSpeed.
 from .planning.flags import FLAG_KEYS, OwnerReduceConfigError, OwnerReduceFlags, flags_of, parse_flags
 from .planning.owner_map import GroupTables, OwnerMap, OwnerMapError, ParamPlacement, ParamSlice, Placement
 from .runtime.deadline import OwnerReduceCommError
-from .wiring.install import OwnerReduceInstallError, install, is_installed, uninstall
+from .wiring.install import OwnerReduceInstallError, OwnerReduceInUseError, install, is_installed, uninstall
 
 __version__ = "0.1.0"
 
@@ -27,6 +27,7 @@ __all__ = [
     "OwnerReduceCommError",
     "OwnerReduceConfigError",
     "OwnerReduceFlags",
+    "OwnerReduceInUseError",
     "OwnerReduceInstallError",
     "ParamPlacement",
     "ParamSlice",

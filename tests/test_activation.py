@@ -43,3 +43,24 @@ def test_owner_schedule_replaces_only_the_reduce_passes():
     assert owner_schedule([(0, [zero_1_and_2_compile.add_z2_reduce])], use_z2=True) == [(0, [add_owner_z2_reduce])]
     assert owner_schedule([(0, [zero_1_and_2_compile.add_z1_reduce, other]), (5, [other])]) == \
         [(0, [add_owner_z1_reduce, other]), (5, [other])]
+
+
+def test_parameters_outside_zero_groups_reach_deepcompile_as_plain_inputs():
+    from owner_reduce.wiring.unreduced_params import hide_unoptimized_params, optimized_param_ids
+
+    trained = torch.nn.Parameter(torch.ones(3))
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    empty = torch.nn.Parameter(torch.zeros(0))
+    activation_input = torch.ones(4)
+    seen = []
+    backend = hide_unoptimized_params(lambda gm, inputs: seen.append(inputs) or "compiled",
+                                      optimized_param_ids([[trained]]))
+    assert backend("gm", [trained, frozen, activation_input, empty, 7]) == "compiled"
+    (shown,) = seen
+    assert shown[0] is trained and shown[2] is activation_input and shown[4] == 7
+    for original, plain in ((frozen, shown[1]), (empty, shown[3])):
+        assert not isinstance(plain, torch.nn.Parameter)  # DeepCompile asserts a param_id on every Parameter
+        assert plain.data_ptr() == original.data_ptr() and plain.shape == original.shape
+        assert plain.requires_grad == original.requires_grad
+    backend("gm", (frozen,))
+    assert isinstance(seen[1], tuple)

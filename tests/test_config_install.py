@@ -1,5 +1,6 @@
 """install()/uninstall() and the two flags, through DeepSpeed's own config parsing."""
 
+import deepspeed
 import pytest
 from deepspeed.compile.config import CompileConfig
 from deepspeed.runtime import config as ds_config
@@ -65,14 +66,17 @@ def test_other_compile_keys_still_validated(installed):
 
 def test_install_is_idempotent_and_uninstall_restores_exactly():
     original = ds_config.CompileConfig
+    original_check = DeepSpeedConfig.__dict__["_do_warning_check"]
     assert original is CompileConfig
     owner_reduce.install()
     patched = ds_config.CompileConfig
     owner_reduce.install()
     assert ds_config.CompileConfig is patched and patched is not original
+    assert DeepSpeedConfig.__dict__["_do_warning_check"] is not original_check
     owner_reduce.uninstall()
     owner_reduce.uninstall()
     assert ds_config.CompileConfig is original and not owner_reduce.is_installed()
+    assert DeepSpeedConfig.__dict__["_do_warning_check"] is original_check
     with pytest.raises(ValueError, match="reduce_probe"):
         _ds({"reduce_probe": True})
 
@@ -121,3 +125,103 @@ def test_deepspeed_initialize_accepts_and_rejects():
     assert out["flags"] == OwnerReduceFlags(reduce_to_owner=True, reduce_probe=False)
     assert "compile.reduce_probe must be true or false" in out["error"]
     assert out["after_uninstall"] is not None and "reduce_to_owner" in out["after_uninstall"]
+
+
+# ---- flags that cannot take effect: a warning on rank 0, never silence -------------------------------------------
+
+class _Captured:
+    """DeepSpeed's logger does not propagate to the root logger: listen on it directly."""
+
+    def __init__(self):
+        import logging
+
+        from deepspeed.utils import logger
+
+        from owner_reduce.wiring import unused_flags
+
+        unused_flags._warned.clear()
+        self.lines = []
+        self._logger = logger
+        self._handler = logging.Handler(level=logging.WARNING)
+        self._handler.emit = lambda record: self.lines.append(record.getMessage())
+        logger.addHandler(self._handler)
+
+    def owner_lines(self):
+        self._logger.removeHandler(self._handler)
+        return [line for line in self.lines if "owner_reduce" in line]
+
+
+def _cfg(stage=1, top=None, **compile_section):
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}, **(top or {})}
+    if compile_section:
+        cfg["compile"] = compile_section
+    return cfg
+
+
+SILENT_CASES = {
+    "deepcompile off": (_cfg(deepcompile=False, reduce_to_owner=True), "compile.deepcompile is false"),
+    "deepcompile absent": (_cfg(reduce_probe=True), "compile.deepcompile is false"),
+    "stage 0": (_cfg(stage=0, deepcompile=True, reduce_to_owner=True), "zero_optimization.stage is 0"),
+    "stage 3": (_cfg(stage=3, deepcompile=True, reduce_probe=True), "zero_optimization.stage is 3"),
+    "top-level reduce_to_owner": (_cfg(top={"reduce_to_owner": True}, deepcompile=True),
+                                  "'reduce_to_owner' at the top level"),
+    "top-level reduce_probe": (_cfg(top={"reduce_probe": False}), "'reduce_probe' at the top level"),
+}
+
+
+@pytest.mark.parametrize("case", list(SILENT_CASES))
+def test_each_flag_that_cannot_take_effect_is_named_in_a_warning(installed, case):
+    config, why = SILENT_CASES[case]
+    captured = _Captured()
+    DeepSpeedConfig(config)
+    DeepSpeedConfig(config)  # DeepSpeed reads a config more than once (zero.Init): one warning per process
+    (line,) = captured.owner_lines()
+    assert why in line and "no effect" in line
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_flags_that_take_effect_warn_nothing(installed, stage):
+    captured = _Captured()
+    DeepSpeedConfig(_cfg(stage=stage, deepcompile=True, reduce_to_owner=True, reduce_probe=True))
+    assert captured.owner_lines() == []
+
+
+def test_negative_control_without_install_top_level_keys_pass_silently():
+    # What the warning exists for: DeepSpeed alone says nothing about a misplaced key.
+    captured = _Captured()
+    DeepSpeedConfig(_cfg(top={"reduce_to_owner": True}, deepcompile=True))
+    assert captured.owner_lines() == []
+
+
+def _silent_cases_worker(rank, world_size):
+    """deepspeed.initialize on 2 ranks: the warning appears on rank 0 only, at initialize (stage 3: before
+    engine.compile() reaches DeepCompile's native stage-3 init, which on a machine without CUDA fails to build)."""
+    import torch
+
+    from owner_reduce.harness.toy_models import OddMLP
+
+    owner_reduce.install()
+    out = {}
+    for case in ("deepcompile off", "stage 0", "stage 3", "top-level reduce_to_owner"):
+        config = dict(SILENT_CASES[case][0], train_micro_batch_size_per_gpu=4,
+                      optimizer={"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}})
+        captured = _Captured()
+        torch.manual_seed(0)
+        model = OddMLP()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        out[case] = captured.owner_lines()
+        if case == "deepcompile off":  # and it trains, through ZeRO's own hooks
+            loss = engine(torch.randn(4, 12), torch.randn(4, 5))
+            engine.backward(loss)
+            engine.step()
+        engine.destroy()
+    owner_reduce.uninstall()
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_silent_cases_warn_on_rank_0_only_at_initialize():
+    rank0, rank1 = run_ranks(_silent_cases_worker, 2, timeout=200)
+    for case, lines in rank0.items():
+        assert len(lines) == 1 and SILENT_CASES[case][1] in lines[0], (case, lines)
+    assert all(lines == [] for lines in rank1.values()), rank1

@@ -1,4 +1,5 @@
-"""Engine lifecycle in one process: a second live owner engine is refused; destroy() hands everything back."""
+"""Engine lifecycle in one process: a second live owner engine is refused, so is uninstall() while one is live;
+destroy() hands everything back."""
 
 import pytest
 
@@ -36,6 +37,13 @@ def _lifecycle_worker(rank, world_size):
     out = {}
     first = engine()
     out["first_calls"] = step(first)
+    try:
+        owner_reduce.uninstall()
+        out["uninstall_error"] = None
+    except owner_reduce.OwnerReduceInUseError as error:
+        out["uninstall_error"] = str(error)
+    out["still_installed"] = owner_reduce.is_installed()
+    out["calls_after_refusal"] = step(first)  # the engine still trains (an uninstall here broke its forward)
     second = None
     try:
         second = engine()
@@ -58,5 +66,7 @@ def _lifecycle_worker(rank, world_size):
 def test_second_live_engine_refused_and_destroy_releases_everything():
     (out,) = run_ranks(_lifecycle_worker, 1, timeout=240)
     assert out["first_calls"] == 6 and out["third_calls"] == 6
+    assert out["uninstall_error"] and "engine.destroy() first" in out["uninstall_error"] and out["still_installed"]
+    assert out["calls_after_refusal"] == 12
     assert out["second_error"] and "another DeepCompile engine with reduce_to_owner" in out["second_error"]
     assert out["after_destroy"] == (None, None, False, 0)

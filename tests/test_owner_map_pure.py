@@ -35,7 +35,7 @@ def test_placements_and_slices():
     assert m.owner_share(sliced=True) == 1.0
     assert m.init_line(sliced=False) == m.summary()
     assert m.init_line(sliced=True) == ("DeepCompile reduce_to_owner: 4/5 gradients reduce to one rank; 1 straddling "
-                                        "gradients reduce in slices to their owners (100.0% of elements on the owner "
+                                        "gradient reduces in slices to its owners (100.0% of elements on the owner "
                                         "path)")
 
 
@@ -97,3 +97,19 @@ def test_lookup_by_tensor_and_immutability():
 def test_duplicate_param_ids_are_refused():
     with pytest.raises(OwnerMapError, match="appears twice"):
         OwnerMap.from_group_tables([_tables(0), _tables(1)], 2)
+
+
+def test_init_line_plural_forms_and_the_contract():
+    def shifted(tables, by, group):
+        return dataclasses.replace(
+            tables, group=group, param_ids=tuple(p + by for p in tables.param_ids),
+            partition_ids={p + by: v for p, v in tables.partition_ids.items()},
+            start_offsets={part: {p + by: o for p, o in offs.items()} for part, offs in tables.start_offsets.items()})
+
+    two = OwnerMap.from_group_tables([_tables(), shifted(_tables(), 5, 1)], dp_world_size=2)
+    assert two.init_line(sliced=True) == ("DeepCompile reduce_to_owner: 8/10 gradients reduce to one rank; "
+                                          "2 straddling gradients reduce in slices to their owners (100.0% of "
+                                          "elements on the owner path)")
+    # DESIGN.md's contract: the line starts with "DeepCompile reduce_to_owner: X/Y gradients reduce to one rank".
+    for m in (two, OwnerMap.from_group_tables([_tables()], dp_world_size=2)):
+        assert m.init_line(sliced=True).startswith(m.summary())

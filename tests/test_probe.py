@@ -25,3 +25,40 @@ def test_owner_flush_discards_only_what_reached_this_rank():
     assert "[dc-probe][r1] flushReduceBucket #1 dtype=Float tasks=3 reduced_elems=150 kept_elems=110 " \
            "discarded=26.7% pre_div=1 owner_tasks=2 owner_elems=100 (66.7%)" in r1
     assert "kept_elems=40 discarded=6.7%" in r0
+
+
+def test_counts_take_the_right_form():
+    from owner_reduce.planning.wording import count_noun
+
+    assert count_noun(1, "flush", "flushes") == "1 flush" and count_noun(2, "flush", "flushes") == "2 flushes"
+    assert count_noun(0, "straddling gradient") == "0 straddling gradients"
+    assert count_noun(1, "straddling gradient") == "1 straddling gradient"
+
+
+def test_probe_line_is_written_whole(monkeypatch):
+    """One write per line, newline included, so ranks sharing a terminal never interleave inside a line."""
+    import io
+    import logging
+    import sys
+
+    from deepspeed.utils import logger
+
+    from owner_reduce.runtime.handle import emit
+
+    class Recorder(io.StringIO):
+        writes: list = []
+
+        def write(self, text):
+            self.writes.append(text)
+            return super().write(text)
+
+    recorder = Recorder()
+    monkeypatch.setattr(sys, "stdout", recorder)
+    monkeypatch.setattr(logger, "level", logging.WARNING)  # DeepSpeed's default: stdout, not the logger
+    line = format_probe_line(FlushReport(rank=1, flush_index=1, dtype="float32", plan=FlushPlan(
+        ranges=(FlushRange(0, 8, 0),), tasks=1, reduced_elems=8, owner_tasks=1, owner_elems=8, eligible_tasks=1,
+        eligible_elems=8), kept_elems=0, pre_div=True, calls=1))
+    emit(line)
+    emit("second")
+    assert recorder.writes == [line + "\n", "second\n"]  # print() would write "\n" on its own
+    assert "\n" not in line

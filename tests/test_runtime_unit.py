@@ -173,14 +173,18 @@ def test_probe_lines_stop_after_twenty_flushes():
     assert rt.stats.probe_lines[-1].startswith("[dc-probe][r0] flushReduceBucket #20 dtype=Float tasks=3 ")
 
 
-@pytest.mark.parametrize("column,name", [(1, "flags"), (2, "reduce_bucket_size"), (3, "owner map digest")])
+@pytest.mark.parametrize("column,name", [(1, "flags"), (2, "reduce_bucket_size"), (3, "owner map digest"),
+                                         (1, "compile.reduce_to_owner differs across ranks: true on rank 0, "
+                                             "false on rank 1")])
 def test_agreement_mismatch_is_refused(column, name):
     comm = MirrorComm()
     settings = RuntimeSettings(OwnerReduceFlags(True, True), OwnerMap.from_group_tables([TABLES], 2))
     rt = OwnerReduceRuntime(settings, comm_factory=lambda group: comm)
     good = [1, 3, 64, int(settings.owner_map.digest()[:15], 16), 0]
     bad = list(good)
-    bad[column] += 1
+    bad[column] += 1 if name != "flags" else 4  # an unknown flag bit: the generic sentence
+    if name.startswith("compile."):
+        bad[column] = 2  # reduce_to_owner off on rank 1
     comm.gathered_rows = [good, bad]
     with pytest.raises(OwnerReduceMismatchError, match=name):
         rt.init(None, types.SimpleNamespace(double_buffer=True), 64)

@@ -30,7 +30,8 @@ from owner_reduce.planning.sizing import (
 
 REPO = Path(__file__).resolve().parent.parent
 INIT_LINE = re.compile(r"^DeepCompile reduce_to_owner: (\d+)/(\d+) gradients reduce to one rank(; (\d+) straddling "
-                       r"gradients reduce in slices to their owners \((\d+\.\d)% of elements on the owner path\))?$")
+                       r"(?:gradient reduces in slices to its|gradients reduce in slices to their) owners "
+                       r"\((\d+\.\d)% of elements on the owner path\))?$")
 
 
 def _map() -> OwnerMap:
@@ -148,9 +149,11 @@ def test_report_text_and_json():
     report = size_the_win(m, backward_order([0, 1, 2, 3]), (100, 10), model="hand-built", dtype="fp32")
     text = format_report(report)
     assert text.splitlines()[0] == ("DeepCompile reduce_to_owner: 3/4 gradients reduce to one rank; 1 straddling "
-                                    "gradients reduce in slices to their owners (100.0% of elements on the owner path)")
+                                    "gradient reduces in slices to its owners (100.0% of elements on the owner path)")
     assert INIT_LINE.match(text.splitlines()[0])
     assert "77.8%" in text  # share of elements on the owner path
+    assert "bucket 100 elements: 1 flush per step " in text and "bucket 10 elements: 2 flushes per step " in text
+    assert "  straddling   1 param, 4 elements " in text
     data = json.loads(json.dumps(report_to_dict(report)))
     assert data["delivered"]["dtype_bytes"] == 4 and data["share"]["share"] == pytest.approx(14 / 18)
     assert [b["owner_calls"] for b in data["buckets"]] == [3, 3]

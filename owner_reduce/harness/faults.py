@@ -11,13 +11,20 @@ from typing import Any
 
 from ..planning.flush_plan import FlushRange
 
-FAULTS = ("wrong_root", "skip_range")
+FAULTS = ("wrong_root", "skip_range", "show_unoptimized_params")
 
 
 def inject(fault: str, world_size: int) -> None:
-    """From now on, in this process, every flush plan has its first owner range broken as ``fault`` says."""
+    """From now on, in this process, every flush plan has its first owner range broken as ``fault`` says;
+    ``show_unoptimized_params``: DeepCompile sees frozen and zero-element parameters as parameters again (the
+    upstream behaviour, which fails at the first forward)."""
     if fault not in FAULTS:
         raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
+    if fault == "show_unoptimized_params":
+        import owner_reduce.wiring.activation as activation
+
+        activation.hide_unoptimized_params = lambda backend_fn, optimized: backend_fn
+        return
     import owner_reduce.runtime.handle as runtime_module
 
     original = runtime_module.plan_flush

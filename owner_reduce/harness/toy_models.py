@@ -14,13 +14,18 @@ from torch import nn
 class OddMLP(nn.Module):
     """Three linear layers with odd widths; at ws 2-4 several weights straddle partition boundaries."""
 
-    def __init__(self, d_in: int = 12, hidden: int = 23, d_out: int = 5, empty_param: bool = False) -> None:
+    def __init__(self, d_in: int = 12, hidden: int = 23, d_out: int = 5, empty_param: bool = False,
+                 freeze_fc2: bool = False, unused_empty_param: bool = False) -> None:
         super().__init__()
         self.fc1 = nn.Linear(d_in, hidden)
         self.fc2 = nn.Linear(hidden, hidden)
         self.fc3 = nn.Linear(hidden, d_out)
-        # A zero-sized trainable parameter, as some models carry (an unused bias slot, say).
+        # A zero-sized trainable parameter, as some models carry (an unused bias slot, say), used in forward.
         self.empty = nn.Parameter(torch.zeros(0)) if empty_param else None
+        # One that forward never reads (it is still an input DeepCompile sees only if forward reads it).
+        self.unused_empty = nn.Parameter(torch.zeros(0, 3)) if unused_empty_param else None
+        if freeze_fc2:  # a frozen layer in the middle, as in fine-tuning: ZeRO leaves it out of its groups
+            self.fc2.requires_grad_(False)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.fc1(x))

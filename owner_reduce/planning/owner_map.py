@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
 
+from .wording import count_noun
+
 SUMMARY_PREFIX = "DeepCompile reduce_to_owner:"
 
 
@@ -205,7 +207,8 @@ class OwnerMap:
         if not sliced:
             return self.summary()
         n = sum(1 for p in self if p.sliced)
-        return (f"{self.summary()}; {n} straddling gradients reduce in slices to their owners "
+        verb = "reduces in slices to its owners" if n == 1 else "reduce in slices to their owners"
+        return (f"{self.summary()}; {count_noun(n, 'straddling gradient')} {verb} "
                 f"({100 * self.owner_share(sliced=True):.1f}% of elements on the owner path)")
 
     def digest(self) -> str:

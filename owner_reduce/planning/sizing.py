@@ -26,6 +26,7 @@ from typing import Any
 
 from .flush_plan import ALL, BucketEntry, FlushRange, plan_flush
 from .owner_map import OwnerMap, Placement
+from .wording import count_noun
 
 # Bytes per element of the gradient dtypes DeepCompile reduces.
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -309,11 +310,12 @@ def format_report(report: SizingReport) -> str:
         "elements on the owner path (single-owner parameters):",
         f"  single-owner {s.single_owner_params}/{s.params} params, {s.single_owner_elems:,}/{s.elems:,} elements "
         f"= {_pct(s.share)}",
-        f"  straddling   {s.straddling_params} params, {s.straddling_elems:,} elements (reduce in slices with "
-        "reduce_to_owner; AllReduce in the proposal)",
+        f"  straddling   {count_noun(s.straddling_params, 'param')}, {s.straddling_elems:,} elements "
+        "(reduce in slices with reduce_to_owner; AllReduce in the proposal)",
     ]
     if s.other_comm_params:
-        lines.append(f"  other comm   {s.other_comm_params} params, {s.other_comm_elems:,} elements (AllReduce)")
+        lines.append(f"  other comm   {count_noun(s.other_comm_params, 'param')}, {s.other_comm_elems:,} "
+                     "elements (AllReduce)")
     lines += [
         "",
         "bytes delivered per rank per step (reduced results arriving at a rank):   mean / max",
@@ -329,7 +331,7 @@ def format_report(report: SizingReport) -> str:
         per = max(flushes, 1)
         lines += [
             "",
-            f"bucket {b.bucket_size:,} elements: {flushes} flushes per step "
+            f"bucket {b.bucket_size:,} elements: {count_noun(flushes, 'flush', 'flushes')} per step "
             "(gradients in reverse parameter order)",
             f"  collective calls per flush (mean, max):  native {b.native_calls / per:.1f}, "
             f"{max((f.native_calls for f in b.flushes), default=0)}   owner {b.owner_calls / per:.1f}, "

@@ -17,13 +17,14 @@ corrupt the running sum.
 from __future__ import annotations
 
 import itertools
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
-from ..planning.flags import OwnerReduceFlags
+from ..planning.flags import OwnerReduceFlags, describe_flag_disagreement, pack_flags
 from ..planning.flush_plan import ALL, BucketEntry, FlushPlan, plan_flush
 from ..planning.owner_map import OwnerMap, Placement
 from ..planning.probe import PROBE_FLUSH_LIMIT, FlushReport, format_probe_line
@@ -36,7 +37,12 @@ _AGREEMENT_PROTOCOL = 1
 
 def emit(line: str) -> None:
     """Print a line the user asked for: through DeepSpeed's logger when it shows INFO (its default level is
-    WARNING), otherwise on stdout, as DeepCompile prints its own reports."""
+    WARNING), otherwise on stdout, as DeepCompile prints its own reports.
+
+    Note (whole lines): every rank writes to the same terminal or pipe; ``print`` writes the text and the newline
+    separately, so another rank's line could land in between. The line goes out in one write with its newline
+    (the logger's handler does the same), after anything this process had buffered.
+    """
     import logging
 
     from deepspeed.utils import logger
@@ -44,7 +50,10 @@ def emit(line: str) -> None:
     if logger.isEnabledFor(logging.INFO):
         logger.info(line)
     else:
-        print(line, flush=True)
+        stream = sys.stdout
+        stream.flush()
+        stream.write(line + "\n")
+        stream.flush()
 
 
 class OwnerReduceMismatchError(RuntimeError):
@@ -368,18 +377,21 @@ class OwnerReduceRuntime:
     def _check_agreement(self, bucket_size: int) -> None:
         """One all_gather of five integers; every rank raises on any mismatch, so no rank is left hanging."""
         flags = self.settings.flags
-        mine = [_AGREEMENT_PROTOCOL, int(flags.reduce_to_owner) | int(flags.reduce_probe) << 1, bucket_size,
+        mine = [_AGREEMENT_PROTOCOL, pack_flags(flags), bucket_size,
                 int(self.settings.owner_map.digest()[:15], 16), len(self.settings.map_problems)]
         rows = self.comm.all_gather_ints(mine)
-        names = ("protocol", "flags(owner|probe<<1)", "reduce_bucket_size", "owner map digest", "map problems")
+        names = ("protocol", "flags", "reduce_bucket_size", "owner map digest", "map problems")
         problems = []
         for i, name in enumerate(names[:4]):
             values = [row[i] for row in rows]
-            if len(set(values)) > 1:
+            if name == "flags" and describe_flag_disagreement(values):
+                problems += describe_flag_disagreement(values)
+            elif len(set(values)) > 1:
                 problems.append(f"{name} differs across ranks: {values}")
         bad_ranks = [r for r, row in enumerate(rows) if row[4]]
         if bad_ranks:
-            problems.append(f"the owner map contradicts the optimizer on ranks {bad_ranks}"
+            problems.append(f"the owner map contradicts the optimizer on rank{'s' if len(bad_ranks) > 1 else ''} "
+                            f"{', '.join(map(str, bad_ranks))}"
                             + (f": {list(self.settings.map_problems)[:3]}" if self.settings.map_problems else ""))
         if problems:
             raise OwnerReduceMismatchError(f"owner_reduce on rank {self.comm.rank}: refusing to start: "

@@ -16,6 +16,7 @@ from ..runtime.handle import OwnerReduceRuntime, RuntimeSettings
 from . import cpu_compat
 from .compile_pass import owner_schedule
 from .ops import ensure_dc_schemas, register_inductor_lowerings, release_dc_schemas, set_active_runtime
+from .unreduced_params import hide_unoptimized_params, optimized_param_ids
 
 
 def make_comm(process_group: Any) -> ReduceComm:
@@ -86,7 +87,8 @@ def wrap_init_z1_and_2(original: Any) -> Any:
                 release()
             raise
         added_hooks[:] = [h for h in dc_util.pre_backward_hooks if h not in hooks_before]
-        return backend_fn
+        # Frozen and zero-element parameters are outside ZeRO's groups: DeepCompile sees them as plain inputs.
+        return hide_unoptimized_params(backend_fn, optimized_param_ids(engine.optimizer.bit16_groups))
 
     init_z1_and_2.__wrapped__ = original  # type: ignore[attr-defined]
     return init_z1_and_2

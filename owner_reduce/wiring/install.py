@@ -4,6 +4,7 @@ Why a factory in place of ``CompileConfig``: DeepSpeed builds its compile config
 ``CompileConfig(**param_dict.get('compile', {}))`` inside ``deepspeed.runtime.config`` and the model forbids
 unknown keys. Swapping that one module-level name lets the flags through while a config that does not
 mention them still gets DeepSpeed's own class, built by DeepSpeed's own code: flags absent, nothing changes.
+A flag that cannot take effect is named in a warning when DeepSpeed reads the config (see ``unused_flags``).
 The runtime is wired in through ``deepspeed.compile.init_z1_and_2.init_z1_and_2`` (see ``activation``), which
 likewise calls straight through when both flags are off.
 """
@@ -21,6 +22,10 @@ _installed: dict[str, Any] = {}
 
 class OwnerReduceInstallError(RuntimeError):
     """DeepSpeed's private surface moved; the message names what is missing."""
+
+
+class OwnerReduceInUseError(RuntimeError):
+    """``uninstall()`` while an engine compiled with the flags is live: it would break that engine."""
 
 
 def _check_surface() -> None:
@@ -74,6 +79,7 @@ def install() -> None:
         import deepspeed.runtime.config as ds_config
 
         from .activation import wrap_init_z1_and_2
+        from .unused_flags import wrap_do_warning_check
 
         original = ds_config.CompileConfig
         if hasattr(original, "owner_reduce_original") or hasattr(init_module.init_z1_and_2, "__wrapped__"):
@@ -81,13 +87,21 @@ def install() -> None:
                                           "owner_reduce; uninstall that one first")
         config_cls, factory = _make_compile_config_factory(original)
         original_init = init_module.init_z1_and_2
+        original_warning_check = ds_config.DeepSpeedConfig.__dict__["_do_warning_check"]
         ds_config.CompileConfig = factory
         init_module.init_z1_and_2 = wrap_init_z1_and_2(original_init)
-        _installed.update(compile_config=original, config_cls=config_cls, init_z1_and_2=original_init)
+        ds_config.DeepSpeedConfig._do_warning_check = wrap_do_warning_check(original_warning_check)
+        _installed.update(compile_config=original, config_cls=config_cls, init_z1_and_2=original_init,
+                          do_warning_check=original_warning_check)
 
 
 def uninstall() -> None:
-    """Restore every DeepSpeed name ``install()`` replaced. Idempotent."""
+    """Restore every DeepSpeed name ``install()`` replaced. Idempotent.
+
+    Refused (``OwnerReduceInUseError``, nothing changed) while an engine compiled with the flags is live: its
+    compiled graphs still call owner_reduce's runtime, and on CPU DeepCompile needs the fixes ``install`` made
+    (undoing them fails the engine's next forward with ``Invalid device string``). ``engine.destroy()`` first.
+    """
     with _lock:
         if not _installed:
             return
@@ -97,9 +111,15 @@ def uninstall() -> None:
         from . import cpu_compat
         from .ops import active_runtime_or_none, release_dc_schemas
 
+        if active_runtime_or_none() is not None:
+            raise OwnerReduceInUseError(
+                "owner_reduce.uninstall(): refused, an engine compiled with compile.reduce_to_owner/reduce_probe "
+                "is still live in this process and its compiled graphs use owner_reduce's runtime; call "
+                "engine.destroy() first (owner_reduce stays installed, the engine keeps training)")
+
         ds_config.CompileConfig = _installed["compile_config"]
         init_module.init_z1_and_2 = _installed["init_z1_and_2"]
+        ds_config.DeepSpeedConfig._do_warning_check = _installed["do_warning_check"]
         cpu_compat.restore()
-        if active_runtime_or_none() is None:  # a live engine still runs its graphs: its cleanup releases them
-            release_dc_schemas()
+        release_dc_schemas()
         _installed.clear()

@@ -13,7 +13,7 @@ from typing import Any
 
 # module -> names it must define (deepspeed 0.19.8)
 REQUIRED_NAMES: dict[str, tuple[str, ...]] = {
-    "deepspeed.runtime.config": ("CompileConfig",),
+    "deepspeed.runtime.config": ("CompileConfig", "DeepSpeedConfig"),
     "deepspeed.compile.util": ("get_deepcompile_handle", "dc_handle"),
     "deepspeed.compile.init_z1_and_2": ("init_z1_and_2",),
     "deepspeed.compile.passes.zero_1_and_2_compile": ("add_z1_reduce",),
@@ -24,6 +24,7 @@ REQUIRED_NAMES: dict[str, tuple[str, ...]] = {
 }
 ENGINE_METHODS = ("_initialize_deepcompile_native", "zero_reduce_bucket_size", "get_deepcompile_backend",
                   "zero_optimization_stage")
+CONFIG_METHODS = ("_do_warning_check",)  # wrapped to warn about flags that cannot take effect
 INIT_Z1_PARAMS = ("engine", "backend", "compile_config", "compile_kwargs", "schedule", "use_z2")
 PASS_PARAMS = ("gm", "graph_id", "graph_order", "profiling_results", "create_inputs_fn", "mem_budget",
                "param_manager", "bwd")
@@ -53,6 +54,8 @@ def surface_problems() -> list[str]:
     pass_fn = modules["deepspeed.compile.passes.zero_1_and_2_compile"].add_z1_reduce
     if _params(pass_fn) != PASS_PARAMS:
         problems.append(f"add_z1_reduce{_params(pass_fn)} is not add_z1_reduce{PASS_PARAMS}")
+    config_cls = modules["deepspeed.runtime.config"].DeepSpeedConfig
+    problems += [f"DeepSpeedConfig.{m} is missing" for m in CONFIG_METHODS if m not in vars(config_cls)]
     engine_cls = modules["deepspeed.runtime.engine"].DeepSpeedEngine
     problems += [f"DeepSpeedEngine.{m} is missing" for m in ENGINE_METHODS if not hasattr(engine_cls, m)]
     return problems
