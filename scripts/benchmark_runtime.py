@@ -116,7 +116,9 @@ class _Rig:
             self.rt.register_param(pid, (n,), torch.zeros(n), buf, 0)
             lo += n
         self.rt.register_graph_z1(self.GRAPH, list(range(n_params)))
-        self.grads = [torch.randn(n) for n in numels]
+        # Matrices and vectors alternate, as weights and biases do.
+        self.grads = [torch.randn(n // 16, 16) if pid % 2 == 0 and n % 16 == 0 else torch.randn(n)
+                      for pid, n in enumerate(numels)]
         self.grad_bytes = 4 * sum(numels)
         self.order = list(reversed(range(n_params)))  # backward order
 

@@ -73,6 +73,11 @@ class DoubleBufferedBuckets:
                 self._shadow[dtype] = ReduceBucket(size, dtype, device)
         return bucket
 
+    def for_tensor(self, tensor: torch.Tensor) -> ReduceBucket:
+        """The current bucket for ``tensor``'s dtype (the hot path: one dict lookup once it exists)."""
+        bucket = self._current.get(tensor.dtype)
+        return bucket if bucket is not None else self.get(tensor.dtype, tensor.device)
+
     def current(self, dtype: torch.dtype) -> ReduceBucket:
         return self._current[dtype]
 

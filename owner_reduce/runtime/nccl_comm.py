@@ -161,7 +161,8 @@ def exchange_unique_id(process_group: Any) -> bytes:
 class _BufferView(NamedTuple):
     """A buffer as cupy sees it (through DLPack), made once per buffer: what every call on a view of it needs."""
 
-    array: Any  # the cupy array; keeps the torch buffer alive while cached
+    tensor: torch.Tensor  # the torch buffer itself: alive while cached, so its id() keys no other buffer
+    array: Any  # the cupy array over its bytes
     ptr: int
     itemsize: int
     storage_offset: int  # the torch buffer's storage offset, to turn a view's offset into elements past ptr
@@ -319,13 +320,14 @@ class CupyNcclComm(ReduceComm):
             raise ValueError(f"owner_reduce NCCL {what}: buffer on {base.device}, communicator on cuda:{self.device}")
         dtype = nccl_dtype(base.dtype)
         try:
-            array = self._cupy.from_dlpack(base)
+            # As bytes: cupy has no bfloat16, and NCCL takes its data type from the torch dtype anyway.
+            array = self._cupy.from_dlpack(base.detach().view(torch.uint8))
         except Exception as error:  # noqa: BLE001 - named with the call and rank
             raise failure(f"{what}: DLPack view of the buffer", self.rank, error) from error
-        if array.device.id != self.device or array.itemsize != base.element_size():
-            raise ValueError(f"owner_reduce NCCL {what}: DLPack view on cuda:{array.device.id} with itemsize "
-                             f"{array.itemsize}, expected cuda:{self.device} and {base.element_size()}")
-        view = _BufferView(array, int(array.data.ptr), array.itemsize, base.storage_offset(), dtype)
+        if array.device.id != self.device:
+            raise ValueError(f"owner_reduce NCCL {what}: DLPack view on cuda:{array.device.id}, "
+                             f"communicator on cuda:{self.device}")
+        view = _BufferView(base, array, int(array.data.ptr), base.element_size(), base.storage_offset(), dtype)
         self._views[id(base)] = view
         return view
 
@@ -334,11 +336,14 @@ class CupyNcclComm(ReduceComm):
         count = buf.numel()
         base = buf._base if buf._base is not None else buf
         view = self._views.get(id(base))
-        if view is None or not buf.is_contiguous():
+        if view is None or not buf.is_contiguous() or buf.dtype != base.dtype:
             what = f"{name}({args}count={count}, dtype={_dtype_name(buf.dtype)})"
             if not buf.is_contiguous():
                 raise ValueError(f"owner_reduce NCCL {what}: buffer must be contiguous (shape {tuple(buf.shape)}, "
                                  f"stride {buf.stride()})")
+            if buf.dtype != base.dtype:
+                raise ValueError(f"owner_reduce NCCL {what}: a {_dtype_name(buf.dtype)} view of a "
+                                 f"{_dtype_name(base.dtype)} buffer")
             view = self._view_of(base, what)
         if count == 0:
             return  # every rank skips it alike: counts come from the same plan everywhere

@@ -31,7 +31,7 @@ class HostStreams:
     """CPU: copies and collectives complete before the call returns."""
 
     def copy_into_bucket(self, bucket: Any, view: torch.Tensor, grad: torch.Tensor) -> Any:
-        view.copy_(grad.reshape(-1))
+        view.copy_(grad if grad.dim() == 1 else grad.reshape(-1))
         return None
 
     @contextlib.contextmanager
