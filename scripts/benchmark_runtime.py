@@ -185,6 +185,43 @@ def _flush_costs(sizes: tuple[int, ...], rounds: int) -> dict[int, float]:
     return {n: statistics.median(s) / 1e6 for n, s in samples.items()}
 
 
+def _comm_costs(rounds: int, calls: int) -> dict[str, float]:
+    """Median µs per all_reduce of 64 floats on a one-rank gloo group: raw torch.distributed, deepspeed.comm,
+    and the runtime's TorchDistComm inside a flush's group() (what the flush pays per collective)."""
+    import deepspeed.comm as ds_dist
+    import torch
+    import torch.distributed as dist
+
+    from owner_reduce.harness.launch import free_port
+    from owner_reduce.runtime.comm import TorchDistComm
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+    with contextlib.redirect_stdout(io.StringIO()):
+        ds_dist.init_distributed(dist_backend="gloo", verbose=False)
+    group = dist.new_group([0])
+    comm = TorchDistComm(group)
+    buf = torch.ones(64)
+    samples: dict[str, list[float]] = {"torch.distributed": [], "deepspeed.comm": [], "TorchDistComm": []}
+    clock = time.perf_counter_ns
+    for _ in range(rounds):
+        for _ in range(calls):
+            start = clock()
+            dist.all_reduce(buf, group=group)
+            samples["torch.distributed"].append(clock() - start)
+        for _ in range(calls):
+            start = clock()
+            ds_dist.all_reduce(buf, group=group)
+            samples["deepspeed.comm"].append(clock() - start)
+        with comm.group():
+            for _ in range(calls):
+                start = clock()
+                comm.all_reduce(buf)
+                samples["TorchDistComm"].append(clock() - start)
+    dist.destroy_process_group()
+    return {name: statistics.median(s) / 1e3 for name, s in samples.items()}
+
+
 def _allocated_bytes(fn: Any) -> int:
     """Bytes of every tensor storage created while ``fn`` runs (views and in-place results do not count)."""
     import torch
@@ -243,8 +280,9 @@ def main() -> int:
 
     torch.set_num_threads(1)
     op = _op_costs(rounds=40, calls=148)
-    flush = _flush_costs((148, 1000), rounds=40)
+    flush = _flush_costs((148, 1000), rounds=100)
     memory = _memory()
+    comm = _comm_costs(rounds=20, calls=50)
 
     step: dict[str, list[float]] = {"plain": [], "allreduce": [], "owner": []}
     ratios: dict[str, list[float]] = {"allreduce": [], "owner": []}
@@ -279,6 +317,8 @@ def main() -> int:
     print(f"empty op, Library DEF + impl (same kind as ours):    {op['empty Library op']:8.2f} us")
     print(f"empty op, torch.library.custom_op (the floor):       {op['empty custom_op']:8.2f} us")
     print(f"ratio reduce_grad op / custom_op floor:              {op['reduce_grad op'] / op['empty custom_op']:8.3f}")
+    print(f"all_reduce, 64 floats, 1-rank gloo: torch.distributed {comm['torch.distributed']:.2f} us, "
+          f"deepspeed.comm {comm['deepspeed.comm']:.2f} us, TorchDistComm in a group {comm['TorchDistComm']:.2f} us")
     for n, ms in flush.items():
         print(f"flush host time, {n:4d} gradients (ws 4, no-op comm): {ms:8.3f} ms")
     for (ga, release), (nbytes, grad_bytes) in memory.items():
