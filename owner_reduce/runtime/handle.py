@@ -157,6 +157,7 @@ class OwnerReduceRuntime:
         self._accumulated: dict[int, torch.Tensor] = {}  # one buffer per gradient, allocated once (GA > 1)
         self._accumulating: set[int] = set()  # ds_ids whose accumulation buffer holds this step's running sum
         self._registered_elems: dict[int, tuple[torch.dtype, int]] = {}  # ds_id -> (dtype, numel): bucket sizes
+        self._elems_by_dtype: dict[torch.dtype, int] | None = None  # summed from _registered_elems when needed
         self._flush_cache: dict[tuple[Any, ...], _CachedFlush] = {}
         self.plans_computed = 0  # flush plans computed (not reused); tests read it
         self._update = False
@@ -191,6 +192,7 @@ class OwnerReduceRuntime:
         for dim in ds_shape:
             numel *= int(dim)
         self._registered_elems[ds_id] = (ds_tensor.dtype, numel)
+        self._elems_by_dtype = None
         self._flush_cache.clear()
 
     def update_param_grad_buffer(self, ds_id: int, grad_buffer: torch.Tensor, offset: int) -> None:
@@ -200,8 +202,12 @@ class OwnerReduceRuntime:
 
     def _bucket_limits(self, dtype: torch.dtype) -> int | None:
         """Elements of all registered gradients of ``dtype`` (None if none): no bucket needs to be larger."""
-        total = sum(n for d, n in self._registered_elems.values() if d == dtype)
-        return total or None
+        if self._elems_by_dtype is None:  # summed once per registration change, not at every bucket allocation
+            totals: dict[torch.dtype, int] = {}
+            for d, n in self._registered_elems.values():
+                totals[d] = totals.get(d, 0) + n
+            self._elems_by_dtype = totals
+        return self._elems_by_dtype.get(dtype) or None
 
     def _checked_buffer(self, ds_id: int, grad_buffer: torch.Tensor, offset: int) -> torch.Tensor:
         # As the native registry: a registered buffer starts at zero. A buffer for elements that reduce to
@@ -248,6 +254,7 @@ class OwnerReduceRuntime:
         self._accumulating.clear()
         self._params.clear()
         self._registered_elems.clear()
+        self._elems_by_dtype = None
         self._flush_cache.clear()
         if self._buckets is not None:
             self._buckets.clear()
