@@ -23,6 +23,7 @@ class MirrorComm(ReduceComm):
         self.open_groups = 0
         self.fail_on_call = fail_on_call
         self.gathered_rows: list[list[int]] | None = None
+        self.buffer_releases = 0
 
     def _group_start(self) -> None:
         self.groups += 1
@@ -47,6 +48,9 @@ class MirrorComm(ReduceComm):
         self._maybe_fail()
         self.calls.append(("all_reduce", None, buf.numel()))
         buf.mul_(self.world_size)
+
+    def release_buffers(self) -> None:
+        self.buffer_releases += 1
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         return self.gathered_rows if self.gathered_rows is not None else [list(values)] * self.world_size

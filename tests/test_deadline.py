@@ -176,6 +176,7 @@ def _cupy_comm(fake: FakeNccl, stream: FakeEvent, deadline: Deadline = SHORT) ->
     comm = nccl_comm.CupyNcclComm.__new__(nccl_comm.CupyNcclComm)
     ReduceComm.__init__(comm, 0, 2, deadline=deadline)
     comm.stream, comm.device, comm._calls_in_group, comm._comm, comm.aborted = stream, 0, 0, fake, False
+    comm._views = {}
     comm._wait_current = comm._current_waits_for = lambda stream: None
     return comm
 

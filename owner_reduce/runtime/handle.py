@@ -10,15 +10,22 @@ and copies into the non-empty grad buffers at their offsets. Nothing communicate
 Streams: see ``streams`` (CPU: synchronous; CUDA: copy stream, reduce stream and events as in z1.cpp).
 
 Note (accumulation buffer): between micro-steps the native runtime keeps the graph's own gradient tensor and
-adds into it; here the first gradient is cloned, so a compiler that recycles the graph's buffers cannot
-corrupt the running sum.
+adds into it; here each gradient gets one buffer of its own, allocated at its first accumulation and kept
+(the first micro-step copies into it, later ones add), so a compiler that recycles the graph's buffers cannot
+corrupt the running sum and no step allocates. On CUDA the last micro-step's copy of that buffer into the
+bucket (copy stream) is finished before the next step writes it: ``end_backward`` waits for the reduce
+stream, which waited for every copy.
+
+Note (flush plan cache): a graph's buckets hold the same gradients in the same order every step, so the plan
+and the copy-out list are computed once per distinct bucket content (dtype, gradient ids in order, their
+sizes) and reused; the key is the content itself, so anything else replans. Registering or moving a grad
+buffer drops the cache (the copy-out list holds views of the grad buffers).
 """
 
 from __future__ import annotations
 
 import itertools
 import sys
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -104,11 +111,38 @@ class _Param(NamedTuple):
     offset: int
 
 
-class _Task(NamedTuple):
+class _Pending:
+    """The gradients in one dtype's current bucket, in bucket order (offsets follow: the bucket fills from 0)."""
+
+    __slots__ = ("ids", "numels", "events")
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.numels: list[int] = []
+        self.events: list[Any] = []  # CUDA: the copy stream's event per copy into the bucket; CPU: empty
+
+
+class _CopyOut(NamedTuple):
+    dst: torch.Tensor  # the flat, non-empty grad buffer this rank keeps
+    src_offset: int  # where its elements start in the bucket
     ds_id: int
-    offset: int
-    numel: int
-    copy_event: Any  # CUDA: the copy stream's event for this task's copy into the bucket; CPU: None
+
+
+@dataclass(frozen=True)
+class _CachedFlush:
+    """A flush plan with everything derived from it, valid for exactly one bucket content."""
+
+    numels: list[int]
+    plan: FlushPlan
+    copy_out: tuple[_CopyOut, ...]  # only the buffers this rank keeps, in bucket order
+    split_sizes: list[int]  # the used bucket cut into (gap, kept) pairs and a tail: one split yields every source
+    dsts: list[torch.Tensor]  # copy_out's destinations, for one _foreach_copy_
+    kept: int
+    reduce_calls: int
+    all_reduce_calls: int
+
+
+_FLUSH_CACHE_LIMIT = 256  # distinct bucket contents remembered; beyond it the cache starts over
 
 
 class OwnerReduceRuntime:
@@ -128,8 +162,13 @@ class OwnerReduceRuntime:
         self._has_acc_grad: dict[int, bool] = {}  # stage 2: the grad buffer already holds this step's sum
         self._buckets: DoubleBufferedBuckets | None = None
         self._streams: HostStreams | CudaStreams | None = None  # chosen from the first gradient's device
-        self._pending: dict[torch.dtype, list[_Task]] = defaultdict(list)
-        self._accumulated: dict[int, torch.Tensor] = {}
+        self._pending: dict[torch.dtype, _Pending] = {}
+        self._accumulated: dict[int, torch.Tensor] = {}  # one buffer per gradient, allocated once (GA > 1)
+        self._accumulating: set[int] = set()  # ds_ids whose accumulation buffer holds this step's running sum
+        self._registered_elems: dict[int, tuple[torch.dtype, int]] = {}  # ds_id -> (dtype, numel): bucket sizes
+        self._elems_by_dtype: dict[torch.dtype, int] | None = None  # summed from _registered_elems when needed
+        self._flush_cache: dict[tuple[Any, ...], _CachedFlush] = {}
+        self.plans_computed = 0  # flush plans computed (not reused); tests read it
         self._update = False
         self._profiling = False
         self._pre_div = True  # as the native runtime: divide by the world size, then SUM
@@ -141,7 +180,8 @@ class OwnerReduceRuntime:
     def init(self, process_group: Any, compile_config: Any, reduce_bucket_size: int) -> None:
         self.comm = self._comm_factory(process_group)
         try:
-            self._buckets = DoubleBufferedBuckets(int(reduce_bucket_size), bool(compile_config.double_buffer))
+            self._buckets = DoubleBufferedBuckets(int(reduce_bucket_size), bool(compile_config.double_buffer),
+                                                  self._bucket_limits)
             self._check_agreement(int(reduce_bucket_size))
         except BaseException:
             # DeepSpeed calls cleanup() only after a successful init: release the communicator here.
@@ -157,10 +197,26 @@ class OwnerReduceRuntime:
         if ds_id not in self.settings.owner_map:
             raise KeyError(f"owner_reduce: DeepCompile registered param {ds_id}, which the owner map lacks")
         self._params[ds_id] = _Param(ds_tensor, self._checked_buffer(ds_id, grad_buffer, offset), int(offset))
+        numel = 1
+        for dim in ds_shape:
+            numel *= int(dim)
+        self._registered_elems[ds_id] = (ds_tensor.dtype, numel)
+        self._elems_by_dtype = None
+        self._flush_cache.clear()
 
     def update_param_grad_buffer(self, ds_id: int, grad_buffer: torch.Tensor, offset: int) -> None:
         self._params[ds_id] = self._params[ds_id]._replace(grad_buffer=self._checked_buffer(ds_id, grad_buffer, offset),
                                                            offset=int(offset))
+        self._flush_cache.clear()
+
+    def _bucket_limits(self, dtype: torch.dtype) -> int | None:
+        """Elements of all registered gradients of ``dtype`` (None if none): no bucket needs to be larger."""
+        if self._elems_by_dtype is None:  # summed once per registration change, not at every bucket allocation
+            totals: dict[torch.dtype, int] = {}
+            for d, n in self._registered_elems.values():
+                totals[d] = totals.get(d, 0) + n
+            self._elems_by_dtype = totals
+        return self._elems_by_dtype.get(dtype) or None
 
     def _checked_buffer(self, ds_id: int, grad_buffer: torch.Tensor, offset: int) -> torch.Tensor:
         # As the native registry: a registered buffer starts at zero. A buffer for elements that reduce to
@@ -208,7 +264,11 @@ class OwnerReduceRuntime:
         self.reset()
         self._pending.clear()
         self._accumulated.clear()
+        self._accumulating.clear()
         self._params.clear()
+        self._registered_elems.clear()
+        self._elems_by_dtype = None
+        self._flush_cache.clear()
         if self._buckets is not None:
             self._buckets.clear()
         if self.comm is not None:
@@ -234,17 +294,26 @@ class OwnerReduceRuntime:
         if graph_id not in self._graphs:
             raise KeyError(f"owner_reduce: reduce_grad for graph {graph_id}, which was never registered")
         self.stats.reduce_grad_calls += 1
-        grad = grad.detach()
+        if grad.requires_grad:
+            grad = grad.detach()
         if self._stage == 2:
             # z2.cpp: every micro-step reduces; the grad buffers accumulate the reduced sums (see _copy_out).
             self._enqueue(ds_id, grad)
             return
-        running = self._accumulated.pop(ds_id, None)
-        if running is not None:
+        if ds_id in self._accumulating:
+            running = self._accumulated[ds_id]
             running.add_(grad)
+            if not self._update:
+                self.stats.accumulated_calls += 1
+                return
+            self._accumulating.discard(ds_id)
             grad = running
-        if not self._update:
-            self._accumulated[ds_id] = grad if running is not None else grad.clone()
+        elif not self._update:
+            running = self._accumulated.get(ds_id)
+            if running is None or running.shape != grad.shape or running.dtype != grad.dtype:
+                running = self._accumulated[ds_id] = torch.empty_like(grad, memory_format=torch.contiguous_format)
+            running.copy_(grad)
+            self._accumulating.add(ds_id)
             self.stats.accumulated_calls += 1
             return
         self._enqueue(ds_id, grad)
@@ -261,7 +330,11 @@ class OwnerReduceRuntime:
             for ds_id in self._graphs.get(graph_id, ()):
                 self._has_acc_grad.pop(ds_id, None)
         if release_reduce_buckets and self._buckets is not None:
+            # As deepcompile.cpp's end_backward: the buckets are shared by all graphs and released once the last
+            # backward graph flushed (reduce_buckets->clear()); the next flush allocates them again.
             self._buckets.clear()
+            if self.comm is not None:
+                self.comm.release_buffers()
 
     def _sync_streams(self, call: str) -> None:
         """Wait for the reduce stream, bounded by the communicator's deadline (see ``comm.wait_until``)."""
@@ -272,41 +345,86 @@ class OwnerReduceRuntime:
     # ---- buckets and the flush ---------------------------------------------------------------------------
 
     def _enqueue(self, ds_id: int, grad: torch.Tensor) -> None:
-        assert self._buckets is not None, "owner_reduce runtime used before init()"
-        if self._streams is None:
-            self._streams = make_streams(grad.device)
+        buckets = self._buckets
+        assert buckets is not None, "owner_reduce runtime used before init()"
+        streams = self._streams
+        if streams is None:
+            streams = self._streams = make_streams(grad.device)
         numel = grad.numel()
-        bucket = self._buckets.get(grad.dtype, grad.device)
-        if bucket.should_flush(numel):
-            self._flush(grad.dtype)
-            bucket = self._buckets.get(grad.dtype, grad.device)
+        dtype = grad.dtype
+        bucket = buckets.for_tensor(grad)
+        if bucket.offset and bucket.offset + numel > bucket.size:
+            self._flush(dtype)
+            bucket = buckets.for_tensor(grad)
         if numel > bucket.size:
             self._sync_streams("bucket growth")  # the buffer being replaced may still be read by a flush in flight
             bucket.reserve(numel)
-        start, view = bucket.allocate(numel)
-        event = self._streams.copy_into_bucket(bucket, view, grad)
-        self._pending[grad.dtype].append(_Task(ds_id, start, numel, event))
+            if self.comm is not None:
+                self.comm.release_buffers()
+        start = bucket.offset
+        bucket.offset = start + numel
+        # A basic slice makes the view faster than narrow() does (about 1.2 vs 1.8 µs on this host).
+        event = streams.copy_into_bucket(bucket, bucket.buffer[start:start + numel], grad)
+        pending = self._pending.get(dtype)
+        if pending is None:
+            pending = self._pending[dtype] = _Pending()
+        pending.ids.append(ds_id)
+        pending.numels.append(numel)
+        if event is not None:
+            pending.events.append(event)
+
+    def _cached_flush(self, dtype: torch.dtype, pending: _Pending) -> _CachedFlush:
+        """The plan for this bucket content: reused when the content is the one it was made for, else made."""
+        key = (dtype, *pending.ids)
+        cached = self._flush_cache.get(key)
+        if cached is not None and cached.numels == pending.numels:
+            return cached
+        entries, offset = [], 0
+        for ds_id, numel in zip(pending.ids, pending.numels, strict=True):
+            entries.append(BucketEntry(ds_id, offset, numel))
+            offset += numel
+        # Looked up in this module at call time: the harness's fault injection replaces plan_flush here.
+        plan = plan_flush(entries, self.settings.owner_map, self.settings.flags.reduce_to_owner)
+        self.plans_computed += 1
+        copy_out = []
+        for entry in entries:
+            param = self._params[entry.param_id]
+            dst = param.grad_buffer.view(-1)
+            if dst.numel():  # checked at registration: a non-empty buffer lies in what reached this rank
+                copy_out.append(_CopyOut(dst, entry.offset + param.offset, entry.param_id))
+        split_sizes, cursor = [], 0
+        for c in copy_out:
+            split_sizes += [c.src_offset - cursor, c.dst.numel()]
+            cursor = c.src_offset + c.dst.numel()
+        split_sizes.append(offset - cursor)
+        reduce_calls = sum(1 for r in plan.ranges if r.root is not ALL)
+        cached = _CachedFlush(list(pending.numels), plan, tuple(copy_out), split_sizes, [c.dst for c in copy_out],
+                              sum(c.dst.numel() for c in copy_out), reduce_calls, len(plan.ranges) - reduce_calls)
+        if len(self._flush_cache) >= _FLUSH_CACHE_LIMIT:
+            self._flush_cache.clear()
+        self._flush_cache[key] = cached
+        return cached
 
     def _flush(self, dtype: torch.dtype) -> None:
-        tasks = self._pending.pop(dtype, None)
-        if not tasks:
+        pending = self._pending.pop(dtype, None)
+        if pending is None or not pending.ids:
             return
         assert self.comm is not None and self._buckets is not None
         comm = self.comm
         bucket = self._buckets.current(dtype)
-        owner_map = self.settings.owner_map
-        plan = plan_flush([BucketEntry(t.ds_id, t.offset, t.numel) for t in tasks], owner_map,
-                          self.settings.flags.reduce_to_owner)
+        cached = self._cached_flush(dtype, pending)
+        plan = cached.plan
         streams = self._streams
         assert streams is not None
+        buffer = bucket.buffer
         try:
-            with streams.reducing([t.copy_event for t in tasks]):
-                used = bucket.buffer.narrow(0, 0, bucket.offset)
+            with streams.reducing(pending.events):
+                used = buffer.narrow(0, 0, bucket.offset)
                 if self._pre_div:
                     used.div_(comm.world_size)
                 with comm.group(flush=self.stats.flushes + 1):
                     for r in plan.ranges:
-                        segment = bucket.buffer.narrow(0, r.offset, r.count)
+                        segment = buffer.narrow(0, r.offset, r.count)
                         if r.root is ALL:
                             comm.all_reduce(segment)
                         else:
@@ -314,31 +432,31 @@ class OwnerReduceRuntime:
                         if self.record_collectives:
                             self.collective_log.append(("all_reduce" if r.root is ALL else "reduce", r.root,
                                                         r.count, str(dtype)))
-                kept = self._copy_out(tasks, bucket.buffer)
+                self._copy_out(cached, used)
                 streams.bucket_released(bucket)
         finally:
             self._buckets.swap(dtype)  # even after an error: the next flush must not find a half-used bucket
-        self._count(plan, kept, dtype)
+        self._count(cached, dtype)
         if self.record_collectives:
-            self.flush_log.append(FlushRecord(str(dtype).removeprefix("torch."), bucket.buffer.element_size(),
-                                              plan.reduced_elems, plan.received_elems(comm.rank), kept,
+            self.flush_log.append(FlushRecord(str(dtype).removeprefix("torch."), buffer.element_size(),
+                                              plan.reduced_elems, plan.received_elems(comm.rank), cached.kept,
                                               plan.owner_elems, len(plan.ranges)))
 
-    def _copy_out(self, tasks: list[_Task], buffer: torch.Tensor) -> int:
-        kept = 0
-        for t in tasks:
-            param = self._params[t.ds_id]
-            grad_buf = param.grad_buffer.view(-1)
-            if grad_buf.numel() == 0:
-                continue  # checked at registration: a non-empty buffer lies in what reached this rank
-            reduced = buffer.narrow(0, t.offset + param.offset, grad_buf.numel())
-            if self._stage == 2 and self._has_acc_grad.get(t.ds_id, False):
-                grad_buf.add_(reduced)
+    def _copy_out(self, cached: _CachedFlush, used: torch.Tensor) -> None:
+        """Copy what this rank keeps into its grad buffers (stage 2: add into them after the first micro-step)."""
+        if not cached.copy_out:
+            return
+        sources = used.split_with_sizes(cached.split_sizes)[1::2]
+        if self._stage != 2:
+            torch._foreach_copy_(cached.dsts, sources)
+            return
+        has_acc = self._has_acc_grad
+        for (dst, _, ds_id), reduced in zip(cached.copy_out, sources, strict=True):
+            if has_acc.get(ds_id, False):
+                dst.add_(reduced)
             else:
-                grad_buf.copy_(reduced)
-            self._has_acc_grad[t.ds_id] = True
-            kept += grad_buf.numel()
-        return kept
+                dst.copy_(reduced)
+                has_acc[ds_id] = True
 
     def _check_received(self, ds_id: int, offset: int, numel: int) -> None:
         """A grad buffer must lie in what reached this rank; otherwise the optimizer would get garbage."""
@@ -355,20 +473,22 @@ class OwnerReduceRuntime:
         raise RuntimeError(f"owner_reduce: rank {rank} holds a grad buffer for elements [{offset}, +{numel}) of "
                            f"param {ds_id}, which reduce elsewhere ({owners}); the owner map and DeepCompile disagree")
 
-    def _count(self, plan: FlushPlan, kept: int, dtype: torch.dtype) -> None:
+    def _count(self, cached: _CachedFlush, dtype: torch.dtype) -> None:
         s = self.stats
+        plan = cached.plan
         s.flushes += 1
         s.collectives += len(plan.ranges)
-        s.reduce_calls += sum(1 for r in plan.ranges if r.root is not ALL)
-        s.all_reduce_calls += sum(1 for r in plan.ranges if r.root is ALL)
+        s.reduce_calls += cached.reduce_calls
+        s.all_reduce_calls += cached.all_reduce_calls
         s.reduced_elems += plan.reduced_elems
         s.owner_elems += plan.owner_elems
-        s.kept_elems += kept
+        s.kept_elems += cached.kept
         index = next(self._flush_counter)
         if self.settings.flags.reduce_probe and index <= PROBE_FLUSH_LIMIT:
             line = format_probe_line(FlushReport(rank=self.comm.rank, flush_index=index,
-                                                 dtype=str(dtype).removeprefix("torch."), plan=plan, kept_elems=kept,
-                                                 pre_div=self._pre_div, calls=len(plan.ranges)))
+                                                 dtype=str(dtype).removeprefix("torch."), plan=plan,
+                                                 kept_elems=cached.kept, pre_div=self._pre_div,
+                                                 calls=len(plan.ranges)))
             s.probe_lines.append(line)
             emit(line)
 
