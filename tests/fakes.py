@@ -48,5 +48,13 @@ class MirrorComm(ReduceComm):
         self.calls.append(("all_reduce", None, buf.numel()))
         buf.mul_(self.world_size)
 
+    def reduce_scatter(self, buf: torch.Tensor, per_rank: int) -> None:
+        self._check_scatter(buf, per_rank)
+        self._maybe_fail()
+        self.calls.append(("reduce_scatter", None, buf.numel()))
+        mine = buf.narrow(0, self.rank * per_rank, per_rank).mul(self.world_size)
+        buf.fill_(float("nan"))
+        buf.narrow(0, self.rank * per_rank, per_rank).copy_(mine)
+
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         return self.gathered_rows if self.gathered_rows is not None else [list(values)] * self.world_size

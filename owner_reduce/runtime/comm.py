@@ -2,8 +2,9 @@
 
 Why a seam: the flush logic must not care whether bytes move through gloo on CPU, torch's NCCL process
 group, or a cupy NCCL communicator on a side stream. Each implementation provides ``group()`` (a context
-that batches the calls and always closes, also when a call raises), ``reduce(buf, root)`` and
-``all_reduce(buf)``; ``root`` is a rank of the data-parallel communicator, not a global rank.
+that batches the calls and always closes, also when a call raises), ``reduce(buf, root)``,
+``all_reduce(buf)`` and ``reduce_scatter(buf, per_rank)``; ``root`` is a rank of the data-parallel
+communicator, not a global rank.
 """
 
 from __future__ import annotations
@@ -53,6 +54,22 @@ class ReduceComm(ABC):
     def all_reduce(self, buf: torch.Tensor) -> None:
         """Sum ``buf`` over all ranks into ``buf`` on every rank."""
 
+    def reduce_scatter(self, buf: torch.Tensor, per_rank: int) -> None:
+        """In place: ``buf`` holds ``world_size * per_rank`` elements; afterwards rank r's block
+        ``[r * per_rank, (r + 1) * per_rank)`` holds the sum of that block over all ranks, the rest is undefined.
+
+        This default is one Reduce per block (inside the caller's group): the same sums and the same bytes for
+        a seam without a native ReduceScatter, at ``world_size`` calls instead of one.
+        """
+        self._check_scatter(buf, per_rank)
+        for root in range(self.world_size):
+            self.reduce(buf.narrow(0, root * per_rank, per_rank), root)
+
+    def _check_scatter(self, buf: torch.Tensor, per_rank: int) -> None:
+        if per_rank < 0 or buf.numel() != self.world_size * per_rank:
+            raise ValueError(f"{self.name}: reduce_scatter on rank {self.rank} needs world_size x per_rank = "
+                             f"{self.world_size} x {per_rank} elements, the buffer has {buf.numel()}")
+
     @abstractmethod
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (same length everywhere), by rank: the init-time agreement check."""
@@ -90,6 +107,16 @@ class TorchDistComm(ReduceComm):
 
         with no_python_dispatcher():
             self._dist.all_reduce(buf, op=self._dist.ReduceOp.SUM, group=self._group)
+
+    def reduce_scatter(self, buf: torch.Tensor, per_rank: int) -> None:
+        """One ``reduce_scatter_tensor`` (gloo in torch 2.13 and NCCL both have it), in place: the output is this
+        rank's own block of the input, as ncclReduceScatter allows."""
+        from torch._dispatch.python import no_python_dispatcher
+
+        self._check_scatter(buf, per_rank)
+        with no_python_dispatcher():
+            self._dist.reduce_scatter_tensor(buf.narrow(0, self.rank * per_rank, per_rank), buf,
+                                             op=self._dist.ReduceOp.SUM, group=self._group)
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         from deepspeed.accelerator import get_accelerator
