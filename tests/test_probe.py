@@ -25,3 +25,12 @@ def test_owner_flush_discards_only_what_reached_this_rank():
     assert "[dc-probe][r1] flushReduceBucket #1 dtype=Float tasks=3 reduced_elems=150 kept_elems=110 " \
            "discarded=26.7% pre_div=1 owner_tasks=2 owner_elems=100 (66.7%)" in r1
     assert "kept_elems=40 discarded=6.7%" in r0
+
+
+def test_algo_is_appended_last():
+    plan = FlushPlan(ranges=(FlushRange(0, 100, 0), FlushRange(100, 100, 1)), tasks=2, reduced_elems=200,
+                     owner_tasks=2, owner_elems=200, eligible_tasks=2, eligible_elems=200)
+    line = format_probe_line(FlushReport(0, 1, "float32", plan, kept_elems=100, pre_div=True, calls=1,
+                                         algo="reduce_scatter"))
+    assert line.endswith(" calls=1 eligible_tasks=2 eligible_elems=200 eligible_share=100.0% algo=reduce_scatter")
+    assert " algo=" not in format_probe_line(FlushReport(0, 1, "float32", plan, 100, True, 2))
