@@ -52,9 +52,10 @@ class MirrorComm(ReduceComm):
         self._check_scatter(buf, per_rank)
         self._maybe_fail()
         self.calls.append(("reduce_scatter", None, buf.numel()))
-        mine = buf.narrow(0, self.rank * per_rank, per_rank).mul(self.world_size)
-        buf.fill_(float("nan"))
-        buf.narrow(0, self.rank * per_rank, per_rank).copy_(mine)
+        start = self.rank * per_rank
+        buf.narrow(0, start, per_rank).mul_(self.world_size)
+        buf.narrow(0, 0, start).fill_(float("nan"))  # the other blocks never reach this rank
+        buf.narrow(0, start + per_rank, buf.numel() - start - per_rank).fill_(float("nan"))
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         return self.gathered_rows if self.gathered_rows is not None else [list(values)] * self.world_size
