@@ -1,44 +1,261 @@
-"""Benchmark of the Python runtime on CPU: host cost per reduce_grad and per flush, and end-to-end step time.
+"""Benchmark of the Python runtime on CPU: host cost per reduce_grad and per flush, memory per step, step time.
 
-Prints, from one run (each configuration trains on --world-size gloo ranks with the same model and data):
-- host time of one ``owner_reduce::reduce_grad`` op call (dispatch + body, no communication), median;
-- host time per reduce_grad inside training (body without flushes) and per flush (with its collectives), median;
-- median step time of DeepCompile + owner_reduce (owner path), of DeepCompile + owner_reduce with the owner path
-  off (AllReduce, as the native runtime does), and of plain ZeRO-1, as ratios.
+Prints, from one run, every measure with its repeats interleaved (so load swings hit all sides alike):
+- host time of ``owner_reduce::reduce_grad`` through the op with the real runtime behind it (copy into the
+  bucket, no flush), of an empty op of the same kind as ours (``torch.library.Library`` DEF + impl), and of an
+  empty ``torch.library.custom_op`` (the custom_op floor), medians;
+- host time of one flush (plan, pre-division, collectives of a no-op communicator, copy-out) at 148 and 1000
+  gradients, ws 4, rank 0, the runtime driven in-process as DeepCompile drives it;
+- bytes the runtime allocates per steady-state step (a dispatch mode counts every new tensor storage), with
+  gradient accumulation 1 and 2, with the buckets kept and with ``release_reduce_buckets`` (the native runtime
+  then frees its buckets too; the CUDA caching allocator serves them again, the CPU allocator does not);
+- median step time of DeepCompile + owner_reduce (AllReduce path and owner path) vs plain ZeRO-1 on
+  --world-size gloo ranks, runs interleaved over --repeats rounds, as ratios.
 CPU numbers say what the Python runtime costs on the host; collective speed here is gloo's, not NCCL's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import statistics
 import sys
 import time
+import types
+from typing import Any
 
 
-def _op_call_cost(iterations: int) -> tuple[float, float]:
-    """Median µs of one reduce_grad op call with a runtime that does nothing, and of a bare Python call."""
+def _empty_ops() -> tuple[Any, Any]:
+    """An empty op of each kind with reduce_grad's schema: Library DEF + impl, and custom_op."""
+    import torch
+
+    lib = torch.library.Library("owner_reduce_bench", "DEF")
+    lib.define("empty_def(Tensor grad, int graph_id, int ds_id) -> Tensor")
+    lib.impl("empty_def", lambda grad, graph_id, ds_id: grad.new_empty(0), "CompositeExplicitAutograd")
+
+    def empty_custom(grad, graph_id, ds_id):  # noqa: ANN001, ANN202 - typed by the schema below
+        return grad.new_empty(0)
+
+    torch.library.custom_op("owner_reduce_bench::empty_custom", empty_custom, mutates_args=(),
+                            schema="(Tensor grad, int graph_id, int ds_id) -> Tensor")
+
+    _empty_ops.lib = lib  # keep the library alive
+    return torch.ops.owner_reduce_bench.empty_def.default, torch.ops.owner_reduce_bench.empty_custom.default
+
+
+def _numels(n_params: int, base: int) -> tuple[int, ...]:
+    """Gradient sizes that vary (base/2 .. 3*base/2), so partitions cut through some gradients."""
+    return tuple(base // 2 + (i * 7 % 5) * base // 4 for i in range(n_params))
+
+
+def _tables(numels: tuple[int, ...], world_size: int) -> Any:
+    """ZeRO-1-like partition tables: the gradients laid out flat, split in ws equal partitions."""
+    from owner_reduce.planning.owner_map import GroupTables
+
+    part = -(-sum(numels) // world_size)
+    partition_ids: dict[int, tuple[int, ...]] = {}
+    starts: dict[int, dict[int, int]] = {p: {} for p in range(world_size)}
+    lo = 0
+    for pid, numel in enumerate(numels):
+        hi = lo + numel
+        parts = tuple(p for p in range(world_size) if p * part < hi and lo < (p + 1) * part)
+        partition_ids[pid] = parts
+        for p in parts:
+            starts[p][pid] = max(lo, p * part) - lo
+        lo = hi
+    return GroupTables(group=0, param_ids=tuple(range(len(numels))), numels=numels, partition_count=world_size,
+                       partition_ids=partition_ids, start_offsets=starts, same_comm_as_dp=True)
+
+
+def _null_comm(rank: int, world_size: int) -> Any:
+    from owner_reduce.runtime.comm import ReduceComm
+
+    class NullComm(ReduceComm):
+        """Collectives that do nothing: what is left of a flush is its host cost."""
+
+        name = "null"
+
+        def reduce(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def all_reduce(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+            return [list(values)] * self.world_size
+
+    return NullComm(rank, world_size)
+
+
+class _Rig:
+    """Rank 0 of ``world_size``: an OwnerReduceRuntime driven in-process as DeepCompile drives it."""
+
+    GRAPH = 7
+
+    def __init__(self, n_params: int, numel: int = 64, world_size: int = 4, bucket: int = 500_000_000) -> None:
+        import torch
+
+        from owner_reduce.planning.flags import OwnerReduceFlags
+        from owner_reduce.planning.owner_map import OwnerMap
+        from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
+
+        numels = _numels(n_params, numel)
+        tables = _tables(numels, world_size)
+        owner_map = OwnerMap.from_group_tables([tables], world_size)
+        comm = _null_comm(0, world_size)
+        self.rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, False), owner_map),
+                                     comm_factory=lambda group: comm)
+        with contextlib.redirect_stdout(io.StringIO()):  # rank 0's init line
+            self.rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
+        part, lo = -(-sum(numels) // world_size), 0
+        for pid, n in enumerate(numels):
+            kept_lo, kept_hi = lo, min(lo + n, part)  # rank 0 keeps partition 0
+            buf = torch.zeros(kept_hi - kept_lo) if kept_lo < kept_hi else torch.empty(0)
+            self.rt.register_param(pid, (n,), torch.zeros(n), buf, 0)
+            lo += n
+        self.rt.register_graph_z1(self.GRAPH, list(range(n_params)))
+        # Matrices and vectors alternate, as weights and biases do.
+        self.grads = [torch.randn(n // 16, 16) if pid % 2 == 0 and n % 16 == 0 else torch.randn(n)
+                      for pid, n in enumerate(numels)]
+        self.grad_bytes = 4 * sum(numels)
+        self.order = list(reversed(range(n_params)))  # backward order
+
+    def micro_step(self, update: bool, release: bool, op: Any = None) -> None:
+        rt = self.rt
+        rt.start_backward(update)
+        for pid in self.order:
+            if op is None:
+                rt.reduce_grad(self.grads[pid], self.GRAPH, pid)
+            else:
+                op(self.grads[pid], self.GRAPH, pid)
+        rt.end_backward(self.GRAPH, release)
+
+    def step(self, ga: int, release: bool) -> None:
+        for i in range(ga):
+            self.micro_step(i == ga - 1, release)
+
+
+def _op_costs(rounds: int, calls: int) -> dict[str, float]:
+    """Median µs per call: reduce_grad through the op (real runtime, no flush), empty Library op, empty custom_op."""
     import torch
 
     from owner_reduce.wiring import ops
 
-    class Null:
-        def reduce_grad(self, grad: torch.Tensor, graph_id: int, ds_id: int) -> None:
-            pass
+    empty_def, empty_custom = _empty_ops()
+    rig = _Rig(calls)
+    ops.set_active_runtime(rig.rt)
+    grads, graph = rig.grads, rig.GRAPH
+    samples: dict[str, list[float]] = {"reduce_grad op": [], "empty Library op": [], "empty custom_op": []}
+    clock = time.perf_counter_ns
+    try:
+        for _ in range(rounds):
+            # One backward's reduce_grad calls (no flush inside: the bucket holds them all), then the empties.
+            rig.rt.start_backward(True)
+            for pid in rig.order:
+                start = clock()
+                ops.REDUCE_GRAD(grads[pid], graph, pid)
+                samples["reduce_grad op"].append(clock() - start)
+            rig.rt.end_backward(graph, False)
+            for name, op in (("empty Library op", empty_def), ("empty custom_op", empty_custom)):
+                for pid in rig.order:
+                    start = clock()
+                    op(grads[pid], graph, pid)
+                    samples[name].append(clock() - start)
+    finally:
+        ops.set_active_runtime(None)
+    del torch
+    return {name: statistics.median(s) / 1e3 for name, s in samples.items()}
 
-    ops.set_active_runtime(Null())
-    grad = torch.randn(64)
-    samples, bare = [], []
-    for _ in range(iterations):
-        start = time.perf_counter_ns()
-        ops.REDUCE_GRAD(grad, 1, 1)
-        samples.append(time.perf_counter_ns() - start)
-        start = time.perf_counter_ns()
-        Null().reduce_grad(grad, 1, 1)
-        bare.append(time.perf_counter_ns() - start)
-    ops.set_active_runtime(None)
-    return statistics.median(samples) / 1e3, statistics.median(bare) / 1e3
+
+def _flush_costs(sizes: tuple[int, ...], rounds: int) -> dict[int, float]:
+    """Median ms of one flush (end_backward with every gradient pending) at each gradient count."""
+    rigs = {n: _Rig(n) for n in sizes}
+    samples: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(rounds):
+        for n, rig in rigs.items():
+            rt = rig.rt
+            rt.start_backward(True)
+            for pid in rig.order:
+                rt.reduce_grad(rig.grads[pid], rig.GRAPH, pid)
+            start = time.perf_counter_ns()
+            rt.end_backward(rig.GRAPH, False)
+            samples[n].append(time.perf_counter_ns() - start)
+    return {n: statistics.median(s) / 1e6 for n, s in samples.items()}
+
+
+def _comm_costs(rounds: int, calls: int) -> dict[str, float]:
+    """Median µs per all_reduce of 64 floats on a one-rank gloo group: raw torch.distributed, deepspeed.comm,
+    and the runtime's TorchDistComm inside a flush's group() (what the flush pays per collective)."""
+    import deepspeed.comm as ds_dist
+    import torch
+    import torch.distributed as dist
+
+    from owner_reduce.harness.launch import free_port
+    from owner_reduce.runtime.comm import TorchDistComm
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+    with contextlib.redirect_stdout(io.StringIO()):
+        ds_dist.init_distributed(dist_backend="gloo", verbose=False)
+    group = dist.new_group([0])
+    comm = TorchDistComm(group)
+    buf = torch.ones(64)
+    samples: dict[str, list[float]] = {"torch.distributed": [], "deepspeed.comm": [], "TorchDistComm": []}
+    clock = time.perf_counter_ns
+    for _ in range(rounds):
+        for _ in range(calls):
+            start = clock()
+            dist.all_reduce(buf, group=group)
+            samples["torch.distributed"].append(clock() - start)
+        for _ in range(calls):
+            start = clock()
+            ds_dist.all_reduce(buf, group=group)
+            samples["deepspeed.comm"].append(clock() - start)
+        with comm.group():
+            for _ in range(calls):
+                start = clock()
+                comm.all_reduce(buf)
+                samples["TorchDistComm"].append(clock() - start)
+    dist.destroy_process_group()
+    return {name: statistics.median(s) / 1e3 for name, s in samples.items()}
+
+
+def _allocated_bytes(fn: Any) -> int:
+    """Bytes of every tensor storage created while ``fn`` runs (views and in-place results do not count)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    total = [0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                      if isinstance(t, torch.Tensor)}
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                    total[0] += t.untyped_storage().nbytes()
+            return out
+
+    with Count():
+        fn()
+    return total[0]
+
+
+def _memory(n_params: int = 148, numel: int = 4096) -> dict[tuple[int, bool], tuple[int, int]]:
+    """(GA, release) -> (bytes allocated in a steady-state step, gradient bytes)."""
+    out = {}
+    for ga in (1, 2):
+        for release in (False, True):
+            rig = _Rig(n_params, numel)
+            for _ in range(3):
+                rig.step(ga, release)
+            out[(ga, release)] = (_allocated_bytes(lambda rig=rig, ga=ga, release=release: rig.step(ga, release)),
+                                  rig.grad_bytes)
+    return out
 
 
 def _median_step(results: list, skip: int) -> float:
@@ -51,51 +268,75 @@ def main() -> int:
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the step-time median")
+    parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds of the three training runs")
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--backend", default="eager", choices=["eager", "inductor"])
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--skip-training", action="store_true", help="host-side measures only")
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from owner_reduce.harness.launch import run_ranks
-    from owner_reduce.harness.toy_training import TrainSpec, train
+    import torch
 
-    op_us, bare_us = _op_call_cost(20000)
-    base = TrainSpec(model="tiny_transformer", model_kwargs=(("dim", args.dim), ("layers", args.layers)),
-                     steps=args.steps, backend=args.backend, micro_batch=8)
-    # Both DeepCompile runs keep the probe on (first 20 flushes print): with both flags off DeepSpeed would run
-    # its native runtime, which does not build on CPU.
-    runs = {}
-    for name, spec in (("plain", TrainSpec(**{**base.__dict__, "mode": "plain"})),
-                       ("allreduce", TrainSpec(**{**base.__dict__, "reduce_to_owner": False, "time_runtime": True})),
-                       ("owner", TrainSpec(**{**base.__dict__, "time_runtime": True}))):
-        start = time.monotonic()
-        runs[name] = run_ranks(train, args.world_size, args=(spec,), timeout=args.timeout)
-        print(f"[bench] {name}: {time.monotonic() - start:.1f}s wall", file=sys.stderr, flush=True)
+    torch.set_num_threads(1)
+    op = _op_costs(rounds=40, calls=148)
+    flush = _flush_costs((148, 1000), rounds=100)
+    memory = _memory()
+    comm = _comm_costs(rounds=20, calls=50)
 
-    owner = runs["owner"]
-    rg = [t for r in owner for t in r["timings"]["reduce_grad_ns"]]
-    fl = [t for r in owner for t in r["timings"]["flush_ns"]]
-    fl_all = [t for r in runs["allreduce"] for t in r["timings"]["flush_ns"]]
-    stats = owner[0]["stats"]
-    step = {name: _median_step(results, args.warmup) for name, results in runs.items()}
+    step: dict[str, list[float]] = {"plain": [], "allreduce": [], "owner": []}
+    ratios: dict[str, list[float]] = {"allreduce": [], "owner": []}
+    summary = None
+    if not args.skip_training:
+        from owner_reduce.harness.launch import run_ranks
+        from owner_reduce.harness.toy_training import TrainSpec, train
+
+        base = TrainSpec(model="tiny_transformer", model_kwargs=(("dim", args.dim), ("layers", args.layers)),
+                         steps=args.steps, backend=args.backend, micro_batch=8)
+        # Both DeepCompile runs keep the probe on (first 20 flushes print): with both flags off DeepSpeed would
+        # run its native runtime, which does not build on CPU.
+        specs = (("plain", TrainSpec(**{**base.__dict__, "mode": "plain"})),
+                 ("allreduce", TrainSpec(**{**base.__dict__, "reduce_to_owner": False})),
+                 ("owner", base))
+        for rep in range(args.repeats):
+            this: dict[str, float] = {}
+            for name, spec in specs:
+                start = time.monotonic()
+                results = run_ranks(train, args.world_size, args=(spec,), timeout=args.timeout)
+                this[name] = _median_step(results, args.warmup)
+                step[name].append(this[name])
+                summary = results[0]["summary"] or summary
+                print(f"[bench] round {rep + 1} {name}: {time.monotonic() - start:.1f}s wall, "
+                      f"step {this[name] * 1e3:.2f} ms", file=sys.stderr, flush=True)
+            for name in ratios:
+                ratios[name].append(this[name] / this["plain"])
+
     print("=" * 100)
-    print(owner[0]["summary"])
-    print(f"world size {args.world_size}, tiny transformer dim={args.dim} layers={args.layers}, "
-          f"backend={args.backend}, {args.steps} steps "
-          f"(median over steps {args.warmup}..{args.steps - 1}, slowest rank per step)")
-    print(f"reduce_grad op call, null runtime:      {op_us:8.1f} us  (bare Python method call {bare_us:.2f} us)")
-    print(f"reduce_grad in training, no flush:      {statistics.median(rg) / 1e3:8.1f} us  (n={len(rg)})")
-    print(f"flush, owner path (incl. collectives):  {statistics.median(fl) / 1e3:8.1f} us  (n={len(fl)}, "
-          f"{stats.collectives / stats.flushes:.1f} calls/flush)")
-    print(f"flush, AllReduce path:                  {statistics.median(fl_all) / 1e3:8.1f} us  (n={len(fl_all)})")
-    print(f"owner share of reduced elements:        {stats.owner_elems / stats.reduced_elems:8.1%}")
-    print(f"step time plain ZeRO-1:                 {step['plain'] * 1e3:8.2f} ms")
-    print(f"step time DeepCompile + AllReduce path: {step['allreduce'] * 1e3:8.2f} ms")
-    print(f"step time DeepCompile + owner path:     {step['owner'] * 1e3:8.2f} ms")
-    print(f"ratio owner / plain ZeRO-1:             {step['owner'] / step['plain']:8.3f}")
-    print(f"ratio owner / AllReduce path:           {step['owner'] / step['allreduce']:8.3f}")
-    print(f"ratio flush owner / AllReduce:          {statistics.median(fl) / statistics.median(fl_all):8.3f}")
+    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"reduce_grad through the op (real runtime, no flush): {op['reduce_grad op']:8.2f} us")
+    print(f"empty op, Library DEF + impl (same kind as ours):    {op['empty Library op']:8.2f} us")
+    print(f"empty op, torch.library.custom_op (the floor):       {op['empty custom_op']:8.2f} us")
+    print(f"ratio reduce_grad op / custom_op floor:              {op['reduce_grad op'] / op['empty custom_op']:8.3f}")
+    print(f"all_reduce, 64 floats, 1-rank gloo: torch.distributed {comm['torch.distributed']:.2f} us, "
+          f"deepspeed.comm {comm['deepspeed.comm']:.2f} us, TorchDistComm in a group {comm['TorchDistComm']:.2f} us")
+    for n, ms in flush.items():
+        print(f"flush host time, {n:4d} gradients (ws 4, no-op comm): {ms:8.3f} ms")
+    for (ga, release), (nbytes, grad_bytes) in memory.items():
+        what = "release_reduce_buckets" if release else "buckets kept          "
+        print(f"bytes allocated per steady step, GA {ga}, {what}: {nbytes:12,d} "
+              f"(gradients {grad_bytes:,d} B)")
+    if step["plain"]:
+        print(summary)
+        print(f"world size {args.world_size}, tiny transformer dim={args.dim} layers={args.layers}, "
+              f"backend={args.backend}, {args.steps} steps, {args.repeats} interleaved rounds "
+              f"(median over steps {args.warmup}..{args.steps - 1}, slowest rank per step)")
+        for name, label in (("plain", "plain ZeRO-1"), ("allreduce", "DeepCompile + AllReduce path"),
+                            ("owner", "DeepCompile + owner path")):
+            print(f"step time {label + ':':31s} {statistics.median(step[name]) * 1e3:8.2f} ms  "
+                  f"(rounds: {', '.join(f'{t * 1e3:.2f}' for t in step[name])})")
+        for name, label in (("allreduce", "AllReduce path"), ("owner", "owner path")):
+            print(f"ratio {label} / plain ZeRO-1: {statistics.median(ratios[name]):8.3f}  "
+                  f"(rounds: {', '.join(f'{r:.3f}' for r in ratios[name])})")
     return 0
 
 

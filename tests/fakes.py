@@ -23,6 +23,7 @@ class MirrorComm(ReduceComm):
         self.open_groups = 0
         self.fail_on_call = fail_on_call
         self.gathered_rows: list[list[int]] | None = None
+        self.buffer_releases = 0
 
     def _group_start(self) -> None:
         self.groups += 1
@@ -56,6 +57,9 @@ class MirrorComm(ReduceComm):
         buf.narrow(0, start, per_rank).mul_(self.world_size)
         buf.narrow(0, 0, start).fill_(float("nan"))  # the other blocks never reach this rank
         buf.narrow(0, start + per_rank, buf.numel() - start - per_rank).fill_(float("nan"))
+
+    def release_buffers(self) -> None:
+        self.buffer_releases += 1
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         return self.gathered_rows if self.gathered_rows is not None else [list(values)] * self.world_size

@@ -39,9 +39,38 @@ def test_opcheck_end_backward(recorder):
     assert ("end_backward", 7, True) in recorder.calls
 
 
+def test_end_backward_runs_without_any_tensor_dependency(recorder):
+    # A graph whose reduce outputs were all nulled: CompositeExplicitAutograd still reaches the kernel.
+    ops.END_BACKWARD([], 3, False)
+    ops.END_BACKWARD([None], 4, True)
+    assert recorder.calls == [("end_backward", 3, False), ("end_backward", 4, True)]
+
+
+def test_ops_are_plain_library_ops_with_the_expected_schemas():
+    """Not torch.library.custom_op (whose wrapper costs several times the dispatch); schemas as DeepCompile's."""
+    from torch._library.custom_ops import OPDEFS
+
+    assert "owner_reduce::reduce_grad" not in OPDEFS and "owner_reduce::end_backward" not in OPDEFS
+    assert str(ops.REDUCE_GRAD._schema) == "owner_reduce::reduce_grad(Tensor grad, int graph_id, int ds_id) -> Tensor"
+    assert str(ops.END_BACKWARD._schema) == ("owner_reduce::end_backward(Tensor?[] deps, int graph_id, "
+                                             "bool release_reduce_buckets) -> ()")
+
+
+def test_fake_kernels_keep_tracing_from_running_the_runtime(recorder):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        grad = mode.from_tensor(torch.randn(3))
+        token = ops.REDUCE_GRAD(grad, 7, 2)
+        ops.END_BACKWARD([token], 7, True)
+    assert token.shape == (0,) and recorder.calls == []
+
+
 def test_ops_without_runtime_fail_loudly():
     with pytest.raises(RuntimeError, match="no owner_reduce runtime is active"):
         ops.REDUCE_GRAD(torch.randn(2), 1, 1)
+    with pytest.raises(RuntimeError, match="no owner_reduce runtime is active"):
+        ops.END_BACKWARD([None], 1, False)
 
 
 def test_dc_schemas_match_deepcompile():

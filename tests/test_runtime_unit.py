@@ -216,3 +216,126 @@ def test_cuda_streams_give_the_same_result(bucket):
         torch.testing.assert_close(buffers[0], grads[0], rtol=0, atol=0)
         torch.testing.assert_close(buffers[1], grads[1][:2], rtol=0, atol=0)
     assert type(rt._streams).__name__ == "CudaStreams"
+
+
+# ---- host path: cached flush plans, bucket sizing and lifetime, no per-step allocation ------------------------
+
+def _kept_matches(rt, grads):
+    """Every non-empty grad buffer holds its slice of the gradient (identical data on both ranks, pre-divided)."""
+    return all(torch.equal(p.grad_buffer, grads[pid][p.offset:p.offset + p.grad_buffer.numel()])
+               for pid, p in rt._params.items() if p.grad_buffer.numel())
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_flush_plan_is_reused_for_the_same_content_and_replanned_when_it_changes(rank):
+    rt, comm = _runtime(rank=rank, probe=False)
+    grads = _grads()
+    _backward(rt, grads, order=(2, 1, 0))  # arrival order, learns the graph's owner-ordered schedule
+    _backward(rt, grads, order=(2, 1, 0))  # follows it: one plan for the scheduled flush
+    _backward(rt, grads, order=(2, 1, 0))
+    assert rt.plans_computed == 2 and _kept_matches(rt, grads)
+    _backward(rt, _grads(3.0), order=(0, 1, 2))  # leaves the schedule: other content in arrival order
+    assert rt.plans_computed == 3 and _kept_matches(rt, _grads(3.0))
+    assert comm.calls[-2:] == [("reduce", 0, 8), ("reduce", 1, 8)]  # a + b[0:2] -> r0, b[2:5] + c -> r1
+    _backward(rt, _grads(5.0), order=(2, 1, 0))  # back to the first content: its plan again, not a new one
+    assert rt.plans_computed == 3 and _kept_matches(rt, _grads(5.0))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_stale_plan_would_misroute_and_is_caught(rank, monkeypatch):
+    """Negative control for the test above: a cache that ignores the content gives wrong grad buffers."""
+    rt, _ = _runtime(rank=rank, probe=False)
+    _backward(rt, _grads(), order=(2, 1, 0))
+    stale = next(iter(rt._flush_cache.values()))
+    monkeypatch.setattr(rt, "_cached_flush", lambda dtype, pending: stale)
+    _backward(rt, _grads(3.0), order=(0, 1, 2))
+    assert not _kept_matches(rt, _grads(3.0))
+
+
+def test_a_new_grad_buffer_drops_the_cached_copy_out():
+    rt, _ = _runtime(rank=0, probe=False)
+    _backward(rt, _grads())
+    moved = torch.zeros(6)
+    rt.update_param_grad_buffer(0, moved, 0)
+    _backward(rt, _grads(2.0))
+    assert torch.equal(moved, _grads(2.0)[0]) and rt.plans_computed == 2
+
+
+def test_fault_injection_still_reaches_cached_plans(monkeypatch):
+    """The harness's negative controls replace plan_flush in the handle module; the cache must plan through it."""
+    import owner_reduce.runtime.handle as handle_module
+    from owner_reduce.harness.faults import inject
+
+    monkeypatch.setattr(handle_module, "plan_flush", handle_module.plan_flush)  # restored after the test
+    monkeypatch.setattr(handle_module, "plan_owner_layout", handle_module.plan_owner_layout)  # inject breaks both
+    inject("wrong_root", 2)
+    rt, _ = _runtime(rank=1, probe=False)  # the first owner range, c -> rank 1, now goes to rank 0
+    _backward(rt, _grads())
+    assert not _kept_matches(rt, _grads())
+
+
+@pytest.mark.parametrize("bucket,expected", [(64, 16), (10, 10), (16, 16)])
+def test_bucket_size_follows_the_registered_gradients(bucket, expected):
+    """min(reduce_bucket_size, registered gradient elements of the dtype): 6 + 5 + 5 = 16 float32 elements."""
+    rt, _ = _runtime(bucket=bucket, probe=False)
+    _backward(rt, _grads())
+    current = rt._buckets.current(torch.float32)
+    assert current.size == expected and current.buffer.numel() == expected
+    assert rt._buckets._shadow == {}, "no shadow bucket on CPU: nothing overlaps a flush there"
+    assert rt._buckets.size_for(torch.float16) == bucket, "a dtype with no registered gradient keeps the config"
+
+
+def test_buckets_are_kept_across_steps_and_released_as_the_native_runtime_does():
+    rt, comm = _runtime(probe=False)
+    _backward(rt, _grads())
+    buffer = rt._buckets.current(torch.float32).buffer
+    _backward(rt, _grads(2.0))
+    assert rt._buckets.current(torch.float32).buffer is buffer and comm.buffer_releases == 0
+    rt.start_backward(True)
+    for pid, g in _grads(3.0).items():
+        rt.reduce_grad(g, 11, pid)
+    rt.end_backward(11, True)  # release_reduce_buckets: deepcompile.cpp clears the shared buckets
+    assert rt._buckets._current == {} and comm.buffer_releases == 1 and _kept_matches(rt, _grads(3.0))
+    _backward(rt, _grads(4.0))
+    assert _kept_matches(rt, _grads(4.0))
+
+
+def _allocated_bytes(fn):
+    """Bytes of every new tensor storage created while ``fn`` runs (views and in-place results do not count)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    total = [0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                      if isinstance(t, torch.Tensor)}
+            total[0] += sum(t.untyped_storage().nbytes() for t in tree_flatten(out)[0]
+                            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs)
+            return out
+
+    with Count():
+        fn()
+    return total[0]
+
+
+def test_the_allocation_counter_sees_an_allocation():
+    assert _allocated_bytes(lambda: torch.empty(10)) == 40
+    assert _allocated_bytes(lambda: torch.ones(4).narrow(0, 1, 2).add_(1)) == 16  # the ones, not the view
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_a_steady_state_step_allocates_nothing(grad_accum):
+    rt, _ = _runtime(probe=False)
+    grads = {scale: _grads(scale) for scale in (1.0, 2.0, 3.0)}
+
+    def step(scale):
+        for micro in range(grad_accum):
+            _backward(rt, grads[scale], update=micro == grad_accum - 1)
+
+    step(1.0)
+    step(2.0)
+    assert _allocated_bytes(lambda: step(3.0)) == 0
+    assert _kept_matches(rt, _grads(3.0 * grad_accum))

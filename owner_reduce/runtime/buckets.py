@@ -3,11 +3,18 @@
 Why two buffers per dtype: while one bucket's reduction is in flight, gradients of the next flush are
 copied into the other. Note (buffer lifetime): a bucket is reused only after ``swap()``; on a device with
 streams the caller records an event for the flush before swapping and waits on it before the next copy
-into that buffer. The buffers are allocated with ``torch.empty`` of the configured size, like the native
-runtime: untouched pages cost no memory on CPU.
+into that buffer.
+
+Note (size): a bucket holds min(``reduce_bucket_size``, the elements of every registered gradient of its dtype):
+DeepSpeed's default of 5e8 elements would otherwise be 2 GB of bf16 for GPT-2's 248 MB of gradients. A
+gradient larger than that still fits (``reserve``). Buckets are allocated once and kept across steps until
+``clear()`` (the native runtime's ``release_reduce_buckets``). Note (CPU): no shadow buffer; nothing overlaps
+a flush there, so a second buffer would only cost memory.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -44,26 +51,39 @@ class ReduceBucket:
 
 
 class DoubleBufferedBuckets:
-    def __init__(self, size: int, double_buffer: bool) -> None:
+    def __init__(self, size: int, double_buffer: bool,
+                 registered_elems: Callable[[torch.dtype], int | None] | None = None) -> None:
         self.size = int(size)
         self.double_buffer = double_buffer
+        self._registered_elems = registered_elems  # dtype -> elements of the registered gradients (None: unknown)
         self._current: dict[torch.dtype, ReduceBucket] = {}
         self._shadow: dict[torch.dtype, ReduceBucket] = {}
+
+    def size_for(self, dtype: torch.dtype) -> int:
+        """min(reduce_bucket_size, registered gradient elements of ``dtype``)."""
+        registered = self._registered_elems(dtype) if self._registered_elems is not None else None
+        return min(self.size, registered) if registered else self.size
 
     def get(self, dtype: torch.dtype, device: torch.device) -> ReduceBucket:
         bucket = self._current.get(dtype)
         if bucket is None:
-            bucket = self._current[dtype] = ReduceBucket(self.size, dtype, device)
-            if self.double_buffer:
-                self._shadow[dtype] = ReduceBucket(self.size, dtype, device)
+            size = self.size_for(dtype)
+            bucket = self._current[dtype] = ReduceBucket(size, dtype, device)
+            if self.double_buffer and device.type != "cpu":
+                self._shadow[dtype] = ReduceBucket(size, dtype, device)
         return bucket
+
+    def for_tensor(self, tensor: torch.Tensor) -> ReduceBucket:
+        """The current bucket for ``tensor``'s dtype (the hot path: one dict lookup once it exists)."""
+        bucket = self._current.get(tensor.dtype)
+        return bucket if bucket is not None else self.get(tensor.dtype, tensor.device)
 
     def current(self, dtype: torch.dtype) -> ReduceBucket:
         return self._current[dtype]
 
     def swap(self, dtype: torch.dtype) -> None:
         self._current[dtype].reset()
-        if self.double_buffer:
+        if dtype in self._shadow:
             self._current[dtype], self._shadow[dtype] = self._shadow[dtype], self._current[dtype]
 
     def clear(self) -> None:

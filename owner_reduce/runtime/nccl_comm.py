@@ -23,6 +23,12 @@ Note (ordering): NCCL kernels of this communicator and of torch's NCCL process g
 rank must issue them in the same order. The flush runs at the same point of the step on every rank, so it
 does; do not issue collectives of either from another thread while a flush is in flight.
 
+Note (DLPack views): each buffer a collective is given a view of (in the flush: a bucket buffer) reaches cupy
+once, through DLPack (``cupy.from_dlpack``); its device, dtype and NCCL dtype are checked and resolved then,
+and every later call on a view of it only adds the view's element offset to the cached pointer. The cache
+holds the buffer alive until ``release_buffers()`` (the runtime calls it when it releases its buckets) or
+``close()``.
+
 Note (init can block): ``ncclCommInitRank`` waits for every rank. ``comm_select`` agrees on every local
 precondition before any rank calls it, so a rank that cannot even try never leaves the others waiting.
 """
@@ -31,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -152,6 +158,17 @@ def exchange_unique_id(process_group: Any) -> bytes:
     return bytes(data[1:].tolist())
 
 
+class _BufferView(NamedTuple):
+    """A buffer as cupy sees it (through DLPack), made once per buffer: what every call on a view of it needs."""
+
+    tensor: torch.Tensor  # the torch buffer itself: alive while cached, so its id() keys no other buffer
+    array: Any  # the cupy array over its bytes
+    ptr: int
+    itemsize: int
+    storage_offset: int  # the torch buffer's storage offset, to turn a view's offset into elements past ptr
+    nccl_dtype: int
+
+
 def _current_cuda_device() -> int:
     """torch's current CUDA device; where torch sees no CUDA, cupy's (which then fails with CUDA's own error)."""
     if torch.cuda.is_available():
@@ -164,8 +181,9 @@ def _current_cuda_device() -> int:
 class CupyNcclComm(ReduceComm):
     """An NCCL communicator over the data-parallel group, driven through cupy on torch CUDA buffers.
 
-    Buffers are passed by ``data_ptr()`` and reduced in place; they must be contiguous CUDA tensors on this
-    communicator's device. ``stream`` is a ``torch.cuda.Stream`` or None (torch's current stream at call time).
+    Buffers are contiguous CUDA tensors on this communicator's device (typically views of a bucket buffer),
+    reduced in place; they reach cupy through DLPack once per underlying buffer (see the module's note).
+    ``stream`` is a ``torch.cuda.Stream`` or None (torch's current stream at call time).
     """
 
     name = "cupy-nccl"
@@ -180,11 +198,14 @@ class CupyNcclComm(ReduceComm):
         self.stream = stream
         self._calls_in_group = 0
         self._comm: Any = None
+        self._views: dict[int, _BufferView] = {}  # id(buffer) -> its DLPack view (the view keeps it alive)
         what = f"communicator creation (world_size={world_size}, rank={rank}, device={device})"
         try:
             import cupy
 
             nccl = _nccl()
+            self._cupy = cupy
+            self._sum = nccl_op("sum")  # resolved once: the flush only sums
             self.device = _current_cuda_device() if device is None else int(device)
             what = f"communicator creation (world_size={world_size}, rank={rank}, device=cuda:{self.device})"
             with cupy.cuda.Device(self.device):
@@ -253,8 +274,13 @@ class CupyNcclComm(ReduceComm):
         stream.synchronize()
         return [row.tolist() for row in out.view(self.world_size, -1).cpu()]
 
+    def release_buffers(self) -> None:
+        """Forget every buffer's DLPack view, so that released buckets can be freed."""
+        self._views.clear()
+
     def close(self) -> None:
         """Destroy the communicator (idempotent). Pending work on its stream is finished by NCCL first."""
+        self._views.clear()
         comm, self._comm = self._comm, None
         if comm is not None:
             self._call("communicator destroy", comm.destroy)
@@ -293,32 +319,64 @@ class CupyNcclComm(ReduceComm):
             raise RuntimeError(f"owner_reduce NCCL {what} on rank {self.rank}: the communicator is closed")
         return self._comm
 
-    def _check_buffer(self, buf: torch.Tensor, what: str) -> None:
-        if not buf.is_cuda or buf.device.index != self.device:
-            raise ValueError(f"owner_reduce NCCL {what}: buffer on {buf.device}, communicator on cuda:{self.device}")
-        if not buf.is_contiguous():
-            raise ValueError(f"owner_reduce NCCL {what}: buffer must be contiguous (shape {tuple(buf.shape)}, "
-                             f"stride {buf.stride()})")
+    def _view_of(self, base: torch.Tensor, what: str) -> _BufferView:
+        """The DLPack view of ``base`` (made and checked on first use)."""
+        view = self._views.get(id(base))
+        if view is not None:
+            return view
+        if base.device.type != "cuda" or base.device.index != self.device:
+            raise ValueError(f"owner_reduce NCCL {what}: buffer on {base.device}, communicator on cuda:{self.device}")
+        dtype = nccl_dtype(base.dtype)
+        try:
+            # As bytes: cupy has no bfloat16, and NCCL takes its data type from the torch dtype anyway.
+            array = self._cupy.from_dlpack(base.detach().view(torch.uint8))
+        except Exception as error:  # noqa: BLE001 - named with the call and rank
+            raise failure(f"{what}: DLPack view of the buffer", self.rank, error) from error
+        if array.device.id != self.device:
+            raise ValueError(f"owner_reduce NCCL {what}: DLPack view on cuda:{array.device.id}, "
+                             f"communicator on cuda:{self.device}")
+        view = _BufferView(base, array, int(array.data.ptr), base.element_size(), base.storage_offset(), dtype)
+        self._views[id(base)] = view
+        return view
 
     def _collective(self, buf: torch.Tensor, name: str, args: str, issue: Callable[..., None]) -> None:
         """Check, then issue ``name`` in place on ``buf`` (SUM); ``args`` names the call's other arguments."""
         count = buf.numel()
-        what = f"{name}({args}count={count}, dtype={_dtype_name(buf.dtype)})"
-        self._check_buffer(buf, what)
-        dtype = nccl_dtype(buf.dtype)
+        base = buf._base if buf._base is not None else buf
+        view = self._views.get(id(base))
+        if view is None or not buf.is_contiguous() or buf.dtype != base.dtype:
+            what = f"{name}({args}count={count}, dtype={_dtype_name(buf.dtype)})"
+            if not buf.is_contiguous():
+                raise ValueError(f"owner_reduce NCCL {what}: buffer must be contiguous (shape {tuple(buf.shape)}, "
+                                 f"stride {buf.stride()})")
+            if buf.dtype != base.dtype:
+                raise ValueError(f"owner_reduce NCCL {what}: a {_dtype_name(buf.dtype)} view of a "
+                                 f"{_dtype_name(base.dtype)} buffer")
+            view = self._view_of(base, what)
         if count == 0:
             return  # every rank skips it alike: counts come from the same plan everywhere
+        ptr = view.ptr + (buf.storage_offset() - view.storage_offset) * view.itemsize
         stream = self._stream()
         if self.stream is not None:
             buf.record_stream(stream)
         if not self._in_group:
             self._wait_current(stream)
-        comm = self._live(what)
-        self._call(what, lambda: issue(comm, buf.data_ptr(), count, dtype, nccl_op("sum"), stream.cuda_stream))
+        comm = self._comm
+        if comm is None:
+            self._live(f"{name}({args}count={count})")
+        self._call_lazy(name, args, count, buf.dtype,
+                        lambda: issue(comm, ptr, count, view.nccl_dtype, self._sum, stream.cuda_stream))
         if self._in_group:
             self._calls_in_group += 1
         else:
             self._current_waits_for(stream)
+
+    def _call_lazy(self, name: str, args: str, count: int, dtype: torch.dtype, fn: Callable[[], Any]) -> Any:
+        """``_call`` whose description is formatted only when the call fails (the hot path formats nothing)."""
+        try:
+            return fn()
+        except Exception as error:  # noqa: BLE001 - NcclError, CUDARuntimeError: re-raised with rank and call
+            raise failure(f"{name}({args}count={count}, dtype={_dtype_name(dtype)})", self.rank, error) from error
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         try:

@@ -11,6 +11,8 @@ Note (reduce): the reduce stream waits for every task's copy event; pre-division
 copy-out all run on it (collectives issued under ``torch.cuda.stream(reduce)`` use it as their stream).
 Note (bucket reuse): after a flush the bucket records a "free" event on the reduce stream; the compute stream
 waits for it before the next copy into that bucket. A bucket that must grow first drains the reduce stream.
+Note (priority): both side streams are high priority, as z1.cpp's ``getStreamFromPool(true)``: the reduction
+path should not queue behind the backward kernels it overlaps.
 Note (optimizer): ``end_backward`` synchronizes the reduce stream, so the grad buffers are final before step().
 """
 
@@ -22,12 +24,14 @@ from typing import Any
 
 import torch
 
+_HIGH_PRIORITY = -(1 << 10)
+
 
 class HostStreams:
     """CPU: copies and collectives complete before the call returns."""
 
     def copy_into_bucket(self, bucket: Any, view: torch.Tensor, grad: torch.Tensor) -> Any:
-        view.copy_(grad.reshape(-1))
+        view.copy_(grad if grad.dim() == 1 else grad.reshape(-1))
         return None
 
     @contextlib.contextmanager
@@ -44,8 +48,9 @@ class HostStreams:
 class CudaStreams:
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.copy_stream = torch.cuda.Stream(device)
-        self.reduce_stream = torch.cuda.Stream(device)
+        # The highest priority the device has (torch clamps a value beyond the range to its end).
+        self.copy_stream = torch.cuda.Stream(device, priority=_HIGH_PRIORITY)
+        self.reduce_stream = torch.cuda.Stream(device, priority=_HIGH_PRIORITY)
 
     def copy_into_bucket(self, bucket: Any, view: torch.Tensor, grad: torch.Tensor) -> torch.cuda.Event:
         compute = torch.cuda.current_stream(self.device)
