@@ -11,7 +11,8 @@ mean <= --band-mean (default 1e-5) over --steps (default 200). Exits 0 inside th
 defaults fit this fp32 toy setup with Adam at lr 1e-3; a larger learning rate or bf16 widens the natural drift
 (at lr 1e-2 even plain ZeRO-1 and the AllReduce path drift apart by ~1e-2 within 100 steps), so set the band
 from a clean run of your own configuration.
-``--inject-fault wrong_root|skip_range`` breaks the owner path on purpose to show that the band catches it.
+``--inject-fault wrong_root|skip_range|layout_off_by_one`` breaks the owner path on purpose to show that
+the band catches it.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--band-max", type=float, default=BAND_MAX)
     parser.add_argument("--band-mean", type=float, default=BAND_MEAN)
-    parser.add_argument("--inject-fault", choices=["wrong_root", "skip_range"], default=None)
+    parser.add_argument("--inject-fault", choices=["wrong_root", "skip_range", "layout_off_by_one"], default=None)
     parser.add_argument("--out", type=Path, default=Path("out/acceptance"))
     parser.add_argument("--timeout", type=float, default=900)
     args = parser.parse_args()

@@ -170,16 +170,22 @@ def _op_costs(rounds: int, calls: int) -> dict[str, float]:
 
 
 def _flush_costs(sizes: tuple[int, ...], rounds: int) -> dict[int, float]:
-    """Median ms of one flush (end_backward with every gradient pending) at each gradient count."""
+    """Median ms of one flush at each gradient count: the last gradient's reduce_grad plus end_backward.
+
+    Why both: from a graph's second backward on, the owner-ordered schedule flushes a bucket as soon as its last
+    gradient is placed (inside that reduce_grad); in arrival order the flush happens in end_backward.
+    """
     rigs = {n: _Rig(n) for n in sizes}
     samples: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in range(rounds):
         for n, rig in rigs.items():
             rt = rig.rt
             rt.start_backward(True)
-            for pid in rig.order:
+            *early, last = rig.order
+            for pid in early:
                 rt.reduce_grad(rig.grads[pid], rig.GRAPH, pid)
             start = time.perf_counter_ns()
+            rt.reduce_grad(rig.grads[last], rig.GRAPH, last)
             rt.end_backward(rig.GRAPH, False)
             samples[n].append(time.perf_counter_ns() - start)
     return {n: statistics.median(s) / 1e6 for n, s in samples.items()}

@@ -49,6 +49,15 @@ class MirrorComm(ReduceComm):
         self.calls.append(("all_reduce", None, buf.numel()))
         buf.mul_(self.world_size)
 
+    def reduce_scatter(self, buf: torch.Tensor, per_rank: int) -> None:
+        self._check_scatter(buf, per_rank)
+        self._maybe_fail()
+        self.calls.append(("reduce_scatter", None, buf.numel()))
+        start = self.rank * per_rank
+        buf.narrow(0, start, per_rank).mul_(self.world_size)
+        buf.narrow(0, 0, start).fill_(float("nan"))  # the other blocks never reach this rank
+        buf.narrow(0, start + per_rank, buf.numel() - start - per_rank).fill_(float("nan"))
+
     def release_buffers(self) -> None:
         self.buffer_releases += 1
 

@@ -255,9 +255,12 @@ class StuckStreams:
 
 
 def test_handle_waits_name_the_flush_and_the_call():
-    from owner_reduce.runtime.handle import OwnerReduceRuntime
+    from owner_reduce.planning.flags import OwnerReduceFlags
+    from owner_reduce.planning.owner_map import OwnerMap
+    from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
 
-    runtime = OwnerReduceRuntime(settings=None, comm_factory=None)
+    empty_map = OwnerMap.from_group_tables([], 2)
+    runtime = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, False), empty_map), comm_factory=None)
     runtime.comm = comm = MirrorComm(rank=1, world_size=2)
     comm.deadline = Deadline(0.05, "test")
     runtime._streams = StuckStreams()

@@ -371,6 +371,41 @@ def test_two_rank_reduce_and_all_reduce():
     assert r0["gathered"] == r1["gathered"] == [[0, 10], [1, 11]]
 
 
+def _two_rank_reduce_scatter_worker(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    comm = select_comm(dist.group.WORLD)
+    out: dict = {"comm": type(comm).__name__}
+    for dtype in (torch.float32, torch.bfloat16):
+        buf = torch.arange(2 * 500, device="cuda", dtype=torch.float32).to(dtype) * (rank + 1)
+        tail = torch.full((100,), float(rank + 1), device="cuda", dtype=dtype)
+        with comm.group():
+            comm.reduce_scatter(buf, 500)  # in place: this rank's block receives its sum
+            comm.all_reduce(tail)
+        torch.cuda.synchronize()
+        out[str(dtype)] = (buf[500 * rank:500 * (rank + 1)].cpu().float(), tail.cpu().float())
+    comm.close()
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.timeout(240)
+def test_two_rank_reduce_scatter_in_place():
+    if torch.cuda.device_count() < 2 and nccl_comm.nccl_runtime_version() < (2, 30, 0):
+        pytest.skip("two ranks on one GPU need NCCL >= 2.30 (NCCL_MULTI_RANK_GPU_ENABLE)")
+    results = run_ranks(_two_rank_reduce_scatter_worker, 2, timeout=200, env=_multi_rank_env())
+    for rank, r in enumerate(results):
+        assert r["comm"] == "CupyNcclComm"
+        for dtype in ("torch.float32", "torch.bfloat16"):
+            block, tail = r[dtype]
+            want = (torch.arange(500 * rank, 500 * (rank + 1), dtype=torch.float32).to(getattr(torch, dtype[6:]))
+                    .float() * 3)
+            torch.testing.assert_close(block, want, rtol=0, atol=0)
+            assert tail.eq(3).all()
+
+
 # ---- scripts/nccl_check.py: its layout, and its answer without a GPU ----------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -97,3 +97,40 @@ def test_group_context_closes_on_error():
             with comm.group():
                 pass
     assert comm.open_groups == 0
+
+
+def test_reduce_scatter_default_is_one_reduce_per_block():
+    from owner_reduce.runtime.comm import ReduceComm
+
+    class ReducesOnly(MirrorComm):
+        reduce_scatter = ReduceComm.reduce_scatter  # the seam's default, for a comm without a native one
+
+    comm = ReducesOnly(rank=1, world_size=3)
+    buf = torch.arange(6, dtype=torch.float32)
+    with comm.group():
+        comm.reduce_scatter(buf, 2)
+    assert comm.calls == [("reduce", 0, 2), ("reduce", 1, 2), ("reduce", 2, 2)]
+    assert buf[2:4].tolist() == [6.0, 9.0]
+    with pytest.raises(ValueError, match="3 x 2 elements, the buffer has 5"):
+        comm.reduce_scatter(torch.zeros(5), 2)
+
+
+def _gloo_reduce_scatter_worker(rank, world_size):
+    import torch.distributed as dist
+
+    from owner_reduce.runtime.comm import TorchDistComm
+
+    comm = TorchDistComm(dist.group.WORLD)
+    buf = torch.arange(3 * world_size, dtype=torch.float32) * (rank + 1)
+    with comm.group():
+        comm.reduce_scatter(buf, 3)
+    return buf[3 * rank:3 * rank + 3].tolist()
+
+
+@pytest.mark.timeout(120)
+def test_torch_dist_reduce_scatter_over_gloo_in_place():
+    from owner_reduce.harness.launch import run_ranks
+
+    results = run_ranks(_gloo_reduce_scatter_worker, 3, timeout=100)
+    factor = 1 + 2 + 3
+    assert results == [[factor * (3 * r + i) for i in range(3)] for r in range(3)]

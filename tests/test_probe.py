@@ -62,3 +62,12 @@ def test_probe_line_is_written_whole(monkeypatch):
     emit("second")
     assert recorder.writes == [line + "\n", "second\n"]  # print() would write "\n" on its own
     assert "\n" not in line
+
+
+def test_algo_is_appended_last():
+    plan = FlushPlan(ranges=(FlushRange(0, 100, 0), FlushRange(100, 100, 1)), tasks=2, reduced_elems=200,
+                     owner_tasks=2, owner_elems=200, eligible_tasks=2, eligible_elems=200)
+    line = format_probe_line(FlushReport(0, 1, "float32", plan, kept_elems=100, pre_div=True, calls=1,
+                                         algo="reduce_scatter"))
+    assert line.endswith(" calls=1 eligible_tasks=2 eligible_elems=200 eligible_share=100.0% algo=reduce_scatter")
+    assert " algo=" not in format_probe_line(FlushReport(0, 1, "float32", plan, 100, True, 2))

@@ -234,14 +234,15 @@ def _kept_matches(rt, grads):
 def test_flush_plan_is_reused_for_the_same_content_and_replanned_when_it_changes(rank):
     rt, comm = _runtime(rank=rank, probe=False)
     grads = _grads()
+    _backward(rt, grads, order=(2, 1, 0))  # arrival order, learns the graph's owner-ordered schedule
+    _backward(rt, grads, order=(2, 1, 0))  # follows it: one plan for the scheduled flush
     _backward(rt, grads, order=(2, 1, 0))
-    _backward(rt, grads, order=(2, 1, 0))
-    assert rt.plans_computed == 1 and _kept_matches(rt, grads)
-    _backward(rt, _grads(3.0), order=(0, 1, 2))  # other content: a, b, c at other bucket offsets
-    assert rt.plans_computed == 2 and _kept_matches(rt, _grads(3.0))
+    assert rt.plans_computed == 2 and _kept_matches(rt, grads)
+    _backward(rt, _grads(3.0), order=(0, 1, 2))  # leaves the schedule: other content in arrival order
+    assert rt.plans_computed == 3 and _kept_matches(rt, _grads(3.0))
     assert comm.calls[-2:] == [("reduce", 0, 8), ("reduce", 1, 8)]  # a + b[0:2] -> r0, b[2:5] + c -> r1
     _backward(rt, _grads(5.0), order=(2, 1, 0))  # back to the first content: its plan again, not a new one
-    assert rt.plans_computed == 2 and _kept_matches(rt, _grads(5.0))
+    assert rt.plans_computed == 3 and _kept_matches(rt, _grads(5.0))
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -270,6 +271,7 @@ def test_fault_injection_still_reaches_cached_plans(monkeypatch):
     from owner_reduce.harness.faults import inject
 
     monkeypatch.setattr(handle_module, "plan_flush", handle_module.plan_flush)  # restored after the test
+    monkeypatch.setattr(handle_module, "plan_owner_layout", handle_module.plan_owner_layout)  # inject breaks both
     inject("wrong_root", 2)
     rt, _ = _runtime(rank=1, probe=False)  # the first owner range, c -> rank 1, now goes to rank 0
     _backward(rt, _grads())

@@ -3,6 +3,7 @@ of the command in a subprocess (the fake process group it uses is process-global
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -13,14 +14,18 @@ import pytest
 import torch
 from torch import nn
 
+from owner_reduce.offline_sizing.fake_engine import ModelSpec, size_in_subprocess
 from owner_reduce.offline_sizing.gpt_presets import GPT, PRESETS, build_gpt, build_uninitialized
 from owner_reduce.planning.flush_plan import ALL, BucketEntry, FlushRange, plan_flush
 from owner_reduce.planning.owner_map import GroupTables, OwnerMap
 from owner_reduce.planning.sizing import (
+    DEFAULT_BUCKET_SIZE,
     backward_order,
     delivered_bytes,
     element_share,
+    format_published_check,
     format_report,
+    published_check,
     report_to_dict,
     ring_time,
     simulate_flushes,
@@ -234,3 +239,84 @@ def test_command_text_report_starts_with_the_init_line():
     assert any(line.startswith("bucket 500,000,000 elements") for line in lines)
     assert any(line.startswith("bucket 50,000,000 elements") for line in lines)
     assert re.search(r"^wall time: \d+\.\d s$", result.stdout, re.M)
+
+
+# ---- the owner-ordered bucket and the alpha-beta estimate ----------------------------------------------------
+
+@pytest.mark.timeout(30)
+def test_owner_ordered_calls_per_flush():
+    b = size_buckets(_map(), backward_order([0, 1, 2, 3]), bucket_size=10)
+    first, second = b.flushes
+    assert (first.layout_calls, first.layout_algo, first.owners) == (1, "reduce", 1)
+    # p1 straddles: rank 0 gets p0 and p1[0:3] (9), rank 1 p1[3:4] (1): padding 8 is too much -> two Reduces.
+    assert (second.layout_calls, second.layout_algo, second.owners) == (2, "reduce", 2)
+    (whole,) = size_buckets(_map(), backward_order([0, 1, 2, 3]), bucket_size=100).flushes
+    assert (whole.sliced_calls, whole.layout_calls, whole.layout_algo) == (4, 1, "reduce_scatter")
+    assert 0 < whole.layout_us < whole.sliced_us <= whole.native_us  # ws 2: one NVLink node; 4 calls -> 1
+
+
+@pytest.mark.timeout(30)
+def test_alpha_beta_model_reproduces_nccl_formulas():
+    from owner_reduce.planning import collective_time as ct
+
+    node = ct.topology_for(8)
+    assert (node.ranks, node.nodes, node.bus_bw) == (8, 1, pytest.approx(18 * 20.6))
+    # tuning.cc ring latencies, Simple: base 8.4 + nsteps x 3.4 us (NVLink); Reduce: chain of n hops x 4.0 (tree).
+    assert ct.latency_us(ct.ALLREDUCE, node, ct.SIMPLE) == pytest.approx(8.4 + 14 * 3.4)
+    assert ct.latency_us(ct.REDUCE_SCATTER, node, ct.SIMPLE) == pytest.approx(8.4 + 7 * 3.4)
+    assert ct.latency_us(ct.REDUCE, node, ct.SIMPLE) == pytest.approx(8.4 + 8 * 4.0)
+    same = dataclasses.replace(node, same_channels=True)
+    assert ct.latency_us(ct.REDUCE, same, ct.SIMPLE) == pytest.approx(8.4 + 3.4)
+    # Large messages: bandwidth terms in the ring ratios 2(n-1)/n : 1 : (n-1)/n of S / busBw.
+    big = 2_000_000_000
+    s_over_b = big / (1000 * node.bus_bw)
+    lat = {kind: ct.latency_us(kind, node, ct.SIMPLE) for kind in (ct.REDUCE_SCATTER, ct.REDUCE)}
+    assert ct.call_time_us(ct.REDUCE_SCATTER, big, node) == pytest.approx(lat[ct.REDUCE_SCATTER] + 7 / 8 * s_over_b)
+    assert ct.call_time_us(ct.REDUCE, big, node) == pytest.approx(lat[ct.REDUCE] + s_over_b)
+    assert ct.call_time_us(ct.ALLREDUCE, big, node) <= ct.latency_us(ct.ALLREDUCE, node, ct.SIMPLE) + 14 / 8 * s_over_b
+    # Small messages are latency: one 2 KB call costs ~ 10 us; 100 of them cost 100x one.
+    small = ct.call_time_us(ct.REDUCE, 2048, node)
+    assert 5 < small < 20
+    assert ct.flush_time_us([(ct.REDUCE, 2048)] * 100, node) == pytest.approx(100 * small)
+    net = ct.topology_for(64)
+    assert (net.nodes, net.gpus_per_node, net.bus_bw) == (8, 8, 8 * 48.0)
+    # Across nodes the Simple ring pays the network hops: 2(nodes-1) of its 2(n-1) steps at 14 us.
+    assert ct.latency_us(ct.ALLREDUCE, net, ct.SIMPLE) == pytest.approx(8.4 + (126 - 14) * 3.4 + 14 * 14.0)
+    assert ct.call_time_us(ct.ALLREDUCE, 0, net) == 0.0 and ct.call_time_us(ct.ALLREDUCE, 8, ct.topology_for(1)) == 0
+    with pytest.raises(ValueError, match="multiple of 8"):
+        ct.topology_for(12)
+
+
+@pytest.mark.timeout(30)
+def test_published_check_shape():
+    check = published_check(_map())
+    assert check.tensors == 4 and check.model_bytes == 806e6
+    assert 0 < check.owner_ms < check.allreduce_ms and 0 < check.ratio < 1
+    assert check.measured_ratio == pytest.approx(18.43 / 22.72)
+    assert "measured  22.72 ms" in format_published_check(check, "hand-built")
+
+
+def _gpt_layout_sizing(model: str, world_size: int) -> dict:
+    """DeepSpeed's own ZeRO-1 tables (fake process group, spawned process), sized with the default bucket."""
+    report = size_in_subprocess(ModelSpec(model), world_size)
+    return report_to_dict(report)
+
+
+@pytest.mark.timeout(400)
+def test_gpt2_124m_one_collective_per_flush_at_ws_8_and_64():
+    for world_size, today in ((8, 19), (64, 142)):
+        (bucket,) = _gpt_layout_sizing("gpt2-124m", world_size)["buckets"]
+        assert bucket["bucket_size"] == DEFAULT_BUCKET_SIZE and bucket["flush_count"] == 1
+        (flush,) = bucket["flushes"]
+        assert flush["sliced_calls"] == today  # arrival order: one call per run of owners
+        assert flush["owners"] == world_size
+        assert (flush["layout_calls"], flush["layout_algo"]) == (1, "reduce_scatter")
+        assert flush["layout_us"] < min(flush["sliced_us"], flush["native_us"])
+
+
+@pytest.mark.timeout(400)
+def test_1b_preset_at_ws_8_calls_at_most_owners_plus_one():
+    (bucket,) = _gpt_layout_sizing("1b", 8)["buckets"]
+    assert bucket["flush_count"] >= 1
+    for flush in bucket["flushes"]:
+        assert flush["layout_calls"] <= flush["owners"] + 1, flush

@@ -1,7 +1,9 @@
 """Deliberately broken reductions: the negative controls of the tests and the acceptance script.
 
 Why in the package: a comparison that cannot fail proves nothing. The acceptance script's ``--inject-fault``
-and the tests use these to show that a wrong root or a skipped range is caught. Never active unless asked.
+and the tests use these to show that a wrong root, a skipped range or a misplaced slice is caught. Never
+active unless asked. Both planners the runtime uses are broken alike: ``plan_flush`` (arrival-order flushes)
+and ``plan_owner_layout`` (the owner-ordered schedule), each looked up in the runtime's module at call time.
 """
 
 from __future__ import annotations
@@ -10,12 +12,39 @@ import dataclasses
 from typing import Any
 
 from ..planning.flush_plan import FlushRange
+from ..planning.owner_layout import REDUCE, REDUCE_SCATTER, Collective, OwnerLayout
 
-FAULTS = ("wrong_root", "skip_range", "show_unoptimized_params")
+FAULTS = ("wrong_root", "skip_range", "layout_off_by_one", "show_unoptimized_params")
+
+
+def break_layout(layout: OwnerLayout, fault: str, world_size: int) -> OwnerLayout:
+    """``layout`` with its first owner call broken as ``fault`` says; ``layout_off_by_one`` packs the same pieces
+    one slice later (the last piece first), a valid packing that disagrees with the calls and the copy-out."""
+    if fault == "layout_off_by_one":
+        pieces = sorted((p for g in layout.grads for p in g.pieces), key=lambda p: p.bucket_offset)
+        moved, offset = {}, 0
+        for p in pieces[-1:] + pieces[:-1]:
+            moved[(p.param_id, p.src_offset)] = dataclasses.replace(p, bucket_offset=offset)
+            offset += p.length
+        return dataclasses.replace(layout, grads=tuple(
+            dataclasses.replace(g, pieces=tuple(moved[(p.param_id, p.src_offset)] for p in g.pieces))
+            for g in layout.grads))
+    calls = list(layout.collectives)
+    i = next((i for i, c in enumerate(calls) if c.kind in (REDUCE, REDUCE_SCATTER)), None)
+    if i is None:
+        return layout
+    if calls[i].kind == REDUCE_SCATTER:  # as one Reduce per block, so that one root can be wrong
+        c = calls[i]
+        calls[i:i + 1] = [Collective(REDUCE, c.offset + r * c.per_rank, c.per_rank, r) for r in range(world_size)]
+    if fault == "wrong_root":
+        calls[i] = dataclasses.replace(calls[i], root=(calls[i].root + 1) % world_size)
+    else:
+        del calls[i]
+    return dataclasses.replace(layout, collectives=tuple(calls))
 
 
 def inject(fault: str, world_size: int) -> None:
-    """From now on, in this process, every flush plan has its first owner range broken as ``fault`` says;
+    """From now on, in this process, every flush plan and layout is broken as ``fault`` says;
     ``show_unoptimized_params``: DeepCompile sees frozen and zero-element parameters as parameters again (the
     upstream behaviour, which fails at the first forward)."""
     if fault not in FAULTS:
@@ -27,6 +56,15 @@ def inject(fault: str, world_size: int) -> None:
         return
     import owner_reduce.runtime.handle as runtime_module
 
+    if hasattr(runtime_module, "plan_owner_layout"):
+        original_layout = runtime_module.plan_owner_layout
+
+        def broken_layout(*args: Any, **kwargs: Any) -> Any:
+            return break_layout(original_layout(*args, **kwargs), fault, world_size)
+
+        runtime_module.plan_owner_layout = broken_layout
+    if fault == "layout_off_by_one":
+        return
     original = runtime_module.plan_flush
 
     def broken(entries: Any, owner_map: Any, reduce_to_owner: bool, **kwargs: Any) -> Any:

@@ -78,3 +78,22 @@ class FewBigTensors(nn.Module):
         for w in self.weights:
             x = torch.tanh(x @ w)
         return nn.functional.mse_loss(x, y)
+
+
+class TiedLM(nn.Module):
+    """A token model whose output head is the input embedding (tied weights, as GPT-2): one parameter that
+    gets two gradient contributions per step. Odd sizes put partition boundaries inside the parameters."""
+
+    def __init__(self, vocab: int = 61, dim: int = 23, seq: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
+        self.mix = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.bias = nn.Parameter(torch.zeros(vocab))
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) + self.pos[:tokens.shape[1]]
+        h = h + torch.tanh(self.mix(self.norm(h)))
+        logits = h @ self.embed.weight.t() + self.bias
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -26,10 +26,11 @@ class TrainSpec:
     reduce_to_owner: bool = True
     reduce_probe: bool = True
     reduce_bucket_size: int | None = None
-    model: str = "odd_mlp"  # or "tiny_transformer", "few_big_tensors"
+    model: str = "odd_mlp"  # or "tiny_transformer", "few_big_tensors", "tied_lm"
     model_kwargs: tuple[tuple[str, Any], ...] = ()  # (name, value) pairs: specs stay hashable
     micro_batch: int = 4
     zero_stage: int = 1
+    param_groups: int = 1  # 2: matrices in one optimizer group, vectors in another (two ZeRO partitionings)
     bf16: bool = False
     lr: float = 1e-2
     seed: int = 0
@@ -46,7 +47,7 @@ class TrainSpec:
 def _model_and_batches(spec: TrainSpec, rank: int) -> tuple[Any, Any]:
     import torch
 
-    from .toy_models import FewBigTensors, OddMLP, TinyTransformer
+    from .toy_models import FewBigTensors, OddMLP, TiedLM, TinyTransformer
 
     torch.manual_seed(spec.seed)
     generator = torch.Generator().manual_seed(1234 + (0 if spec.same_data else 7919 * (rank + 1)))
@@ -64,6 +65,13 @@ def _model_and_batches(spec: TrainSpec, rank: int) -> tuple[Any, Any]:
         def batch() -> tuple[Any, Any]:
             tokens = torch.randint(0, vocab, (spec.micro_batch, seq + 1), generator=generator)
             return tokens[:, :-1], tokens[:, 1:]
+    elif spec.model == "tied_lm":
+        model = TiedLM(**dict(spec.model_kwargs))
+        vocab, seq = model.embed.num_embeddings, model.pos.shape[0]
+
+        def batch() -> tuple[Any, Any]:
+            tokens = torch.randint(0, vocab, (spec.micro_batch, seq + 1), generator=generator)
+            return tokens[:, :-1], tokens[:, 1:]
     elif spec.model == "few_big_tensors":
         model = FewBigTensors(**dict(spec.model_kwargs))
         dim = model.weights[0].shape[0]
@@ -72,7 +80,7 @@ def _model_and_batches(spec: TrainSpec, rank: int) -> tuple[Any, Any]:
             return (torch.randn(spec.micro_batch, dim, generator=generator),
                     torch.randn(spec.micro_batch, dim, generator=generator))
     else:
-        raise ValueError(f"TrainSpec.model must be 'odd_mlp', 'tiny_transformer' or 'few_big_tensors', "
+        raise ValueError(f"TrainSpec.model must be 'odd_mlp', 'tiny_transformer', 'few_big_tensors' or 'tied_lm', "
                          f"got {spec.model!r}")
     return model, batch
 
@@ -140,7 +148,11 @@ def train(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
                              "reduce_probe": spec.reduce_probe}
     elif spec.mode == "native":
         config["compile"] = {"deepcompile": True}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    parameters: Any = model.parameters()
+    if spec.param_groups == 2:
+        params = list(model.parameters())
+        parameters = [{"params": [p for p in params if p.dim() > 1]}, {"params": [p for p in params if p.dim() <= 1]}]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters, config=config)
     accelerator = get_accelerator()
     compile_start = time.perf_counter()
     if spec.mode != "plain":

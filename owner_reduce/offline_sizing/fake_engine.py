@@ -30,7 +30,14 @@ import torch
 from torch import nn
 
 from ..planning.owner_map import OwnerMap
-from ..planning.sizing import DEFAULT_BUCKET_SIZE, SizingReport, backward_order, size_the_win
+from ..planning.sizing import (
+    DEFAULT_BUCKET_SIZE,
+    PublishedCheck,
+    SizingReport,
+    backward_order,
+    published_check,
+    size_the_win,
+)
 from .gpt_presets import GPT as GPTModel
 from .gpt_presets import PRESETS, GPTConfig, build_uninitialized, describe
 
@@ -154,6 +161,27 @@ def size_model(spec: ModelSpec, world_size: int, bucket_sizes: Sequence[int] = (
              f"fake process group, rank 0 of {world_size}",) + layout.notes
     return size_the_win(layout.owner_map, layout.grad_order, sizes, model=spec.describe(), dtype=dtype,
                         build_seconds=layout.seconds, notes=notes)
+
+
+PUBLISHED_SPEC = ModelSpec("gpt2-350m", tied_head=False)  # 406.3M params, 293 tensors: nearest preset to 402.8M
+
+
+def check_published(spec: ModelSpec = PUBLISHED_SPEC) -> tuple[str, tuple[PublishedCheck, ...]]:
+    """The alpha-beta model against the published 8x A800 run, on ``spec``'s tensors and DeepSpeed's ws-8 map;
+    once per Reduce-latency variant of tuning.cc (graph sameChannels 1 and 0)."""
+    import dataclasses
+
+    from ..planning.collective_time import A800_NODE
+
+    layout = build_layout(spec, 8)
+    checks = tuple(published_check(layout.owner_map, topology=dataclasses.replace(
+        A800_NODE, same_channels=same, name=f"{A800_NODE.name}, sameChannels={int(same)}")) for same in (True, False))
+    return spec.describe(), checks
+
+
+def check_published_in_subprocess(spec: ModelSpec = PUBLISHED_SPEC) -> tuple[str, tuple[PublishedCheck, ...]]:
+    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+        return pool.submit(check_published, spec).result()
 
 
 def size_in_subprocess(spec: ModelSpec, world_size: int, bucket_sizes: Sequence[int] = (),

@@ -8,7 +8,7 @@ run of owners, not one per parameter. Pure: no torch.distributed, no cupy, no te
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .owner_map import OwnerMap, Placement
@@ -49,6 +49,25 @@ class FlushPlan:
         return sum(r.count for r in self.ranges if r.root is ALL or r.root == rank)
 
 
+def _append_merged(ranges: list[FlushRange], r: FlushRange) -> None:
+    """Append ``r``, merged into the last range when it continues it with the same root; empty ones vanish."""
+    if r.count == 0:
+        return
+    if ranges and ranges[-1].root == r.root and ranges[-1].offset + ranges[-1].count == r.offset:
+        last = ranges[-1]
+        ranges[-1] = FlushRange(last.offset, last.count + r.count, r.root)
+    else:
+        ranges.append(r)
+
+
+def merge_ranges(ranges: Iterable[FlushRange]) -> tuple[FlushRange, ...]:
+    """Ranges in bucket order with adjacent same-root ones merged (one collective per run)."""
+    out: list[FlushRange] = []
+    for r in ranges:
+        _append_merged(out, r)
+    return tuple(out)
+
+
 def plan_flush(entries: Sequence[BucketEntry], owner_map: OwnerMap, reduce_to_owner: bool,
                slice_straddlers: bool = True) -> FlushPlan:
     """Ranges in bucket order. With ``reduce_to_owner``, single-owner gradients go to their owner and (with
@@ -58,13 +77,7 @@ def plan_flush(entries: Sequence[BucketEntry], owner_map: OwnerMap, reduce_to_ow
     owner_tasks = owner_elems = eligible_tasks = eligible_elems = 0
 
     def add(offset: int, count: int, root: int | None) -> None:
-        if count == 0:
-            return
-        if ranges and ranges[-1].root == root and ranges[-1].offset + ranges[-1].count == offset:
-            last = ranges[-1]
-            ranges[-1] = FlushRange(last.offset, last.count + count, root)
-        else:
-            ranges.append(FlushRange(offset, count, root))
+        _append_merged(ranges, FlushRange(offset, count, root))
     expected_offset = entries[0].offset if entries else 0
     for entry in entries:
         if entry.offset != expected_offset:

@@ -28,6 +28,7 @@ class FlushReport:
     kept_elems: int  # elements this rank copied into its non-empty grad buffers
     pre_div: bool
     calls: int  # collectives issued for this flush
+    algo: str = ""  # the kinds of those calls (owner_layout.algo_of): reduce_scatter, reduce, allreduce or a mix
 
     @property
     def discarded_elems(self) -> int:
@@ -47,4 +48,5 @@ def format_probe_line(report: FlushReport) -> str:
             f"owner_tasks={plan.owner_tasks} owner_elems={plan.owner_elems} "
             f"({_pct(plan.owner_elems, plan.reduced_elems)}) "
             f"calls={report.calls} eligible_tasks={plan.eligible_tasks} eligible_elems={plan.eligible_elems} "
-            f"eligible_share={_pct(plan.eligible_elems, plan.reduced_elems)}")
+            f"eligible_share={_pct(plan.eligible_elems, plan.reduced_elems)}"
+            + (f" algo={report.algo}" if report.algo else ""))

@@ -15,6 +15,9 @@ Three paths are compared: ``native`` (DeepCompile today: one AllReduce per gradi
 proposal: single-owner gradients Reduce to their owner, straddling ones AllReduce, ranges merged per run)
 and ``sliced`` (what ``reduce_to_owner`` does: every partition's slice of a straddling gradient also reduces
 to its owner, so every element goes to exactly one rank). Both come from ``flush_plan.plan_flush``.
+A fourth, ``layout``, is the owner-ordered bucket (``owner_layout``): one Reduce per owner region, or one
+ReduceScatter when the flush covers every rank. Calls per flush matter because each NCCL call pays a latency:
+``collective_time`` estimates each flush with NCCL's own alpha-beta tuning model on a named topology.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .collective_time import A800_NODE, ALLREDUCE, REDUCE, Topology, flush_time_us, topology_for
 from .flush_plan import ALL, BucketEntry, FlushRange, plan_flush
+from .owner_layout import collectives_of, map_order, plan_owner_layout
 from .owner_map import OwnerMap, Placement
 from .wording import count_noun
 
@@ -208,6 +213,13 @@ class FlushSizing:
     native_time: float
     owner_time: float
     sliced_time: float
+    owners: int = 0  # distinct owner ranks the flush touches (the floor of Reduce calls per flush)
+    layout_calls: int = 0  # the owner-ordered bucket (owner_layout.plan_owner_layout)
+    layout_algo: str = ""
+    # alpha-beta estimates (us) on the world size's named topology; 0 when there is none
+    native_us: float = 0.0
+    sliced_us: float = 0.0
+    layout_us: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -217,6 +229,7 @@ class BucketSizing:
     bucket_size: int
     world_size: int
     flushes: tuple[FlushSizing, ...]
+    topology: str = ""  # the alpha-beta estimate's topology ("" when the world size has none)
 
     @property
     def native_calls(self) -> int:
@@ -229,6 +242,18 @@ class BucketSizing:
     @property
     def sliced_calls(self) -> int:
         return sum(f.sliced_calls for f in self.flushes)
+
+    @property
+    def layout_calls(self) -> int:
+        return sum(f.layout_calls for f in self.flushes)
+
+    def step_us(self, path: str) -> float:
+        """Alpha-beta step time of ``path`` (native, sliced, layout): flushes run one after another."""
+        return sum(getattr(f, f"{path}_us") for f in self.flushes)
+
+    def us_ratio(self, path: str) -> float:
+        native = self.step_us("native")
+        return self.step_us(path) / native if native else 1.0
 
     def _ratio(self, attr: str) -> float:
         native = sum(f.native_time for f in self.flushes)
@@ -244,21 +269,103 @@ class BucketSizing:
         return self._ratio("sliced_time")
 
 
+def default_topology(world_size: int) -> Topology | None:
+    """The named topology of a world size (``collective_time.topology_for``), None where there is none."""
+    try:
+        return topology_for(world_size) if world_size > 1 else None
+    except ValueError:
+        return None
+
+
 def size_buckets(owner_map: OwnerMap, grad_order: Sequence[int], bucket_size: int,
-                 double_buffer: bool = True) -> BucketSizing:
+                 double_buffer: bool = True, dtype_bytes: int = 2,
+                 topology: Topology | None | str = "default") -> BucketSizing:
     n = owner_map.dp_world_size
+    topo = default_topology(n) if topology == "default" else topology
+    order = map_order(owner_map)
     sized = []
     for index, entries in enumerate(simulate_flushes(owner_map, grad_order, bucket_size, double_buffer), 1):
         native = plan_flush(entries, owner_map, reduce_to_owner=False)
         owner = plan_flush(entries, owner_map, reduce_to_owner=True, slice_straddlers=False)
         sliced = plan_flush(entries, owner_map, reduce_to_owner=True).ranges
+        capacity = max([int(bucket_size)] + [e.numel for e in entries])
+        layout = plan_owner_layout([(e.param_id, e.numel) for e in entries], owner_map, capacity=capacity,
+                                   order=order)
+        times = {}
+        if topo is not None:
+            b = dtype_bytes
+            times = dict(
+                native_us=flush_time_us(((ALLREDUCE, e.numel * b) for e in entries), topo),
+                sliced_us=flush_time_us(((c.kind, c.count * b) for c in collectives_of(sliced)), topo),
+                layout_us=flush_time_us(((c.kind, c.count * b) for c in layout.collectives), topo))
         # Native: each gradient is its own AllReduce, but they share one group, so time adds up as one range.
         sized.append(FlushSizing(index=index, tasks=owner.tasks, elems=owner.reduced_elems,
                                  owner_elems=owner.owner_elems, native_calls=len(entries),
                                  owner_calls=len(owner.ranges), sliced_calls=len(sliced),
                                  native_time=ring_time(native.ranges, n), owner_time=ring_time(owner.ranges, n),
-                                 sliced_time=ring_time(sliced, n)))
-    return BucketSizing(bucket_size=int(bucket_size), world_size=n, flushes=tuple(sized))
+                                 sliced_time=ring_time(sliced, n),
+                                 owners=len({r.root for r in layout.plan.ranges if r.root is not ALL}),
+                                 layout_calls=layout.calls,
+                                 layout_algo=layout.algo, **times))
+    return BucketSizing(bucket_size=int(bucket_size), world_size=n, flushes=tuple(sized),
+                        topology=topo.name if topo is not None else "")
+
+
+# ---- the one published measurement ---------------------------------------------------------------------------
+
+PUBLISHED = {"gpus": "8x A800, NVLink", "params": 402.8e6, "bytes": 806e6, "dtype": "bf16",
+             "allreduce_ms": 22.72, "owner_ms": 18.43}
+
+
+@dataclass(frozen=True)
+class PublishedCheck:
+    """The alpha-beta model against the published 8x A800 measurement (one collective per parameter)."""
+
+    topology: str
+    tensors: int
+    model_bytes: float
+    allreduce_ms: float  # one AllReduce per gradient (DeepCompile today)
+    owner_ms: float  # one Reduce per single-owner gradient, one AllReduce per straddler (the proposal)
+    measured_allreduce_ms: float
+    measured_owner_ms: float
+
+    @property
+    def ratio(self) -> float:
+        return self.owner_ms / self.allreduce_ms
+
+    @property
+    def measured_ratio(self) -> float:
+        return self.measured_owner_ms / self.measured_allreduce_ms
+
+
+def published_check(owner_map: OwnerMap, total_bytes: float = PUBLISHED["bytes"],
+                    topology: Topology = A800_NODE) -> PublishedCheck:
+    """Model the published run: every gradient scaled so the model holds ``total_bytes``, one grouped flush."""
+    elems = sum(p.numel for p in owner_map)
+    scale = total_bytes / elems
+    tensors = [p for p in owner_map if p.numel]
+    allreduce = flush_time_us(((ALLREDUCE, int(p.numel * scale)) for p in tensors), topology)
+    owner = flush_time_us(((REDUCE if p.placement is Placement.ONE_OWNER else ALLREDUCE, int(p.numel * scale))
+                           for p in tensors), topology)
+    return PublishedCheck(topology=topology.name, tensors=len(tensors), model_bytes=total_bytes,
+                          allreduce_ms=allreduce / 1000, owner_ms=owner / 1000,
+                          measured_allreduce_ms=PUBLISHED["allreduce_ms"], measured_owner_ms=PUBLISHED["owner_ms"])
+
+
+def format_published_check(check: PublishedCheck, model: str) -> str:
+    err_ar = check.allreduce_ms / check.measured_allreduce_ms - 1
+    err_ow = check.owner_ms / check.measured_owner_ms - 1
+    return "\n".join([
+        f"published measurement check: {PUBLISHED['gpus']}, {check.model_bytes / 1e6:.0f} MB bf16 gradients, "
+        f"one collective per parameter",
+        f"  tensor sizes: {model}, {check.tensors} tensors scaled to {check.model_bytes / 1e6:.0f} MB",
+        f"  topology: {check.topology}",
+        f"  AllReduce       model {check.allreduce_ms:7.2f} ms   measured {check.measured_allreduce_ms:6.2f} ms   "
+        f"({100 * err_ar:+.0f}%)",
+        f"  reduce-to-owner model {check.owner_ms:7.2f} ms   measured {check.measured_owner_ms:6.2f} ms   "
+        f"({100 * err_ow:+.0f}%)",
+        f"  owner / AllReduce: model {check.ratio:.3f}   measured {check.measured_ratio:.3f}",
+    ])
 
 
 # ---- the whole report ---------------------------------------------------------------------------------------
@@ -286,7 +393,8 @@ def size_the_win(owner_map: OwnerMap, grad_order: Sequence[int], bucket_sizes: S
     return SizingReport(model=model, world_size=owner_map.dp_world_size, dtype=dtype,
                         summary_line=owner_map.init_line(sliced=True), share=element_share(owner_map),
                         delivered=delivered_bytes(owner_map, DTYPE_BYTES[dtype]),
-                        buckets=tuple(size_buckets(owner_map, grad_order, b) for b in bucket_sizes),
+                        buckets=tuple(size_buckets(owner_map, grad_order, b, dtype_bytes=DTYPE_BYTES[dtype])
+                                      for b in bucket_sizes),
                         build_seconds=build_seconds, notes=tuple(notes))
 
 
@@ -339,10 +447,21 @@ def format_report(report: SizingReport) -> str:
             f"{max((f.sliced_calls for f in b.flushes), default=0)}",
             f"  collective calls per step:               native {b.native_calls}   owner {b.owner_calls}   "
             f"sliced {b.sliced_calls}",
+            f"  owner-ordered bucket, calls per flush:   {b.layout_calls / per:.1f}, "
+            f"{max((f.layout_calls for f in b.flushes), default=0)}   (today = sliced {b.sliced_calls / per:.1f}; "
+            f"owners touched {sum(f.owners for f in b.flushes) / per:.1f}; algo {_algos(b)})",
             f"  ring-model time, owner / native:         {b.owner_time_ratio:.3f}   "
             f"(sliced {b.sliced_time_ratio:.3f}; native AllReduce = 2(n-1)/n = {2 * (n - 1) / n:.3f} S/B)",
         ]
-    lines += ["", "estimate: bandwidth-bound ring model, per rank; latency, compute overlap and host time ignored."]
+        if b.topology:
+            lines += [
+                f"  alpha-beta step time on {b.topology}:",
+                f"    native {b.step_us('native') / 1000:.3f} ms   today (sliced) {b.step_us('sliced') / 1000:.3f} ms"
+                f" ({b.us_ratio('sliced'):.3f})   owner-ordered {b.step_us('layout') / 1000:.3f} ms "
+                f"({b.us_ratio('layout'):.3f} of native; bandwidth-only {b.sliced_time_ratio:.3f})",
+            ]
+    lines += ["", "estimates: ring-model time is bandwidth only, per rank; alpha-beta time is NCCL's tuning model "
+              "(planning/collective_time.py), flushes serial, compute overlap and host time ignored."]
     lines += [f"note: {note}" for note in report.notes]
     return "\n".join(lines)
 
@@ -355,9 +474,19 @@ def report_to_dict(report: SizingReport) -> dict[str, Any]:
     for raw, b in zip(data["buckets"], report.buckets, strict=True):
         raw.update(flush_count=len(b.flushes), native_calls=b.native_calls, owner_calls=b.owner_calls,
                    sliced_calls=b.sliced_calls, owner_time_ratio=b.owner_time_ratio,
-                   sliced_time_ratio=b.sliced_time_ratio)
+                   sliced_time_ratio=b.sliced_time_ratio, layout_calls=b.layout_calls,
+                   native_us=b.step_us("native"), sliced_us=b.step_us("sliced"), layout_us=b.step_us("layout"),
+                   sliced_us_ratio=b.us_ratio("sliced"), layout_us_ratio=b.us_ratio("layout"))
     return data
 
 
 def report_to_json(report: SizingReport) -> str:
     return json.dumps(report_to_dict(report), indent=2)
+
+
+def _algos(b: BucketSizing) -> str:
+    """The distinct ``algo=`` values of a bucket's flushes, most frequent first."""
+    counts: dict[str, int] = {}
+    for f in b.flushes:
+        counts[f.layout_algo] = counts.get(f.layout_algo, 0) + 1
+    return ", ".join(f"{a} x{c}" for a, c in sorted(counts.items(), key=lambda kv: -kv[1]))

@@ -2,8 +2,9 @@
 
 Why a seam: the flush logic must not care whether bytes move through gloo on CPU, torch's NCCL process
 group, or a cupy NCCL communicator on a side stream. Each implementation provides ``group()`` (a context
-that batches the calls and always closes, also when a call raises), ``reduce(buf, root)`` and
-``all_reduce(buf)``; ``root`` is a rank of the data-parallel communicator, not a global rank.
+that batches the calls and always closes, also when a call raises), ``reduce(buf, root)``,
+``all_reduce(buf)`` and ``reduce_scatter(buf, per_rank)``; ``root`` is a rank of the data-parallel
+communicator, not a global rank.
 
 Note (bounded waits): every wait on a collective is bounded by ``self.deadline`` (see ``deadline``) and
 fails with ``OwnerReduceCommError`` naming the rank, the flush (``group(flush=n)`` sets it), the call and
@@ -79,6 +80,22 @@ class ReduceComm(ABC):
     def all_reduce(self, buf: torch.Tensor) -> None:
         """Sum ``buf`` over all ranks into ``buf`` on every rank."""
 
+    def reduce_scatter(self, buf: torch.Tensor, per_rank: int) -> None:
+        """In place: ``buf`` holds ``world_size * per_rank`` elements; afterwards rank r's block
+        ``[r * per_rank, (r + 1) * per_rank)`` holds the sum of that block over all ranks, the rest is undefined.
+
+        This default is one Reduce per block (inside the caller's group): the same sums and the same bytes for
+        a seam without a native ReduceScatter, at ``world_size`` calls instead of one.
+        """
+        self._check_scatter(buf, per_rank)
+        for root in range(self.world_size):
+            self.reduce(buf.narrow(0, root * per_rank, per_rank), root)
+
+    def _check_scatter(self, buf: torch.Tensor, per_rank: int) -> None:
+        if per_rank < 0 or buf.numel() != self.world_size * per_rank:
+            raise ValueError(f"{self.name}: reduce_scatter on rank {self.rank} needs world_size x per_rank = "
+                             f"{self.world_size} x {per_rank} elements, the buffer has {buf.numel()}")
+
     @abstractmethod
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (same length everywhere), by rank: the init-time agreement check."""
@@ -153,6 +170,20 @@ class TorchDistComm(ReduceComm):
         with _no_python_dispatcher():
             work = self._tdist.all_reduce(buf, op=self._sum, group=self._group, async_op=True)
             self._wait([(work, ("all_reduce", None, buf.numel(), buf.dtype))], flush=self.flush)
+
+    def reduce_scatter(self, buf: torch.Tensor, per_rank: int) -> None:
+        """One ``reduce_scatter_tensor`` (gloo in torch 2.13 and NCCL both have it), in place: the output is this
+        rank's own block of the input, as ncclReduceScatter allows."""
+        self._check_scatter(buf, per_rank)
+        out = buf.narrow(0, self.rank * per_rank, per_rank)
+        call = ("reduce_scatter", None, buf.numel(), buf.dtype)
+        if self._in_group:
+            work = self._tdist.reduce_scatter_tensor(out, buf, op=self._sum, group=self._group, async_op=True)
+            self._works.append((work, call))
+            return
+        with _no_python_dispatcher():
+            work = self._tdist.reduce_scatter_tensor(out, buf, op=self._sum, group=self._group, async_op=True)
+            self._wait([(work, call)], flush=self.flush)
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         from deepspeed.accelerator import get_accelerator

@@ -16,6 +16,14 @@ corrupt the running sum and no step allocates. On CUDA the last micro-step's cop
 bucket (copy stream) is finished before the next step writes it: ``end_backward`` waits for the reduce
 stream, which waited for every copy.
 
+Note (owner-ordered buckets): with ``reduce_to_owner``, a graph's first backward is bucketed in arrival order,
+as DeepCompile does, and recorded; every later backward of that graph copies each gradient, or each slice of a
+straddling one, to its place in an owner-ordered bucket (``runtime.schedule``, ``planning.owner_layout``):
+owners ascending, AllReduce-only gradients last. Each flush then issues one Reduce per owner it touches plus at
+most one AllReduce, or one ReduceScatter when it covers every rank (its short regions padded with zeros, at most
+1% of the flush). The bucket grows by that padding at most; no other buffer. A backward that leaves the recorded
+order flushes what it placed and continues in arrival order, identically on every rank (see ``schedule``).
+
 Note (flush plan cache): a graph's buckets hold the same gradients in the same order every step, so the plan
 and the copy-out list are computed once per distinct bucket content (dtype, gradient ids in order, their
 sizes) and reused; the key is the content itself, so anything else replans. Registering or moving a grad
@@ -32,11 +40,23 @@ from typing import Any, NamedTuple
 import torch
 
 from ..planning.flags import OwnerReduceFlags, describe_flag_disagreement, pack_flags
-from ..planning.flush_plan import ALL, BucketEntry, FlushPlan, plan_flush
+from ..planning.flush_plan import BucketEntry, FlushPlan, FlushRange, plan_flush
+from ..planning.owner_layout import (
+    REDUCE,
+    REDUCE_SCATTER,
+    Collective,
+    PlacedGrad,
+    algo_of,
+    collectives_of,
+    map_order,
+    plan_owner_layout,
+    plan_placed,
+)
 from ..planning.owner_map import OwnerMap, Placement
 from ..planning.probe import PROBE_FLUSH_LIMIT, FlushReport, format_probe_line
 from .buckets import DoubleBufferedBuckets
 from .comm import ReduceComm
+from .schedule import Follower, Schedule, ScheduledFlush, learn
 from .streams import CudaStreams, HostStreams, make_streams
 
 _AGREEMENT_PROTOCOL = 1
@@ -85,6 +105,10 @@ class RuntimeStats:
     collectives: int = 0
     reduce_calls: int = 0
     all_reduce_calls: int = 0
+    reduce_scatter_calls: int = 0
+    scheduled_flushes: int = 0  # flushes laid out in owner order (a learned schedule)
+    schedules_learned: int = 0
+    schedule_fallbacks: int = 0  # backwards that left their schedule and finished in arrival order
     reduced_elems: int = 0
     owner_elems: int = 0
     kept_elems: int = 0
@@ -114,12 +138,13 @@ class _Param(NamedTuple):
 class _Pending:
     """The gradients in one dtype's current bucket, in bucket order (offsets follow: the bucket fills from 0)."""
 
-    __slots__ = ("ids", "numels", "events")
+    __slots__ = ("ids", "numels", "events", "scheduled")
 
-    def __init__(self) -> None:
+    def __init__(self, scheduled: ScheduledFlush | None = None) -> None:
         self.ids: list[int] = []
         self.numels: list[int] = []
         self.events: list[Any] = []  # CUDA: the copy stream's event per copy into the bucket; CPU: empty
+        self.scheduled = scheduled  # owner-ordered: the schedule's flush these gradients were placed for
 
 
 class _CopyOut(NamedTuple):
@@ -140,8 +165,14 @@ class _CachedFlush:
     kept: int
     reduce_calls: int
     all_reduce_calls: int
+    collectives: tuple[Collective, ...] = ()
+    padding: tuple[FlushRange, ...] = ()  # zero-filled before the calls (a ReduceScatter's short regions)
+    span: int = 0  # bucket elements the flush covers
+    algo: str = ""
+    reduce_scatter_calls: int = 0
 
 
+_LOG_NAMES = {REDUCE: "reduce", REDUCE_SCATTER: "reduce_scatter", "allreduce": "all_reduce"}
 _FLUSH_CACHE_LIMIT = 256  # distinct bucket contents remembered; beyond it the cache starts over
 
 
@@ -169,6 +200,11 @@ class OwnerReduceRuntime:
         self._elems_by_dtype: dict[torch.dtype, int] | None = None  # summed from _registered_elems when needed
         self._flush_cache: dict[tuple[Any, ...], _CachedFlush] = {}
         self.plans_computed = 0  # flush plans computed (not reused); tests read it
+        self._schedules: dict[int, Schedule] = {}  # graph_id -> learned owner-ordered flushes
+        self._map_order = map_order(settings.owner_map)
+        self._backward_graph: int | None = None  # the graph whose gradients this backward enqueues
+        self._follower: Follower | None = None  # following a schedule in this backward
+        self._recording: list[tuple[Any, tuple[int, ...], tuple[int, ...]]] | None = None  # arrival-order flushes
         self._update = False
         self._profiling = False
         self._pre_div = True  # as the native runtime: divide by the world size, then SUM
@@ -269,6 +305,8 @@ class OwnerReduceRuntime:
         self._registered_elems.clear()
         self._elems_by_dtype = None
         self._flush_cache.clear()
+        self._schedules.clear()
+        self._end_schedule()
         if self._buckets is not None:
             self._buckets.clear()
         if self.comm is not None:
@@ -298,7 +336,7 @@ class OwnerReduceRuntime:
             grad = grad.detach()
         if self._stage == 2:
             # z2.cpp: every micro-step reduces; the grad buffers accumulate the reduced sums (see _copy_out).
-            self._enqueue(ds_id, grad)
+            self._enqueue(ds_id, grad, graph_id)
             return
         if ds_id in self._accumulating:
             running = self._accumulated[ds_id]
@@ -316,14 +354,17 @@ class OwnerReduceRuntime:
             self._accumulating.add(ds_id)
             self.stats.accumulated_calls += 1
             return
-        self._enqueue(ds_id, grad)
+        self._enqueue(ds_id, grad, graph_id)
 
     def end_backward(self, graph_id: int, release_reduce_buckets: bool) -> None:
         if self._profiling:
             return
         self.stats.end_backward_calls += 1
+        if self._follower is not None and not self._follower.complete():
+            self._leave_schedule()  # this backward ended before its schedule did
         for dtype in list(self._pending):
             self._flush(dtype)
+        self._end_schedule(learn_graph=True)
         self._sync_streams("end_backward")  # the optimizer reads the grad buffers next
         if self._stage == 2 and self._update:
             # z2.cpp: this graph's parameters start the next step by overwriting (other graphs clear theirs).
@@ -344,7 +385,7 @@ class OwnerReduceRuntime:
 
     # ---- buckets and the flush ---------------------------------------------------------------------------
 
-    def _enqueue(self, ds_id: int, grad: torch.Tensor) -> None:
+    def _enqueue(self, ds_id: int, grad: torch.Tensor, graph_id: int) -> None:
         buckets = self._buckets
         assert buckets is not None, "owner_reduce runtime used before init()"
         streams = self._streams
@@ -352,6 +393,15 @@ class OwnerReduceRuntime:
             streams = self._streams = make_streams(grad.device)
         numel = grad.numel()
         dtype = grad.dtype
+        if self._backward_graph != graph_id:
+            self._start_schedule(graph_id)
+        follower = self._follower
+        if follower is not None:
+            step = follower.next(dtype, ds_id, numel)
+            if step is not None:
+                self._place(step, ds_id, grad, streams)
+                return
+            self._leave_schedule()
         bucket = buckets.for_tensor(grad)
         if bucket.offset and bucket.offset + numel > bucket.size:
             self._flush(dtype)
@@ -373,6 +423,133 @@ class OwnerReduceRuntime:
         if event is not None:
             pending.events.append(event)
 
+    # ---- owner-ordered schedules -------------------------------------------------------------------------
+
+    def _start_schedule(self, graph_id: int) -> None:
+        """The first gradient of a backward (or of another graph in it): follow the graph's schedule, or record
+        this backward's arrival-order flushes to learn one."""
+        if self._backward_graph is not None:
+            # Two graphs in one backward: leave any schedule, and learn nothing from it (the record is mixed).
+            if self._follower is not None:
+                self._leave_schedule()
+            self._recording = None
+            self._backward_graph = graph_id
+            return
+        self._backward_graph = graph_id
+        if not self.settings.flags.reduce_to_owner:
+            return
+        schedule = self._schedules.get(graph_id)
+        if schedule is not None:
+            self._follower = Follower(schedule)
+        else:
+            self._recording = []
+
+    def _leave_schedule(self) -> None:
+        """This backward left its schedule: flush what was placed (the pieces present, planned where they lie),
+        then continue in arrival order; drop the schedule so that the next backward learns it again."""
+        follower, self._follower = self._follower, None
+        if follower is None:
+            return
+        for dtype in [d for d, p in self._pending.items() if p.scheduled is not None]:
+            self._flush(dtype)
+        self._schedules.pop(follower.schedule.graph_id, None)
+        self._recording = None
+        self.stats.schedule_fallbacks += 1
+
+    def _end_schedule(self, learn_graph: bool = False) -> None:
+        recording, graph = self._recording, self._backward_graph
+        self._recording = self._follower = self._backward_graph = None
+        if learn_graph and recording and graph is not None:
+            capacity = self._buckets.size if self._buckets is not None else None
+            owner_map, flags = self.settings.owner_map, self.settings.flags
+
+            def layout_of(grads: Any) -> Any:
+                # Looked up in this module at call time: the harness's fault injection replaces it here.
+                return plan_owner_layout(grads, owner_map, flags.reduce_to_owner, order=self._map_order,
+                                         capacity=None if capacity is None else max([capacity] +
+                                                                                    [n for _, n in grads]))
+
+            self._schedules[graph] = learn(graph, recording, layout_of)
+            self.stats.schedules_learned += 1
+
+    def _place(self, step: tuple[ScheduledFlush, PlacedGrad, bool, bool], ds_id: int, grad: torch.Tensor,
+               streams: HostStreams | CudaStreams) -> None:
+        """Copy ``grad`` piece by piece to its owner-ordered places; flush when its flush is complete."""
+        flush, placed, first, last = step
+        dtype = grad.dtype
+        buckets = self._buckets
+        assert buckets is not None
+        bucket = buckets.get(dtype, grad.device)
+        if first:
+            # The bucket is empty here: a schedule's flushes of one dtype follow each other, and arrival-order
+            # gradients of this dtype were flushed when the schedule was left (it is never re-entered).
+            total = flush.layout.total
+            if total > bucket.size:  # at most the ReduceScatter's padding beyond a right-sized bucket
+                self._sync_streams("bucket growth")  # the buffer being replaced may still be read by a flush
+                bucket.reserve(total)
+                if self.comm is not None:
+                    self.comm.release_buffers()
+            bucket.offset = total
+            self._pending[dtype] = _Pending(flush)
+        pending = self._pending[dtype]
+        flat = grad.reshape(-1)
+        buffer = bucket.buffer
+        for piece in placed.pieces:
+            event = streams.copy_into_bucket(bucket, buffer.narrow(0, piece.bucket_offset, piece.length),
+                                             flat.narrow(0, piece.src_offset, piece.length))
+            if event is not None:
+                pending.events.append(event)
+        pending.ids.append(ds_id)
+        pending.numels.append(grad.numel())
+        if last:
+            self._flush(dtype)
+
+    def _scheduled_flush(self, dtype: torch.dtype, pending: _Pending) -> _CachedFlush:
+        """The cached flush of a scheduled bucket: the layout's calls when complete, else the pieces present."""
+        flush = pending.scheduled
+        assert flush is not None
+        present = len(pending.ids)
+        key = ("owner-ordered", dtype, id(flush), present)
+        cached = self._flush_cache.get(key)
+        if cached is not None and cached.numels == pending.numels:
+            return cached
+        layout = flush.layout
+        grads = layout.grads[:present]
+        if present == len(flush.ids):
+            plan, collectives, padding = layout.plan, layout.collectives, layout.padding
+        else:
+            plan = plan_placed(grads, self.settings.owner_map, self.settings.flags.reduce_to_owner)
+            collectives, padding = collectives_of(plan.ranges), ()
+        self.plans_computed += 1
+        copy_out = []
+        for g in grads:
+            param = self._params[g.param_id]
+            dst = param.grad_buffer.view(-1)
+            if dst.numel():  # lies in one piece this rank received (checked at registration)
+                copy_out.append(_CopyOut(dst, g.locate(param.offset, dst.numel()), g.param_id))
+        cached = self._make_cached(list(pending.numels), plan, copy_out, collectives, padding, layout.total)
+        self._remember(key, cached)
+        return cached
+
+    def _make_cached(self, numels: list[int], plan: FlushPlan, copy_out: list[_CopyOut],
+                     collectives: tuple[Collective, ...], padding: tuple[FlushRange, ...], span: int) -> _CachedFlush:
+        copy_out.sort(key=lambda c: c.src_offset)
+        split_sizes, cursor = [], 0
+        for c in copy_out:
+            split_sizes += [c.src_offset - cursor, c.dst.numel()]
+            cursor = c.src_offset + c.dst.numel()
+        split_sizes.append(span - cursor)
+        kinds = [c.kind for c in collectives]
+        return _CachedFlush(numels, plan, tuple(copy_out), split_sizes, [c.dst for c in copy_out],
+                            sum(c.dst.numel() for c in copy_out), kinds.count(REDUCE),
+                            len(kinds) - kinds.count(REDUCE) - kinds.count(REDUCE_SCATTER), collectives, padding,
+                            span, algo_of(kinds), kinds.count(REDUCE_SCATTER))
+
+    def _remember(self, key: tuple[Any, ...], cached: _CachedFlush) -> None:
+        if len(self._flush_cache) >= _FLUSH_CACHE_LIMIT:
+            self._flush_cache.clear()
+        self._flush_cache[key] = cached
+
     def _cached_flush(self, dtype: torch.dtype, pending: _Pending) -> _CachedFlush:
         """The plan for this bucket content: reused when the content is the one it was made for, else made."""
         key = (dtype, *pending.ids)
@@ -392,17 +569,8 @@ class OwnerReduceRuntime:
             dst = param.grad_buffer.view(-1)
             if dst.numel():  # checked at registration: a non-empty buffer lies in what reached this rank
                 copy_out.append(_CopyOut(dst, entry.offset + param.offset, entry.param_id))
-        split_sizes, cursor = [], 0
-        for c in copy_out:
-            split_sizes += [c.src_offset - cursor, c.dst.numel()]
-            cursor = c.src_offset + c.dst.numel()
-        split_sizes.append(offset - cursor)
-        reduce_calls = sum(1 for r in plan.ranges if r.root is not ALL)
-        cached = _CachedFlush(list(pending.numels), plan, tuple(copy_out), split_sizes, [c.dst for c in copy_out],
-                              sum(c.dst.numel() for c in copy_out), reduce_calls, len(plan.ranges) - reduce_calls)
-        if len(self._flush_cache) >= _FLUSH_CACHE_LIMIT:
-            self._flush_cache.clear()
-        self._flush_cache[key] = cached
+        cached = self._make_cached(list(pending.numels), plan, copy_out, collectives_of(plan.ranges), (), offset)
+        self._remember(key, cached)
         return cached
 
     def _flush(self, dtype: torch.dtype) -> None:
@@ -412,26 +580,35 @@ class OwnerReduceRuntime:
         assert self.comm is not None and self._buckets is not None
         comm = self.comm
         bucket = self._buckets.current(dtype)
-        cached = self._cached_flush(dtype, pending)
+        if pending.scheduled is not None:
+            cached = self._scheduled_flush(dtype, pending)
+            self.stats.scheduled_flushes += 1
+        else:
+            cached = self._cached_flush(dtype, pending)
+            if self._recording is not None:
+                self._recording.append((dtype, tuple(pending.ids), tuple(pending.numels)))
         plan = cached.plan
         streams = self._streams
         assert streams is not None
         buffer = bucket.buffer
         try:
             with streams.reducing(pending.events):
-                used = buffer.narrow(0, 0, bucket.offset)
+                used = buffer.narrow(0, 0, cached.span)
+                for pad in cached.padding:
+                    buffer.narrow(0, pad.offset, pad.count).zero_()
                 if self._pre_div:
                     used.div_(comm.world_size)
                 with comm.group(flush=self.stats.flushes + 1):
-                    for r in plan.ranges:
-                        segment = buffer.narrow(0, r.offset, r.count)
-                        if r.root is ALL:
-                            comm.all_reduce(segment)
+                    for c in cached.collectives:
+                        segment = buffer.narrow(0, c.offset, c.count)
+                        if c.kind == REDUCE_SCATTER:
+                            comm.reduce_scatter(segment, c.per_rank)
+                        elif c.kind == REDUCE:
+                            comm.reduce(segment, c.root)
                         else:
-                            comm.reduce(segment, r.root)
+                            comm.all_reduce(segment)
                         if self.record_collectives:
-                            self.collective_log.append(("all_reduce" if r.root is ALL else "reduce", r.root,
-                                                        r.count, str(dtype)))
+                            self.collective_log.append((_LOG_NAMES[c.kind], c.root, c.count, str(dtype)))
                 self._copy_out(cached, used)
                 streams.bucket_released(bucket)
         finally:
@@ -440,7 +617,7 @@ class OwnerReduceRuntime:
         if self.record_collectives:
             self.flush_log.append(FlushRecord(str(dtype).removeprefix("torch."), buffer.element_size(),
                                               plan.reduced_elems, plan.received_elems(comm.rank), cached.kept,
-                                              plan.owner_elems, len(plan.ranges)))
+                                              plan.owner_elems, len(cached.collectives)))
 
     def _copy_out(self, cached: _CachedFlush, used: torch.Tensor) -> None:
         """Copy what this rank keeps into its grad buffers (stage 2: add into them after the first micro-step)."""
@@ -477,9 +654,10 @@ class OwnerReduceRuntime:
         s = self.stats
         plan = cached.plan
         s.flushes += 1
-        s.collectives += len(plan.ranges)
+        s.collectives += len(cached.collectives)
         s.reduce_calls += cached.reduce_calls
         s.all_reduce_calls += cached.all_reduce_calls
+        s.reduce_scatter_calls += cached.reduce_scatter_calls
         s.reduced_elems += plan.reduced_elems
         s.owner_elems += plan.owner_elems
         s.kept_elems += cached.kept
@@ -488,7 +666,7 @@ class OwnerReduceRuntime:
             line = format_probe_line(FlushReport(rank=self.comm.rank, flush_index=index,
                                                  dtype=str(dtype).removeprefix("torch."), plan=plan,
                                                  kept_elems=cached.kept, pre_div=self._pre_div,
-                                                 calls=len(plan.ranges)))
+                                                 calls=len(cached.collectives), algo=cached.algo))
             s.probe_lines.append(line)
             emit(line)
 

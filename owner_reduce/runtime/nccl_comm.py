@@ -261,6 +261,14 @@ class CupyNcclComm(ReduceComm):
     def all_reduce(self, buf: torch.Tensor) -> None:
         self._collective(buf, "all_reduce", "", lambda comm, ptr, n, dt, op, s: comm.allReduce(ptr, ptr, n, dt, op, s))
 
+    def reduce_scatter(self, buf: torch.Tensor, per_rank: int) -> None:
+        """One ncclReduceScatter, in place: NCCL allows ``recvbuff == sendbuff + rank * recvcount``, so this rank's
+        block of ``buf`` receives its sum and no other buffer is needed."""
+        self._check_scatter(buf, per_rank)
+        offset = self.rank * per_rank * buf.element_size()
+        self._collective(buf, "reduce_scatter", f"per_rank={per_rank}, ",
+                         lambda comm, ptr, n, dt, op, s: comm.reduceScatter(ptr, ptr + offset, per_rank, dt, op, s))
+
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Through this communicator (ncclAllGather of int64), so it needs no torch process group."""
         if self._in_group:
