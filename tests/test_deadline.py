@@ -336,6 +336,13 @@ def _gloo_stall(rank: int, world_size: int) -> dict:
         except OwnerReduceCommError as error:
             out["error"] = str(error)
         out["elapsed"] = time.monotonic() - start
+        start = time.monotonic()
+        try:  # an owner-ordered flush: its ReduceScatter must be bounded too (gloo's own one is not)
+            with comm.group(flush=6):
+                comm.reduce_scatter(buf, 4)
+        except OwnerReduceCommError as error:
+            out["scatter_error"] = str(error)
+        out["scatter_elapsed"] = time.monotonic() - start
     dist.barrier()  # the default group: rank 0 comes here after its error; rank 1 waited here all along
     return out
 
@@ -353,6 +360,9 @@ def test_torch_dist_flush_fails_at_the_deadline_when_a_peer_stalls():
                                   "(call 1 of 2) timed out after waiting 2.0 s "
                                   "(deadline 2 s from OWNER_REDUCE_TIMEOUT_S)"), r0
     assert 1.9 <= r0["elapsed"] < 10.0  # gloo's timed wait may wake a few µs early
+    assert r0["scatter_error"].startswith("owner_reduce: rank 0, flush #6: reduce(root=0, count=4, dtype=float32) "
+                                          "(call 1 of 2) timed out after waiting 2.0 s"), r0
+    assert 1.9 <= r0["scatter_elapsed"] < 10.0
 
 
 # ---- real NCCL (GPU only): abort on a real communicator, and a peer that never joins -------------------------

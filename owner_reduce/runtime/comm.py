@@ -136,6 +136,7 @@ class TorchDistComm(ReduceComm):
         self._global_rank = [dist.get_global_rank(process_group, r) for r in range(self.world_size)]
         self._sum = tdist.ReduceOp.SUM
         self._no_dispatcher: Any = None
+        self._native_scatter = str(tdist.get_backend(process_group)).lower() != "gloo"  # see reduce_scatter
         self._works: list[tuple[Any, tuple[str, int | None, int, torch.dtype]]] = []  # issued, not yet waited for
 
     def _group_start(self) -> None:
@@ -172,8 +173,18 @@ class TorchDistComm(ReduceComm):
             self._wait([(work, ("all_reduce", None, buf.numel(), buf.dtype))], flush=self.flush)
 
     def reduce_scatter(self, buf: torch.Tensor, per_rank: int) -> None:
-        """One ``reduce_scatter_tensor`` (gloo in torch 2.13 and NCCL both have it), in place: the output is this
-        rank's own block of the input, as ncclReduceScatter allows."""
+        """One ``reduce_scatter_tensor``, in place: the output is this rank's own block of the input, as
+        ncclReduceScatter allows.
+
+        Note (gloo's ReduceScatter cannot be bounded): gloo has ``reduce_scatter_tensor`` in torch 2.13, but its
+        async work neither reports completion (``is_completed()`` stays false) nor honours ``wait(timeout)``: it
+        blocks until every peer answers, so a stalled peer would hang this rank past the deadline. On gloo the
+        flush's ReduceScatter is therefore issued as one Reduce per block (the seam's default: the same sums,
+        bitwise, and the same bytes, at ``world_size`` calls), each waited within the deadline.
+        """
+        if not self._native_scatter:
+            super().reduce_scatter(buf, per_rank)
+            return
         self._check_scatter(buf, per_rank)
         out = buf.narrow(0, self.rank * per_rank, per_rank)
         call = ("reduce_scatter", None, buf.numel(), buf.dtype)
