@@ -4,31 +4,15 @@ import types
 
 import pytest
 import torch
-from fakes import MirrorComm
+from fakes import NUMELS, TABLES, MirrorComm, ws2_runtime
 
 from owner_reduce.planning.flags import OwnerReduceFlags
-from owner_reduce.planning.owner_map import GroupTables, OwnerMap
+from owner_reduce.planning.owner_map import OwnerMap
 from owner_reduce.runtime.handle import OwnerReduceMismatchError, OwnerReduceRuntime, RuntimeSettings
-
-# ws=2, partition_size 8: a(6) -> r0, b(5) straddles [0:2]->r0 [2:5]->r1, c(5) -> r1
-NUMELS = {0: 6, 1: 5, 2: 5}
-TABLES = GroupTables(group=0, param_ids=(0, 1, 2), numels=(6, 5, 5), partition_count=2,
-                     partition_ids={0: (0,), 1: (0, 1), 2: (1,)},
-                     start_offsets={0: {0: 0, 1: 0}, 1: {1: 2, 2: 0}}, same_comm_as_dp=True)
 
 
 def _runtime(rank=0, owner=True, probe=True, bucket=64, problems=(), comm=None):
-    comm = comm or MirrorComm(rank=rank)
-    settings = RuntimeSettings(OwnerReduceFlags(owner, probe), OwnerMap.from_group_tables([TABLES], 2), problems)
-    rt = OwnerReduceRuntime(settings, comm_factory=lambda group: comm)
-    rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
-    # As DeepCompile registers on rank 0: a whole, b's first 2 elements (offset 0), nothing of c.
-    kept = {0: (torch.zeros(6), 0), 1: (torch.zeros(2), 0), 2: (torch.empty(0), 0)} if rank == 0 else \
-        {0: (torch.empty(0), 0), 1: (torch.zeros(3), 2), 2: (torch.zeros(5), 0)}
-    for pid, (buf, offset) in kept.items():
-        rt.register_param(pid, (NUMELS[pid],), torch.zeros(NUMELS[pid]), buf, offset)
-    rt.register_graph_z1(11, [0, 1, 2])
-    return rt, comm
+    return ws2_runtime(rank, owner, probe, bucket, problems, comm)
 
 
 def _rank0_runtime(bucket=64, device="cpu"):

@@ -2,34 +2,14 @@
 backward, the calls it issues, the fallback when a backward leaves it (identical on every rank), and a negative
 control (a layout off by one slice)."""
 
-import types
 
 import pytest
 import torch
-from fakes import MirrorComm
-
-from owner_reduce.planning.flags import OwnerReduceFlags
-from owner_reduce.planning.owner_map import GroupTables, OwnerMap
-from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
-
-# ws=2, partition_size 8: a(6) -> r0, b(5) straddles [0:2]->r0 [2:5]->r1, c(5) -> r1 (as test_runtime_unit.py)
-NUMELS = {0: 6, 1: 5, 2: 5}
-TABLES = GroupTables(group=0, param_ids=(0, 1, 2), numels=(6, 5, 5), partition_count=2,
-                     partition_ids={0: (0,), 1: (0, 1), 2: (1,)},
-                     start_offsets={0: {0: 0, 1: 0}, 1: {1: 2, 2: 0}}, same_comm_as_dp=True)
+from fakes import NUMELS, ws2_runtime
 
 
 def _runtime(rank=0, bucket=64, probe=True):
-    comm = MirrorComm(rank=rank)
-    settings = RuntimeSettings(OwnerReduceFlags(True, probe), OwnerMap.from_group_tables([TABLES], 2))
-    rt = OwnerReduceRuntime(settings, comm_factory=lambda group: comm)
-    rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
-    kept = {0: (torch.zeros(6), 0), 1: (torch.zeros(2), 0), 2: (torch.empty(0), 0)} if rank == 0 else \
-        {0: (torch.empty(0), 0), 1: (torch.zeros(3), 2), 2: (torch.zeros(5), 0)}
-    for pid, (buf, offset) in kept.items():
-        rt.register_param(pid, (NUMELS[pid],), torch.zeros(NUMELS[pid]), buf, offset)
-    rt.register_graph_z1(11, [0, 1, 2])
-    return rt, comm
+    return ws2_runtime(rank, owner=True, probe=probe, bucket=bucket)
 
 
 def _grads(scale=1.0):
