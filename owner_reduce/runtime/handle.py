@@ -479,7 +479,7 @@ class OwnerReduceRuntime:
         dtype = grad.dtype
         buckets = self._buckets
         assert buckets is not None
-        bucket = buckets.get(dtype, grad.device)
+        bucket = buckets.for_tensor(grad)
         if first:
             # The bucket is empty here: a schedule's flushes of one dtype follow each other, and arrival-order
             # gradients of this dtype were flushed when the schedule was left (it is never re-entered).
@@ -492,15 +492,24 @@ class OwnerReduceRuntime:
             bucket.offset = total
             self._pending[dtype] = _Pending(flush)
         pending = self._pending[dtype]
-        flat = grad.reshape(-1)
         buffer = bucket.buffer
-        for piece in placed.pieces:
-            event = streams.copy_into_bucket(bucket, buffer.narrow(0, piece.bucket_offset, piece.length),
-                                             flat.narrow(0, piece.src_offset, piece.length))
+        numel = grad.numel()
+        pieces = placed.pieces
+        if len(pieces) == 1 and pieces[0].length == numel:  # a whole gradient (the common case): no source view
+            at = pieces[0].bucket_offset
+            event = streams.copy_into_bucket(bucket, buffer[at:at + numel], grad)
             if event is not None:
                 pending.events.append(event)
+        else:
+            flat = grad.reshape(-1)
+            for piece in pieces:
+                at, src = piece.bucket_offset, piece.src_offset
+                event = streams.copy_into_bucket(bucket, buffer[at:at + piece.length],
+                                                 flat[src:src + piece.length])
+                if event is not None:
+                    pending.events.append(event)
         pending.ids.append(ds_id)
-        pending.numels.append(grad.numel())
+        pending.numels.append(numel)
         if last:
             self._flush(dtype)
 
