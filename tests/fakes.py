@@ -91,3 +91,17 @@ def ws2_runtime(rank=0, owner=True, probe=True, bucket=64, problems=(), comm=Non
         rt.register_param(pid, (NUMELS[pid],), torch.zeros(NUMELS[pid]), buf, offset)
     rt.register_graph_z1(11, [0, 1, 2])
     return rt, comm
+
+
+def two_gpu_ranks_env() -> dict[str, str]:
+    """The environment for two NCCL ranks on this machine's GPUs, or a skip: two ranks on one GPU need NCCL >= 2.30
+    and its opt-in (``NCCL_MULTI_RANK_GPU_ENABLE``); on two GPUs nothing is needed."""
+    import pytest
+
+    from owner_reduce.runtime import nccl_comm
+
+    if torch.cuda.device_count() >= 2:
+        return {}
+    if nccl_comm.nccl_runtime_version() < (2, 30, 0):
+        pytest.skip("two ranks on one GPU need NCCL >= 2.30 (NCCL_MULTI_RANK_GPU_ENABLE)")
+    return {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from fakes import MirrorComm
+from fakes import MirrorComm, two_gpu_ranks_env
 
 from owner_reduce import OwnerReduceCommError
 from owner_reduce.harness.launch import run_ranks
@@ -419,11 +419,7 @@ def _gpu_peer_never_joins(rank: int, world_size: int) -> dict:
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.timeout(180)
 def test_real_nccl_flush_fails_at_the_deadline_when_a_peer_never_joins():
-    if torch.cuda.device_count() < 2 and nccl_comm.nccl_runtime_version() < (2, 30, 0):
-        pytest.skip("two ranks on one GPU need NCCL >= 2.30 (NCCL_MULTI_RANK_GPU_ENABLE)")
-    env = {ENV_VAR: "3"}
-    if torch.cuda.device_count() < 2:
-        env["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
+    env = {ENV_VAR: "3", **two_gpu_ranks_env()}
     r0, r1 = run_ranks(_gpu_peer_never_joins, 2, timeout=150, env=env)
     assert r0["deadline"] == Deadline(3.0, ENV_VAR)
     assert r0["error"] and "rank 0, flush #1: end_backward " in r0["error"] and r0["aborted"], r0

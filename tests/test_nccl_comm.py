@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fakes import two_gpu_ranks_env
 
 from owner_reduce.harness.launch import run_ranks
 from owner_reduce.planning.flush_plan import ALL
@@ -333,11 +334,6 @@ def test_one_rank_collectives(dtype):
 
 
 
-def _multi_rank_env() -> dict[str, str]:
-    """Two ranks on one GPU need NCCL >= 2.30 and its opt-in; on two GPUs nothing."""
-    return {"NCCL_MULTI_RANK_GPU_ENABLE": "1"} if torch.cuda.device_count() < 2 else {}
-
-
 def _two_rank_gpu_worker(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
@@ -361,9 +357,7 @@ def _two_rank_gpu_worker(rank: int, world_size: int) -> dict:
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.timeout(240)
 def test_two_rank_reduce_and_all_reduce():
-    if torch.cuda.device_count() < 2 and nccl_comm.nccl_runtime_version() < (2, 30, 0):
-        pytest.skip("two ranks on one GPU need NCCL >= 2.30 (NCCL_MULTI_RANK_GPU_ENABLE)")
-    r0, r1 = run_ranks(_two_rank_gpu_worker, 2, timeout=200, env=_multi_rank_env())
+    r0, r1 = run_ranks(_two_rank_gpu_worker, 2, timeout=200, env=two_gpu_ranks_env())
     assert r0["comm"] == r1["comm"] == "CupyNcclComm"
     for dtype in ("torch.float32", "torch.bfloat16"):
         assert r1[dtype][:300].eq(3).all() and r0[dtype][700:].eq(3).all()
@@ -393,9 +387,7 @@ def _two_rank_reduce_scatter_worker(rank: int, world_size: int) -> dict:
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.timeout(240)
 def test_two_rank_reduce_scatter_in_place():
-    if torch.cuda.device_count() < 2 and nccl_comm.nccl_runtime_version() < (2, 30, 0):
-        pytest.skip("two ranks on one GPU need NCCL >= 2.30 (NCCL_MULTI_RANK_GPU_ENABLE)")
-    results = run_ranks(_two_rank_reduce_scatter_worker, 2, timeout=200, env=_multi_rank_env())
+    results = run_ranks(_two_rank_reduce_scatter_worker, 2, timeout=200, env=two_gpu_ranks_env())
     for rank, r in enumerate(results):
         assert r["comm"] == "CupyNcclComm"
         for dtype in ("torch.float32", "torch.bfloat16"):
