@@ -58,16 +58,14 @@ def _model_and_batches(spec: TrainSpec, rank: int) -> tuple[Any, Any]:
         def batch() -> tuple[Any, Any]:
             return (torch.randn(spec.micro_batch, d_in, generator=generator),
                     torch.randn(spec.micro_batch, d_out, generator=generator))
-    elif spec.model == "tiny_transformer":
-        model = TinyTransformer(**dict(spec.model_kwargs))
-        vocab, seq = model.head.out_features, model.pos.shape[0]
-
-        def batch() -> tuple[Any, Any]:
-            tokens = torch.randint(0, vocab, (spec.micro_batch, seq + 1), generator=generator)
-            return tokens[:, :-1], tokens[:, 1:]
-    elif spec.model == "tied_lm":
-        model = TiedLM(**dict(spec.model_kwargs))
-        vocab, seq = model.embed.num_embeddings, model.pos.shape[0]
+    elif spec.model in ("tiny_transformer", "tied_lm"):
+        if spec.model == "tiny_transformer":
+            model = TinyTransformer(**dict(spec.model_kwargs))
+            vocab = model.head.out_features
+        else:
+            model = TiedLM(**dict(spec.model_kwargs))
+            vocab = model.embed.num_embeddings
+        seq = model.pos.shape[0]
 
         def batch() -> tuple[Any, Any]:
             tokens = torch.randint(0, vocab, (spec.micro_batch, seq + 1), generator=generator)
