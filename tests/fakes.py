@@ -28,6 +28,7 @@ class MirrorComm(ReduceComm):
         self.fail_on_call = fail_on_call
         self.gathered_rows: list[list[int]] | None = None
         self.buffer_releases = 0
+        self._scattered: torch.Tensor | None = None  # every rank's input of the last ReduceScatter (all alike here)
 
     def _group_start(self) -> None:
         self.groups += 1
@@ -57,10 +58,27 @@ class MirrorComm(ReduceComm):
         self._check_scatter(buf, per_rank)
         self._maybe_fail()
         self.calls.append(("reduce_scatter", None, buf.numel()))
+        self._scattered = buf.clone()
+        self._scattered_at = buf.storage_offset()
         start = self.rank * per_rank
         buf.narrow(0, start, per_rank).mul_(self.world_size)
         buf.narrow(0, 0, start).fill_(float("nan"))  # the other blocks never reach this rank
         buf.narrow(0, start + per_rank, buf.numel() - start - per_rank).fill_(float("nan"))
+
+    def send(self, buf: torch.Tensor, peer: int) -> None:
+        self._maybe_fail()
+        self.calls.append(("send", peer, buf.numel()))
+
+    def recv(self, buf: torch.Tensor, peer: int) -> None:
+        """What ``peer`` reduced in the last ReduceScatter: the same elements of every rank's (identical) input,
+        summed; NaN where ``peer`` did not hold them (its block), so a wrong hand-off shows."""
+        self._maybe_fail()
+        self.calls.append(("recv", peer, buf.numel()))
+        at = buf.storage_offset() - self._scattered_at
+        buf.copy_(self._scattered[at:at + buf.numel()] * self.world_size)
+        per_rank = self._scattered.numel() // self.world_size
+        if not (peer * per_rank <= at and at + buf.numel() <= (peer + 1) * per_rank):
+            buf.fill_(float("nan"))
 
     def release_buffers(self) -> None:
         self.buffer_releases += 1
@@ -76,12 +94,14 @@ TABLES = GroupTables(group=0, param_ids=(0, 1, 2), numels=(6, 5, 5), partition_c
                      start_offsets={0: {0: 0, 1: 0}, 1: {1: 2, 2: 0}}, same_comm_as_dp=True)
 
 
-def ws2_runtime(rank=0, owner=True, probe=True, bucket=64, problems=(), comm=None):
-    """A runtime of rank ``rank`` of 2 on ``TABLES``, grad buffers registered as DeepCompile does, graph 11."""
+def ws2_runtime(rank=0, owner=True, probe=True, bucket=64, problems=(), comm=None, algo="reduce"):
+    """A runtime of rank ``rank`` of 2 on ``TABLES``, grad buffers registered as DeepCompile does, graph 11;
+    ``algo`` forces the flush algorithm (these flushes are tiny: the cost model alone would AllReduce them)."""
     from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
 
     comm = comm or MirrorComm(rank=rank)
-    settings = RuntimeSettings(OwnerReduceFlags(owner, probe), OwnerMap.from_group_tables([TABLES], 2), problems)
+    settings = RuntimeSettings(OwnerReduceFlags(owner, probe), OwnerMap.from_group_tables([TABLES], 2), problems,
+                               flush_algo=algo)
     rt = OwnerReduceRuntime(settings, comm_factory=lambda group: comm)
     rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
     # As DeepCompile registers on rank 0: a whole, b's first 2 elements (offset 0), nothing of c.
@@ -105,3 +125,45 @@ def two_gpu_ranks_env() -> dict[str, str]:
     if nccl_comm.nccl_runtime_version() < (2, 30, 0):
         pytest.skip("two ranks on one GPU need NCCL >= 2.30 (NCCL_MULTI_RANK_GPU_ENABLE)")
     return {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+
+
+def flat_map(numels, ws, other_comm_numels=()):
+    """ZeRO-1-like tables: parameters laid flat, cut into ``ws`` partitions of ceil(total/ws); optionally a second
+    group on another communicator (MoE experts)."""
+    total = sum(numels)
+    size = max(1, -(-total // ws))
+    ids = tuple(range(len(numels)))
+    parts, starts = {}, {r: {} for r in range(ws)}
+    flat = 0
+    for pid, numel in zip(ids, numels, strict=True):
+        first = min(flat // size, ws - 1)
+        last = min(max(flat, flat + numel - 1) // size, ws - 1)
+        parts[pid] = tuple(range(first, last + 1))
+        for r in parts[pid]:
+            starts[r][pid] = max(0, r * size - flat)
+        flat += numel
+    groups = [GroupTables(group=0, param_ids=ids, numels=tuple(numels), partition_count=ws, partition_ids=parts,
+                          start_offsets=starts, same_comm_as_dp=True)]
+    if other_comm_numels:
+        oids = tuple(range(len(numels), len(numels) + len(other_comm_numels)))
+        groups.append(GroupTables(group=1, param_ids=oids, numels=tuple(other_comm_numels), partition_count=1,
+                                  partition_ids={i: (0,) for i in oids}, start_offsets={0: dict.fromkeys(oids, 0)},
+                                  same_comm_as_dp=False))
+    return OwnerMap.from_group_tables(groups, dp_world_size=ws)
+
+
+def mirror_runtime(owner_map, rank=0, bucket=1 << 20, algo="auto", probe=False, stage=1, graph_id=11):
+    """A runtime of rank ``rank`` on ``owner_map`` with a ``MirrorComm``, every parameter registered as DeepCompile
+    registers it (this rank's slice of each gradient as its grad buffer), one graph of every parameter."""
+    from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
+
+    comm = MirrorComm(rank=rank, world_size=owner_map.dp_world_size)
+    rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, probe), owner_map, flush_algo=algo),
+                            comm_factory=lambda group: comm)
+    rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
+    for p in owner_map:
+        mine = [s for s in p.slices if s.owner == rank and s.length]
+        buf, offset = (torch.zeros(mine[0].length), mine[0].offset) if mine else (torch.empty(0), 0)
+        rt.register_param(p.param_id, (p.numel,), torch.zeros(p.numel), buf, offset)
+    (rt.register_graph_z2 if stage == 2 else rt.register_graph_z1)(graph_id, [p.param_id for p in owner_map])
+    return rt, comm

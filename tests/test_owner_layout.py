@@ -1,5 +1,7 @@
-"""The owner-ordered bucket layout as pure logic: placement, the collective per flush, and a simulated flush
-that proves the layout delivers every rank exactly its partition (with a negative control)."""
+"""The owner-ordered bucket layout as pure logic: placement, the calls per flush for each candidate algorithm
+(one Reduce per owner, one ReduceScatter, ReduceScatter + hand-off, one AllReduce), and a simulated flush that
+proves the layout delivers every rank exactly its partition (with negative controls: a layout off by one slice,
+a hand-off piece sent to the wrong owner)."""
 
 from __future__ import annotations
 
@@ -7,17 +9,23 @@ import dataclasses
 import random
 
 import pytest
+from fakes import flat_map
 
+from owner_reduce.harness.faults import misroute_handoff
+from owner_reduce.planning.flush_choice import FlushCost
 from owner_reduce.planning.flush_plan import ALL, FlushRange
 from owner_reduce.planning.owner_layout import (
     ALLREDUCE,
+    HANDOFF,
     REDUCE,
     REDUCE_SCATTER,
     Collective,
     OwnerLayout,
     PlacedPiece,
+    Transfer,
     algo_of,
     collectives_of,
+    default_cost,
     plan_owner_layout,
     plan_placed,
 )
@@ -41,29 +49,10 @@ def _map2():
         start_offsets={0: {0: 0, 1: 0}, 1: {1: 3, 2: 0, 3: 0}}, same_comm_as_dp=True)], dp_world_size=2)
 
 
-def _flat_map(numels, ws, other_comm_numels=()):
-    """ZeRO-1-like tables: parameters laid flat, cut into ``ws`` partitions of ceil(total/ws); optionally a
-    second group on another communicator (MoE experts)."""
-    total = sum(numels)
-    size = max(1, -(-total // ws))
-    ids = tuple(range(len(numels)))
-    parts, starts = {}, {r: {} for r in range(ws)}
-    flat = 0
-    for pid, numel in zip(ids, numels, strict=True):
-        first = min(flat // size, ws - 1)
-        last = min(max(flat, flat + numel - 1) // size, ws - 1)
-        parts[pid] = tuple(range(first, last + 1))
-        for r in parts[pid]:
-            starts[r][pid] = max(0, r * size - flat)
-        flat += numel
-    groups = [GroupTables(group=0, param_ids=ids, numels=tuple(numels), partition_count=ws, partition_ids=parts,
-                          start_offsets=starts, same_comm_as_dp=True)]
-    if other_comm_numels:
-        oids = tuple(range(len(numels), len(numels) + len(other_comm_numels)))
-        groups.append(GroupTables(group=1, param_ids=oids, numels=tuple(other_comm_numels), partition_count=1,
-                                  partition_ids={i: (0,) for i in oids}, start_offsets={0: dict.fromkeys(oids, 0)},
-                                  same_comm_as_dp=False))
-    return OwnerMap.from_group_tables(groups, dp_world_size=ws)
+def _forced(m, algo):
+    """The cost model of ``m``'s world size with ``algo`` forced (these test flushes are tiny: left to the model,
+    most would be one AllReduce)."""
+    return FlushCost(default_cost(m.dp_world_size).topology, force=algo)
 
 
 def _arrival(m, ids=None):
@@ -88,6 +77,13 @@ def simulate(layout: OwnerLayout, owner_map: OwnerMap, seed: int = 0) -> None:
             buckets[rank][pad.offset:pad.offset + pad.count] = [0] * pad.count
     received = [[None] * size for _ in range(n)]
     for c in layout.collectives:
+        if c.kind == HANDOFF:  # last: every transfer reads what its source holds after the calls before it
+            assert c is layout.collectives[-1]
+            moved = [(t, received[t.src][t.offset:t.offset + t.count]) for t in layout.transfers]
+            for t, values in moved:
+                assert None not in values, f"{t}: rank {t.src} sends elements it does not hold"
+                received[t.dst][t.offset:t.offset + t.count] = values
+            continue
         sums = [sum(b[i] for b in buckets) for i in range(c.offset, c.offset + c.count)]
         for rank in range(n):
             if c.kind == ALLREDUCE or (c.kind == REDUCE and c.root == rank):
@@ -108,8 +104,9 @@ def simulate(layout: OwnerLayout, owner_map: OwnerMap, seed: int = 0) -> None:
 
 def test_owners_ascend_and_straddler_slices_join_their_owners():
     m = _map3()
-    layout = plan_owner_layout(_arrival(m), m, capacity=100)
-    # Regions 10 / 9 / 3: padding them to 10 would cost 8 > 1% of 22, so one Reduce per owner.
+    layout = plan_owner_layout(_arrival(m), m, capacity=100, cost=_forced(m, REDUCE))
+    # Regions 10 / 9 / 3: padding them to 10 would cost 8 > 1% of 22: no padded ReduceScatter.
+    assert REDUCE_SCATTER not in dict(layout.costs)
     assert layout.collectives == (Collective(REDUCE, 0, 10, 0), Collective(REDUCE, 10, 9, 1),
                                   Collective(REDUCE, 19, 3, 2))
     assert layout.plan.ranges == (FlushRange(0, 10, 0), FlushRange(10, 9, 1), FlushRange(19, 3, 2))
@@ -129,28 +126,35 @@ def test_equal_partitions_take_one_reduce_scatter():
     assert layout.collectives == (Collective(REDUCE_SCATTER, 0, 18, per_rank=9),)
     assert layout.algo == "reduce_scatter" and layout.total == 18
     simulate(layout, m)
-    # The flush of only part of the model does not cover both ranks: Reduces.
+    # The flush of only part of the model does not cover both ranks: no ReduceScatter without a hand-off.
     part = plan_owner_layout([(3, 3), (2, 5)], m)
-    assert part.algo == "reduce" and part.calls == 1
+    assert REDUCE_SCATTER not in dict(part.costs) and part.algo in ("reduce", "allreduce") and part.calls == 1
 
 
 def test_padding_is_bounded_and_must_fit_the_bucket():
-    m = _flat_map([50, 50, 50, 49], 2)  # partitions 100 / 99: one pad element, 0.5% of the flush
+    m = flat_map([50, 50, 50, 49], 2)  # partitions 100 / 99: one pad element, 0.5% of the flush
     layout = plan_owner_layout(_arrival(m), m, capacity=200)
     assert layout.algo == "reduce_scatter" and layout.padding == (FlushRange(199, 1, 1),) and layout.total == 200
     simulate(layout, m)
-    assert plan_owner_layout(_arrival(m), m, capacity=199).algo == "reduce"  # the pad would not fit
-    assert plan_owner_layout(_arrival(m), m, max_padding_share=0.001).algo == "reduce"
+    assert REDUCE_SCATTER not in dict(plan_owner_layout(_arrival(m), m, capacity=199).costs)  # the pad won't fit
+    assert REDUCE_SCATTER not in dict(plan_owner_layout(_arrival(m), m, max_padding_share=0.001).costs)
 
 
 def test_allreduce_region_after_the_owner_regions():
-    m = _flat_map([8, 8, 8, 8], 4, other_comm_numels=(5, 7))  # group 1 reduces over another communicator
-    layout = plan_owner_layout(_arrival(m), m)
+    # Group 1 reduces over another communicator. Bandwidth-bound (64 MB): ReduceScatter + AllReduce of group 1.
+    big = flat_map([8_000_000] * 4, 4, other_comm_numels=(5_000_000, 7_000_000))
+    layout = plan_owner_layout(_arrival(big), big)
     assert layout.algo == "reduce_scatter+allreduce" and layout.calls == 2
-    assert layout.collectives[-1] == Collective(ALLREDUCE, 32, 12)
+    assert layout.collectives[-1] == Collective(ALLREDUCE, 32_000_000, 12_000_000)
+    m = flat_map([8, 8, 8, 8], 4, other_comm_numels=(5, 7))
+    layout = plan_owner_layout(_arrival(m), m)
+    assert layout.algo == "allreduce" and layout.collectives == (Collective(ALLREDUCE, 0, 44),)  # latency-bound
+    simulate(layout, m)
+    layout = plan_owner_layout(_arrival(m, [5, 4, 2, 1]), m, cost=_forced(m, HANDOFF))
+    assert layout.algo == "reduce_scatter+handoff+allreduce" and layout.collectives[1] == Collective(ALLREDUCE, 16, 12)
     simulate(layout, m)
     muon = _map3(whole=frozenset({2}))
-    layout = plan_owner_layout(_arrival(muon), muon)
+    layout = plan_owner_layout(_arrival(muon), muon, cost=_forced(muon, REDUCE))
     assert layout.algo == "reduce+allreduce"
     assert layout.collectives[-1] == Collective(ALLREDUCE, 16, 6) and layout.grads[3].pieces[0].root is ALL
     simulate(layout, muon)
@@ -164,22 +168,52 @@ def test_owner_path_off_is_one_allreduce_in_arrival_order():
     simulate(layout, m)
 
 
+@pytest.mark.parametrize("algo", ["auto", REDUCE, ALLREDUCE, HANDOFF])
 @pytest.mark.parametrize("ws", [2, 3, 4, 7, 8])
-def test_random_flat_layouts_reduce_correctly(ws):
+def test_random_flat_layouts_reduce_correctly(ws, algo):
     rng = random.Random(ws)
     for trial in range(20):
-        m = _flat_map([rng.randint(0, 40) for _ in range(rng.randint(1, 12))], ws)
-        ids = [p.param_id for p in m]
-        rng.shuffle(ids)
-        layout = plan_owner_layout(_arrival(m, ids), m)
+        m = flat_map([rng.randint(0, 40) for _ in range(rng.randint(1, 12))], ws)
+        ids = rng.sample([p.param_id for p in m], rng.randint(1, len(m)))  # part of the model, shuffled
+        layout = plan_owner_layout(_arrival(m, ids), m, cost=_forced(m, algo))
         touched = {s.owner for g in layout.grads for s in m.slices(g.param_id) if s.length}
-        assert layout.calls == (1 if layout.algo == REDUCE_SCATTER else len(touched))
+        if algo != "auto" and touched:
+            assert layout.choice == algo
+        expected = {REDUCE_SCATTER: 1, ALLREDUCE: 1, REDUCE: len(touched), HANDOFF: 1 + bool(layout.transfers)}
+        assert layout.calls == (expected[layout.choice] if touched else len(layout.collectives))
+        assert layout.modelled_us == dict(layout.costs)[layout.choice]
         simulate(layout, m, seed=trial)
+
+
+def test_handoff_cuts_the_flush_into_equal_chunks_and_moves_each_piece_to_its_owner():
+    m = flat_map([10] * 12, 4)  # partitions of 30: rank 0 keeps p0-p2, rank 1 p3-p5, ...
+    layout = plan_owner_layout(_arrival(m, [7, 6, 5, 4]), m, cost=_forced(m, HANDOFF))  # ranks 1 and 2, 20 each
+    # Regions packed: rank 1's p4 p5 at [0, 20), rank 2's p6 p7 at [20, 40); 4 chunks of 10: chunk i on rank i.
+    assert layout.collectives == (Collective(REDUCE_SCATTER, 0, 40, per_rank=10), Collective(HANDOFF, 0, 40))
+    assert layout.transfers == (Transfer(0, 1, 0, 10), Transfer(3, 2, 30, 10))
+    assert layout.algo == "reduce_scatter+handoff" and layout.total == 40 and layout.padding == ()
+    assert layout.plan.ranges == (FlushRange(0, 20, 1), FlushRange(20, 20, 2))
+    simulate(layout, m)
+    uneven = plan_owner_layout(_arrival(m, [4, 3, 2]), m, cost=_forced(m, HANDOFF))  # 30 elements: chunks of 8
+    assert uneven.padding == (FlushRange(30, 2, ALL),) and uneven.total == 32
+    simulate(uneven, m)
+
+
+@pytest.mark.parametrize("ws", [3, 4, 8])
+def test_negative_control_a_handoff_piece_sent_to_the_wrong_owner_is_caught(ws):
+    m = flat_map([7] * 10, ws)
+    layout = plan_owner_layout(_arrival(m, [6, 5, 4, 3]), m, cost=_forced(m, HANDOFF))
+    assert layout.transfers
+    simulate(layout, m)
+    broken = misroute_handoff(layout, ws)
+    assert broken.transfers != layout.transfers
+    with pytest.raises(AssertionError):
+        simulate(broken, m)
 
 
 def test_negative_control_layout_off_by_one_slice_is_caught():
     m = _map3()
-    layout = plan_owner_layout(_arrival(m), m)
+    layout = plan_owner_layout(_arrival(m), m, cost=_forced(m, REDUCE))
     # Pack the same pieces one slice later (the last one first): a valid packing that disagrees with the calls.
     pieces = sorted((p for g in layout.grads for p in g.pieces), key=lambda p: p.bucket_offset)
     rotated, offset = {}, 0
@@ -195,7 +229,7 @@ def test_negative_control_layout_off_by_one_slice_is_caught():
 
 def test_partial_flush_plans_the_pieces_present():
     m = _map3()
-    layout = plan_owner_layout(_arrival(m), m)
+    layout = plan_owner_layout(_arrival(m), m, cost=_forced(m, REDUCE))
     by_id = {g.param_id: g for g in layout.grads}
     plan = plan_placed([by_id[4], by_id[3], by_id[2]], m, reduce_to_owner=True)
     # p2 lies at [8, 14) split 0 | 1, p3 at [14, 19) -> rank 1, p4 at [19, 22) -> rank 2; the hole [0, 8) skipped.
@@ -206,6 +240,7 @@ def test_partial_flush_plans_the_pieces_present():
 def test_algo_names_and_plain_collectives():
     assert algo_of([]) == "none"
     assert algo_of([ALLREDUCE, REDUCE, REDUCE_SCATTER]) == "reduce_scatter+reduce+allreduce"
+    assert algo_of([HANDOFF, ALLREDUCE, REDUCE_SCATTER]) == "reduce_scatter+handoff+allreduce"
     assert collectives_of((FlushRange(0, 3, 1), FlushRange(3, 2, ALL))) == (Collective(REDUCE, 0, 3, 1),
                                                                              Collective(ALLREDUCE, 3, 2))
     with pytest.raises(ValueError, match="bucket holds 3 elements"):

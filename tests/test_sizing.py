@@ -248,8 +248,10 @@ def test_owner_ordered_calls_per_flush():
     b = size_buckets(_map(), backward_order([0, 1, 2, 3]), bucket_size=10)
     first, second = b.flushes
     assert (first.layout_calls, first.layout_algo, first.owners) == (1, "reduce", 1)
-    # p1 straddles: rank 0 gets p0 and p1[0:3] (9), rank 1 p1[3:4] (1): padding 8 is too much -> two Reduces.
-    assert (second.layout_calls, second.layout_algo, second.owners) == (2, "reduce", 2)
+    # p1 straddles: rank 0 gets p0 and p1[0:3] (9), rank 1 p1[3:4] (1): padding 8 is too much for a
+    # ReduceScatter; 10 elements are latency-bound: one AllReduce beats two Reduces.
+    assert (second.layout_calls, second.layout_algo, second.owners) == (1, "allreduce", 2)
+    assert second.previous_us > second.layout_us  # before the choice: the two Reduces
     (whole,) = size_buckets(_map(), backward_order([0, 1, 2, 3]), bucket_size=100).flushes
     assert (whole.sliced_calls, whole.layout_calls, whole.layout_algo) == (4, 1, "reduce_scatter")
     assert 0 < whole.layout_us < whole.sliced_us <= whole.native_us  # ws 2: one NVLink node; 4 calls -> 1

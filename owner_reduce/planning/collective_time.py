@@ -16,6 +16,15 @@ formulas), src/graph/topo.h (``SM80_NVLINK_BW``, ``SM90_NVLINK_BW`` per NVLink) 
 Not modelled: NVLS, CollNet and PAT (AllReduce may pick NVLS and be faster than this estimate), the tree
 pattern's 0.85 factor, the graph search's exact channel count, and the network's ``latencyInter`` (0 here).
 
+Note (send/recv): tuning.cc has no model for point-to-point operations. A grouped send/recv round (the owner
+hand-off after a ReduceScatter) is charged here as NCCL schedules it (src/enqueue.cc ``scheduleP2pTasksToPlan``,
+``addP2pToPlan``): peers run concurrently, up to ``p2pnChannels / nChannelsPerPeer * NCCL_MAX_DEV_WORK_P2P_PER_BATCH``
+at a time, and paths.cc lowers the channels per peer across nodes so that every peer fits one round; each wave of
+concurrent peers costs one Simple ring step (``baseLatencies[RING][Simple]`` + one hop of ``hwLatencies``), and the
+busiest rank's bytes move at one NIC's speed across nodes (``sm90SpeedArrayInter[0]``: point-to-point traffic of a
+GPU leaves through its own NIC, not through the rings of every GPU of its node) or at the NVLink bus bandwidth
+within one node. Conservative on purpose: every peer is charged as if it were on another node.
+
 Note (Reduce latency): tuning.cc charges a Reduce one hop when the ring graph has ``sameChannels`` and
 ``nsteps`` hops otherwise. A Reduce is a chain through every rank, so the default here is the second (its
 latency grows with the ranks, like every other ring collective); the published check prints both.
@@ -59,6 +68,9 @@ RING_PLATEAU = 1.4  # tuning.cc ncclTopoGetAlgoTime: multi-node ring/Simple AllR
 SM80_NVLINK_BW = 20.0  # topo.h, GB/s per NVLink (A100/A800)
 SM90_NVLINK_BW = 20.6  # topo.h, GB/s per NVLink (H100)
 SM90_MAX_INTER_SPEED = 48.0  # search.cc sm90SpeedArrayInter[0], GB/s per channel across nodes
+
+P2P_MAX_PER_BATCH = 8  # device.h NCCL_MAX_DEV_WORK_P2P_PER_BATCH: p2p operations one channel runs at once
+MAX_CHANNELS = 64  # device.h MAXCHANNELS: the most channels (and p2p channels) a communicator has
 
 ALLREDUCE, REDUCE, REDUCE_SCATTER = "allreduce", "reduce", "reduce_scatter"
 
@@ -112,6 +124,20 @@ def topology_for(world_size: int) -> Topology:
     if world_size % 8:
         raise ValueError(f"world size {world_size}: nodes of 8 GPUs need a multiple of 8")
     return network(world_size // 8)
+
+
+def topology_of(world_size: int, gpus_per_node: int, generation: str = "hopper") -> Topology:
+    """The topology the runtime assumes for ``world_size`` ranks with ``gpus_per_node`` ranks on each node: one NVLink
+    node when they all fit in one (of ``generation``), else H100-class nodes over a network (``network``). A world
+    size that is not a whole number of nodes is modelled as one rank per node (every hop crosses the network: the
+    most conservative latencies)."""
+    if world_size < 1 or gpus_per_node < 1:
+        raise ValueError(f"world size {world_size} and GPUs per node {gpus_per_node} must be at least 1")
+    if world_size <= gpus_per_node:
+        return nvlink_node(world_size, generation=generation)
+    if world_size % gpus_per_node:
+        gpus_per_node = 1
+    return network(world_size // gpus_per_node, gpus_per_node)
 
 
 def _steps(kind: str, n: int) -> int:
@@ -185,6 +211,19 @@ def call_time_us(kind: str, nbytes: int, topo: Topology) -> float:
         if kind == ALLREDUCE:
             best = min(best, tree_allreduce_us(nbytes, topo, protocol))
     return best
+
+
+def p2p_round_us(peers: int, max_bytes: int, topo: Topology) -> float:
+    """One grouped send/recv round in which the busiest rank talks to ``peers`` peers and sends or receives
+    ``max_bytes`` bytes (see Note (send/recv)); 0 when nothing moves."""
+    if peers <= 0 or topo.ranks <= 1:
+        return 0.0
+    across_nodes = topo.nodes > 1
+    hop = HW_LATENCY[("net" if across_nodes else "nvlink", "ring")][SIMPLE]
+    p2p_channels = min(MAX_CHANNELS, 1 << max(topo.channels - 1, 0).bit_length())  # pow2Up(nChannels)
+    waves = -(-peers // (p2p_channels * P2P_MAX_PER_BATCH))  # one channel per peer
+    bandwidth = topo.bw_inter if across_nodes else topo.bus_bw  # GB/s
+    return BASE_LATENCY_RING[SIMPLE] + waves * hop + max_bytes / (1000.0 * bandwidth)
 
 
 def flush_time_us(calls: Iterable[tuple[str, int]], topo: Topology) -> float:

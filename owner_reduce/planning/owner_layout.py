@@ -1,31 +1,37 @@
-"""The owner-ordered bucket layout: where each gradient (or slice) of a flush goes, and which collectives run.
+"""The owner-ordered bucket layout: where each gradient (or slice) of a flush goes, and which calls run.
 
 Why: gradients reach the bucket in backward order (partitions descending) while a straddler's slices ascend,
 so in arrival order the owners interleave and a flush costs one collective per run of owners (142 at ws 64 for
 GPT-2 124M in one flush). Placing every gradient, or every slice of a straddling one, into its owner's region
-(regions in ascending rank order, AllReduce-only entries after them) makes a flush cost one Reduce per owner it
-touches plus at most one AllReduce; and when a flush covers every rank of the group with counts that are equal
-after padding the short regions with a few zeros, the owner regions are exactly a ReduceScatter's input, so the
-flush is one collective. An owner-ordered bucket is ZeRO's own flat partition layout.
+(regions in ascending rank order, AllReduce-only entries after them) makes the owner regions contiguous, and
+then a flush can run as any of ``flush_choice``'s candidates: one Reduce per owner it touches; one ReduceScatter
+when it covers every rank with counts that are equal after padding the short regions with a few zeros (the owner
+regions are then exactly a ReduceScatter's input: ZeRO's own flat partition layout); a ReduceScatter over equal
+chunks followed by a hand-off of each chunk's pieces to their owners; or one AllReduce. The cheapest by NCCL's
+alpha-beta model is laid out and runs (``flush_choice``).
 
 Pure and deterministic: the layout is a function of (the flush's gradients in arrival order, the owner map,
-the bucket capacity) only, so every rank computes the same one without communicating. Within an owner region
-pieces follow the owner map's parameter order (the order of ZeRO's flat buffer), then their offset.
+the bucket capacity, the cost model) only, so every rank computes the same one without communicating. Within
+an owner region pieces follow the owner map's parameter order (the order of ZeRO's flat buffer), then their
+offset.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from .collective_time import topology_for, topology_of
+from .collectives import ALLREDUCE, HANDOFF, REDUCE, REDUCE_SCATTER, Collective, Transfer, algo_of, collectives_of
+from .flush_choice import FlushCost, choose
 from .flush_plan import ALL, BucketEntry, FlushPlan, FlushRange, merge_ranges, plan_flush
 from .owner_map import OwnerMap, Placement
 
-MAX_PADDING_SHARE = 0.01  # a ReduceScatter may pad the short regions by at most 1% of the flush's elements
+__all__ = ["ALLREDUCE", "HANDOFF", "REDUCE", "REDUCE_SCATTER", "Collective", "OwnerLayout", "PlacedGrad",
+           "PlacedPiece", "Transfer", "algo_of", "collectives_of", "default_cost", "handoff_load", "map_order",
+           "plan_owner_layout", "plan_placed"]
 
-REDUCE_SCATTER = "reduce_scatter"
-REDUCE = "reduce"
-ALLREDUCE = "allreduce"
+MAX_PADDING_SHARE = 0.01  # a padded ReduceScatter may pad the short regions by at most 1% of the flush's elements
 
 
 @dataclass(frozen=True)
@@ -58,27 +64,16 @@ class PlacedGrad:
 
 
 @dataclass(frozen=True)
-class Collective:
-    """One call of the flush: ``kind`` over bucket elements ``[offset, offset + count)``.
-
-    ``reduce_scatter``: ``count`` is ``world_size * per_rank``; rank r keeps ``[offset + r * per_rank, +per_rank)``.
-    ``reduce``: to ``root``. ``allreduce``: to every rank.
-    """
-
-    kind: str
-    offset: int
-    count: int
-    root: int | None = None
-    per_rank: int = 0
-
-
-@dataclass(frozen=True)
 class OwnerLayout:
     grads: tuple[PlacedGrad, ...]  # in arrival order
     plan: FlushPlan  # counters as plan_flush counts them; ranges = the regions actually reduced (no padding)
     collectives: tuple[Collective, ...]
-    padding: tuple[FlushRange, ...]  # zero-filled before the collectives (ReduceScatter only)
+    padding: tuple[FlushRange, ...]  # zero-filled before the collectives (a ReduceScatter's short regions)
     total: int  # bucket elements the layout spans, padding included
+    transfers: tuple[Transfer, ...] = ()  # the hand-off's (``handoff`` only), by (destination, source)
+    choice: str = ""  # the candidate that won (flush_choice.CANDIDATES)
+    modelled_us: float = 0.0  # its alpha-beta time
+    costs: tuple[tuple[str, float], ...] = ()  # every candidate considered and its modelled time
 
     @property
     def calls(self) -> int:
@@ -89,18 +84,6 @@ class OwnerLayout:
         return algo_of(c.kind for c in self.collectives)
 
 
-def algo_of(kinds: Iterable[str]) -> str:
-    """The probe's ``algo=`` value: the kinds of call a flush issued, in a fixed order, ``+``-joined."""
-    present = set(kinds)
-    return "+".join(k for k in (REDUCE_SCATTER, REDUCE, ALLREDUCE) if k in present) or "none"
-
-
-def collectives_of(ranges: Sequence[FlushRange]) -> tuple[Collective, ...]:
-    """The calls of a plain (arrival-order) flush plan: one per range."""
-    return tuple(Collective(ALLREDUCE, r.offset, r.count) if r.root is ALL else Collective(REDUCE, r.offset, r.count,
-                                                                                          r.root) for r in ranges)
-
-
 def _entries(grads: Sequence[tuple[int, int]]) -> list[BucketEntry]:
     entries, offset = [], 0
     for param_id, numel in grads:
@@ -109,18 +92,55 @@ def _entries(grads: Sequence[tuple[int, int]]) -> list[BucketEntry]:
     return entries
 
 
+def _packed_transfers(sizes: Sequence[int], chunk: int) -> tuple[Transfer, ...]:
+    """The hand-off after a ReduceScatter of owner regions packed back to back (region r of ``sizes[r]`` elements,
+    ascending r) cut into chunks of ``chunk`` elements, chunk i reduced on rank i: each piece of a chunk that lies
+    in another rank's region moves to that rank. Ordered by (destination, source)."""
+    transfers = []
+    start = 0
+    for owner, size in enumerate(sizes):
+        end = start + size
+        at = start
+        while at < end:
+            holder = at // chunk
+            stop = min(end, (holder + 1) * chunk)
+            if holder != owner:
+                transfers.append(Transfer(holder, owner, at, stop - at))
+            at = stop
+        start = end
+    return tuple(transfers)
+
+
+def handoff_load(transfers: Sequence[Transfer], world_size: int) -> tuple[int, int]:
+    """(peers, elements) of the busiest rank of a hand-off: the most peers one rank sends to or receives from, and
+    the most elements one rank sends or receives."""
+    sent = [0] * world_size
+    received = [0] * world_size
+    send_peers = [0] * world_size
+    recv_peers = [0] * world_size
+    for t in transfers:
+        sent[t.src] += t.count
+        received[t.dst] += t.count
+        send_peers[t.src] += 1  # one transfer per (source, destination) pair: a chunk meets a region once
+        recv_peers[t.dst] += 1
+    return max(send_peers + recv_peers, default=0), max(sent + received, default=0)
+
+
 def plan_owner_layout(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, reduce_to_owner: bool = True, *,
                       capacity: int | None = None, max_padding_share: float = MAX_PADDING_SHARE,
-                      order: dict[int, int] | None = None) -> OwnerLayout:
-    """Lay out one flush of ``grads`` ((param_id, numel) in arrival order).
+                      order: dict[int, int] | None = None, cost: FlushCost | None = None) -> OwnerLayout:
+    """Lay out one flush of ``grads`` ((param_id, numel) in arrival order) for the candidate that runs.
 
-    ``capacity``: bucket elements available; a ReduceScatter's padding must fit in it (default: no limit).
+    ``capacity``: bucket elements available; a padded ReduceScatter's regions must fit in it (default: no limit).
+    ``max_padding_share``: the most padding a padded ReduceScatter may add, as a share of the flush's elements.
     ``order``: param_id -> position in the owner map (``map_order``), to skip recomputing it per flush.
+    ``cost``: the model that chooses (default: the world size's named topology, bf16, ``auto``).
     Without ``reduce_to_owner`` every gradient goes to the AllReduce region in arrival order.
     """
     entries = _entries(grads)
     counted = plan_flush(entries, owner_map, reduce_to_owner)  # counters, and validates the numels
     n = owner_map.dp_world_size
+    cost = default_cost(n) if cost is None else cost
     order = map_order(owner_map) if order is None else order
     # (sort key, param_id, src_offset, length) per piece, by destination.
     regions: list[list[tuple[tuple[int, int], int, int, int]]] = [[] for _ in range(n)]
@@ -141,42 +161,83 @@ def plan_owner_layout(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, red
     sizes = [sum(p[3] for p in region) for region in regions]
     owner_elems = sum(sizes)
     all_elems = sum(p[2] for p in everyone)
+
+    # The candidates and their modelled times (see flush_choice). Packed: regions back to back from 0, the
+    # AllReduce region after them; for a hand-off, after world_size equal chunks covering them (its span).
+    chunk = -(-owner_elems // n) if owner_elems else 0
+    packed_span = n * chunk if n > 1 else owner_elems
     per_rank = max(sizes, default=0)
-    pad = n * per_rank - owner_elems
-    fits = capacity is None or n * per_rank + all_elems <= capacity
-    scatter = (reduce_to_owner and n > 1 and all(sizes) and fits
-               and pad <= max_padding_share * counted.reduced_elems)
+    everyone_call = [(ALLREDUCE, all_elems)] if all_elems else []
+    costs: dict[str, float] = {ALLREDUCE: cost.calls_us([(ALLREDUCE, owner_elems + all_elems)])}
+    transfers: tuple[Transfer, ...] = ()
+    if owner_elems:
+        costs[REDUCE] = cost.calls_us([(REDUCE, s) for s in sizes if s] + everyone_call)
+        if n > 1:
+            transfers = _packed_transfers(sizes, chunk)
+            peers, moved = handoff_load(transfers, n)
+            costs[HANDOFF] = cost.calls_us([(REDUCE_SCATTER, packed_span)] + everyone_call) + cost.handoff_us(peers,
+                                                                                                             moved)
+            pad = n * per_rank - owner_elems
+            fits = capacity is None or n * per_rank + all_elems <= capacity
+            if all(sizes) and fits and pad <= max_padding_share * counted.reduced_elems:
+                costs[REDUCE_SCATTER] = cost.calls_us([(REDUCE_SCATTER, n * per_rank)] + everyone_call)
+    choice = choose(costs, cost.force)
 
     placed: dict[int, list[PlacedPiece]] = {e.param_id: [] for e in entries}
     ranges: list[FlushRange] = []
     collectives: list[Collective] = []
     padding: list[FlushRange] = []
+    owner_root = choice != ALLREDUCE  # AllReduce: every rank receives the owner regions too
     offset = 0
     for rank, region in enumerate(regions):
-        start = rank * per_rank if scatter else offset
+        start = rank * per_rank if choice == REDUCE_SCATTER else offset
         offset = start
         for _, param_id, src_offset, length in region:
-            placed[param_id].append(PlacedPiece(param_id, src_offset, length, offset, rank))
+            placed[param_id].append(PlacedPiece(param_id, src_offset, length, offset, rank if owner_root else ALL))
             offset += length
         if sizes[rank]:
-            ranges.append(FlushRange(start, sizes[rank], rank))
-            if not scatter:
+            ranges.append(FlushRange(start, sizes[rank], rank if owner_root else ALL))
+            if choice == REDUCE:
                 collectives.append(Collective(REDUCE, start, sizes[rank], rank))
-        if scatter and sizes[rank] < per_rank:
+        if choice == REDUCE_SCATTER and sizes[rank] < per_rank:
             padding.append(FlushRange(offset, per_rank - sizes[rank], rank))
             offset = start + per_rank
-    if scatter:
+    if choice == REDUCE_SCATTER:
         collectives.insert(0, Collective(REDUCE_SCATTER, 0, n * per_rank, per_rank=per_rank))
+    elif choice == HANDOFF:
+        if offset < packed_span:  # the last chunk's tail: zeros, reduced and never read
+            padding.append(FlushRange(offset, packed_span - offset, ALL))
+            offset = packed_span
+        collectives.insert(0, Collective(REDUCE_SCATTER, 0, packed_span, per_rank=chunk))
     if all_elems:
         ranges.append(FlushRange(offset, all_elems, ALL))
-        collectives.append(Collective(ALLREDUCE, offset, all_elems))
+        if choice != ALLREDUCE:
+            collectives.append(Collective(ALLREDUCE, offset, all_elems))
         for param_id, src_offset, length in everyone:
             placed[param_id].append(PlacedPiece(param_id, src_offset, length, offset, ALL))
             offset += length
+    if choice == ALLREDUCE and offset:
+        collectives.append(Collective(ALLREDUCE, 0, offset))
+    if choice == HANDOFF and transfers:  # chunks that fall exactly on their owners' regions need no hand-off
+        collectives.append(Collective(HANDOFF, 0, packed_span))
+    plan = replace(counted, ranges=merge_ranges(ranges) if choice == ALLREDUCE else tuple(ranges))
+    if choice == ALLREDUCE:
+        plan = replace(plan, owner_tasks=0, owner_elems=0)
     out = tuple(PlacedGrad(e.param_id, e.numel, tuple(sorted(placed[e.param_id], key=lambda p: p.src_offset)))
                 for e in entries)
-    return OwnerLayout(grads=out, plan=replace(counted, ranges=tuple(ranges)), collectives=tuple(collectives),
-                       padding=tuple(padding), total=offset)
+    return OwnerLayout(grads=out, plan=plan, collectives=tuple(collectives), padding=tuple(padding), total=offset,
+                       transfers=transfers if choice == HANDOFF else (), choice=choice,
+                       modelled_us=costs[choice], costs=tuple(sorted(costs.items())))
+
+
+def default_cost(world_size: int, dtype_bytes: int = 2) -> FlushCost:
+    """The cost model of a world size's named topology (``topology_for``; one rank per node where there is none)."""
+    if world_size <= 1:
+        return FlushCost(None, dtype_bytes)
+    try:
+        return FlushCost(topology_for(world_size), dtype_bytes)
+    except ValueError:
+        return FlushCost(topology_of(world_size, 1), dtype_bytes)
 
 
 def map_order(owner_map: OwnerMap) -> dict[int, int]:

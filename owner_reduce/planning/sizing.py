@@ -15,9 +15,12 @@ Three paths are compared: ``native`` (DeepCompile today: one AllReduce per gradi
 proposal: single-owner gradients Reduce to their owner, straddling ones AllReduce, ranges merged per run)
 and ``sliced`` (what ``reduce_to_owner`` does: every partition's slice of a straddling gradient also reduces
 to its owner, so every element goes to exactly one rank). Both come from ``flush_plan.plan_flush``.
-A fourth, ``layout``, is the owner-ordered bucket (``owner_layout``): one Reduce per owner region, or one
-ReduceScatter when the flush covers every rank. Calls per flush matter because each NCCL call pays a latency:
-``collective_time`` estimates each flush with NCCL's own alpha-beta tuning model on a named topology.
+A fourth, ``layout``, is what ``reduce_to_owner`` runs: the owner-ordered bucket (``owner_layout``) with each
+flush's algorithm chosen by NCCL's alpha-beta model (``flush_choice``: one Reduce per owner, one ReduceScatter,
+a ReduceScatter with an owner hand-off, or one AllReduce). Calls per flush matter because each NCCL call pays a
+latency: ``collective_time`` estimates each flush with NCCL's own tuning model on a named topology. ``previous``
+is the owner-ordered bucket before the choice (one ReduceScatter where it covers every rank, else one Reduce per
+owner), kept to show what the choice changed.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .collective_time import A800_NODE, ALLREDUCE, REDUCE, Topology, flush_time_us, topology_for
+from .collective_time import A800_NODE, ALLREDUCE, REDUCE, REDUCE_SCATTER, Topology, flush_time_us, topology_for
+from .flush_choice import FlushCost
 from .flush_plan import ALL, BucketEntry, FlushRange, plan_flush
 from .owner_layout import collectives_of, map_order, plan_owner_layout
 from .owner_map import OwnerMap, Placement
@@ -214,12 +218,18 @@ class FlushSizing:
     owner_time: float
     sliced_time: float
     owners: int = 0  # distinct owner ranks the flush touches (the floor of Reduce calls per flush)
-    layout_calls: int = 0  # the owner-ordered bucket (owner_layout.plan_owner_layout)
+    layout_calls: int = 0  # what reduce_to_owner runs: the owner-ordered bucket, algorithm chosen per flush
     layout_algo: str = ""
     # alpha-beta estimates (us) on the world size's named topology; 0 when there is none
     native_us: float = 0.0
     sliced_us: float = 0.0
     layout_us: float = 0.0
+    previous_us: float = 0.0  # the owner-ordered bucket before the per-flush choice (see the module's docstring)
+    layout_choice: str = ""  # the candidate that won (flush_choice.CANDIDATES)
+
+    @property
+    def layout_over_native(self) -> float:
+        return self.layout_us / self.native_us if self.native_us else 1.0
 
 
 @dataclass(frozen=True)
@@ -248,8 +258,19 @@ class BucketSizing:
         return sum(f.layout_calls for f in self.flushes)
 
     def step_us(self, path: str) -> float:
-        """Alpha-beta step time of ``path`` (native, sliced, layout): flushes run one after another."""
+        """Alpha-beta step time of ``path`` (native, sliced, layout, previous): flushes run one after another."""
         return sum(getattr(f, f"{path}_us") for f in self.flushes)
+
+    def worst_flush(self) -> FlushSizing | None:
+        """The flush whose chosen algorithm is modelled slowest against native (None without flushes)."""
+        return max(self.flushes, key=lambda f: (f.layout_over_native, -f.index), default=None)
+
+    def choices(self) -> dict[str, int]:
+        """Flushes per ``algo=`` value, most frequent first."""
+        counts: dict[str, int] = {}
+        for f in self.flushes:
+            counts[f.layout_algo] = counts.get(f.layout_algo, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
     def us_ratio(self, path: str) -> float:
         native = self.step_us("native")
@@ -282,6 +303,7 @@ def size_buckets(owner_map: OwnerMap, grad_order: Sequence[int], bucket_size: in
                  topology: Topology | None | str = "default") -> BucketSizing:
     n = owner_map.dp_world_size
     topo = default_topology(n) if topology == "default" else topology
+    cost = FlushCost(topo, dtype_bytes)
     order = map_order(owner_map)
     sized = []
     for index, entries in enumerate(simulate_flushes(owner_map, grad_order, bucket_size, double_buffer), 1):
@@ -290,23 +312,25 @@ def size_buckets(owner_map: OwnerMap, grad_order: Sequence[int], bucket_size: in
         sliced = plan_flush(entries, owner_map, reduce_to_owner=True).ranges
         capacity = max([int(bucket_size)] + [e.numel for e in entries])
         layout = plan_owner_layout([(e.param_id, e.numel) for e in entries], owner_map, capacity=capacity,
-                                   order=order)
+                                   order=order, cost=cost)
         times = {}
         if topo is not None:
             b = dtype_bytes
+            costs = dict(layout.costs)
             times = dict(
                 native_us=flush_time_us(((ALLREDUCE, e.numel * b) for e in entries), topo),
                 sliced_us=flush_time_us(((c.kind, c.count * b) for c in collectives_of(sliced)), topo),
-                layout_us=flush_time_us(((c.kind, c.count * b) for c in layout.collectives), topo))
+                layout_us=layout.modelled_us,
+                previous_us=costs.get(REDUCE_SCATTER, costs.get(REDUCE, costs[ALLREDUCE])))
         # Native: each gradient is its own AllReduce, but they share one group, so time adds up as one range.
         sized.append(FlushSizing(index=index, tasks=owner.tasks, elems=owner.reduced_elems,
                                  owner_elems=owner.owner_elems, native_calls=len(entries),
                                  owner_calls=len(owner.ranges), sliced_calls=len(sliced),
                                  native_time=ring_time(native.ranges, n), owner_time=ring_time(owner.ranges, n),
                                  sliced_time=ring_time(sliced, n),
-                                 owners=len({r.root for r in layout.plan.ranges if r.root is not ALL}),
-                                 layout_calls=layout.calls,
-                                 layout_algo=layout.algo, **times))
+                                 owners=len({r.root for r in sliced if r.root is not ALL}),
+                                 layout_calls=layout.calls, layout_algo=layout.algo,
+                                 layout_choice=layout.choice, **times))
     return BucketSizing(bucket_size=int(bucket_size), world_size=n, flushes=tuple(sized),
                         topology=topo.name if topo is not None else "")
 
@@ -398,6 +422,10 @@ def size_the_win(owner_map: OwnerMap, grad_order: Sequence[int], bucket_sizes: S
                         build_seconds=build_seconds, notes=tuple(notes))
 
 
+def _ms(us: float) -> str:
+    return f"{us / 1000:.3f} ms"
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
@@ -447,18 +475,22 @@ def format_report(report: SizingReport) -> str:
             f"{max((f.sliced_calls for f in b.flushes), default=0)}",
             f"  collective calls per step:               native {b.native_calls}   owner {b.owner_calls}   "
             f"sliced {b.sliced_calls}",
-            f"  owner-ordered bucket, calls per flush:   {b.layout_calls / per:.1f}, "
-            f"{max((f.layout_calls for f in b.flushes), default=0)}   (today = sliced {b.sliced_calls / per:.1f}; "
-            f"owners touched {sum(f.owners for f in b.flushes) / per:.1f}; algo {_algos(b)})",
+            f"  reduce_to_owner (owner-ordered, algorithm chosen per flush), calls per flush: "
+            f"{b.layout_calls / per:.1f}, {max((f.layout_calls for f in b.flushes), default=0)}   "
+            f"(owners touched {sum(f.owners for f in b.flushes) / per:.1f}; algo {_algos(b)})",
             f"  ring-model time, owner / native:         {b.owner_time_ratio:.3f}   "
             f"(sliced {b.sliced_time_ratio:.3f}; native AllReduce = 2(n-1)/n = {2 * (n - 1) / n:.3f} S/B)",
         ]
-        if b.topology:
+        worst = b.worst_flush()
+        if b.topology and worst is not None:
             lines += [
                 f"  alpha-beta step time on {b.topology}:",
-                f"    native {b.step_us('native') / 1000:.3f} ms   today (sliced) {b.step_us('sliced') / 1000:.3f} ms"
-                f" ({b.us_ratio('sliced'):.3f})   owner-ordered {b.step_us('layout') / 1000:.3f} ms "
-                f"({b.us_ratio('layout'):.3f} of native; bandwidth-only {b.sliced_time_ratio:.3f})",
+                f"    native {_ms(b.step_us('native'))}   reduce_to_owner {_ms(b.step_us('layout'))} "
+                f"({b.us_ratio('layout'):.3f} of native)   worst flush #{worst.index} {worst.layout_over_native:.3f} "
+                f"of native ({worst.layout_algo}, {worst.elems:,} elements)",
+                f"    before the per-flush choice: owner-ordered {_ms(b.step_us('previous'))} "
+                f"({b.us_ratio('previous'):.3f})   arrival order {_ms(b.step_us('sliced'))} "
+                f"({b.us_ratio('sliced'):.3f})   (bandwidth-only {b.sliced_time_ratio:.3f})",
             ]
     lines += ["", "estimates: ring-model time is bandwidth only, per rank; alpha-beta time is NCCL's tuning model "
               "(planning/collective_time.py), flushes serial, compute overlap and host time ignored."]
@@ -476,7 +508,10 @@ def report_to_dict(report: SizingReport) -> dict[str, Any]:
                    sliced_calls=b.sliced_calls, owner_time_ratio=b.owner_time_ratio,
                    sliced_time_ratio=b.sliced_time_ratio, layout_calls=b.layout_calls,
                    native_us=b.step_us("native"), sliced_us=b.step_us("sliced"), layout_us=b.step_us("layout"),
-                   sliced_us_ratio=b.us_ratio("sliced"), layout_us_ratio=b.us_ratio("layout"))
+                   previous_us=b.step_us("previous"), sliced_us_ratio=b.us_ratio("sliced"),
+                   layout_us_ratio=b.us_ratio("layout"), previous_us_ratio=b.us_ratio("previous"),
+                   worst_flush_over_native=max((f.layout_over_native for f in b.flushes), default=1.0),
+                   choices=b.choices())
     return data
 
 
@@ -486,7 +521,4 @@ def report_to_json(report: SizingReport) -> str:
 
 def _algos(b: BucketSizing) -> str:
     """The distinct ``algo=`` values of a bucket's flushes, most frequent first."""
-    counts: dict[str, int] = {}
-    for f in b.flushes:
-        counts[f.layout_algo] = counts.get(f.layout_algo, 0) + 1
-    return ", ".join(f"{a} x{c}" for a, c in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return ", ".join(f"{a} x{c}" for a, c in b.choices().items())

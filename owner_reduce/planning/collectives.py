@@ -1,0 +1,59 @@
+"""The calls a flush issues, as plain data: one ``Collective`` per call, and the hand-off's transfers.
+
+Why a module of its own: the flush's layout (``owner_layout``), its cost-based choice (``flush_choice``), the
+runtime that issues the calls and the sizing that times them all speak this vocabulary; none of them owns it.
+Pure: no torch.distributed, no cupy, no tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .flush_plan import FlushRange
+
+REDUCE_SCATTER = "reduce_scatter"
+HANDOFF = "handoff"
+REDUCE = "reduce"
+ALLREDUCE = "allreduce"
+KINDS = (REDUCE_SCATTER, HANDOFF, REDUCE, ALLREDUCE)  # the order algo_of names them in
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One call of the flush: ``kind`` over bucket elements ``[offset, offset + count)``.
+
+    ``reduce_scatter``: ``count`` is ``world_size * per_rank``; rank r keeps ``[offset + r * per_rank, +per_rank)``.
+    ``reduce``: to ``root``. ``allreduce``: to every rank. ``handoff``: one grouped send/recv round over
+    ``[offset, offset + count)`` (the ReduceScatter's span) that moves reduced pieces to their owners; what moves is
+    the layout's ``transfers``. It runs after every other call of the flush has completed.
+    """
+
+    kind: str
+    offset: int
+    count: int
+    root: int | None = None
+    per_rank: int = 0
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """After the flush's ReduceScatter, rank ``src`` holds the reduced bucket elements ``[offset, offset + count)``
+    and sends them to rank ``dst``, which keeps them and receives them at the same offsets of its bucket."""
+
+    src: int
+    dst: int
+    offset: int
+    count: int
+
+
+def algo_of(kinds: Iterable[str]) -> str:
+    """The probe's ``algo=`` value: the kinds of call a flush issued, in a fixed order, ``+``-joined."""
+    present = set(kinds)
+    return "+".join(k for k in KINDS if k in present) or "none"
+
+
+def collectives_of(ranges: Sequence[FlushRange]) -> tuple[Collective, ...]:
+    """The calls of a plain (arrival-order) flush plan: one per range."""
+    return tuple(Collective(ALLREDUCE, r.offset, r.count) if r.root is None else Collective(REDUCE, r.offset, r.count,
+                                                                                           r.root) for r in ranges)

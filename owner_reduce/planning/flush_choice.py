@@ -1,0 +1,134 @@
+"""Which algorithm a flush runs: the cheapest one by NCCL's alpha-beta model, chosen alike on every rank.
+
+Why a choice per flush: the owner path moves half the bytes of an AllReduce, but every NCCL call pays a latency
+that grows with the ranks. A flush that holds part of the model touches a few owners; one Reduce per owner then
+costs a ring latency over all ranks each (about a millisecond at 512 ranks), and a latency-bound flush is
+cheapest as one AllReduce. So each flush is costed on ``collective_time``'s model for each candidate and the
+cheapest runs:
+
+- ``reduce_scatter``: one ReduceScatter over the owner regions padded to equal size (a flush that covers every
+  rank with near-equal regions: ZeRO's own flat layout);
+- ``reduce``: one Reduce per owner the flush touches;
+- ``handoff``: one ReduceScatter over the flush cut into ``world_size`` equal chunks, then one grouped send/recv
+  round that moves each reduced chunk's pieces to the ranks that own them (each rank receives exactly what it keeps);
+- ``allreduce``: one AllReduce of the whole flush (what the native runtime sends, in one call).
+Gradients that must reach every rank (another communicator, whole-gradient optimizers) add one AllReduce to the
+first three. ``allreduce`` is always a candidate, and one AllReduce of a flush is never modelled slower than the
+native runtime's one AllReduce per gradient (the model is subadditive; ``tests/test_flush_choice.py`` checks it),
+so no flush is modelled slower than native.
+
+Identical on every rank: the inputs are the flush's layout, the world size, the topology the ranks agreed on at
+init and the dtype; the arithmetic is the same Python on every rank, so the same candidate wins everywhere.
+``OWNER_REDUCE_FLUSH_ALGO`` forces a candidate where it applies (tests, measurements); ``auto`` is the default.
+Pure: numbers in, a name out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from .collective_time import Topology, flush_time_us, p2p_round_us, topology_of
+from .collectives import ALLREDUCE, HANDOFF, REDUCE, REDUCE_SCATTER, Collective, collectives_of
+from .flush_plan import ALL, FlushPlan, FlushRange
+
+AUTO = "auto"
+CANDIDATES = (REDUCE_SCATTER, REDUCE, ALLREDUCE, HANDOFF)  # in the order ties go (fewest calls first)
+FORCE_ENV_VAR = "OWNER_REDUCE_FLUSH_ALGO"
+FORCE_VALUES = (AUTO, REDUCE, ALLREDUCE, HANDOFF)  # reduce_scatter cannot be forced: it needs every owner present
+
+
+def parse_force(value: str | None) -> str:
+    """``OWNER_REDUCE_FLUSH_ALGO``'s value (unset or empty: ``auto``); ValueError naming the variable otherwise."""
+    if value is None or not value.strip():
+        return AUTO
+    text = value.strip().lower()
+    if text not in FORCE_VALUES:
+        raise ValueError(f"owner_reduce: {FORCE_ENV_VAR} must be one of {', '.join(FORCE_VALUES)}, got {value!r}")
+    return text
+
+
+@dataclass(frozen=True)
+class FlushCost:
+    """What the choice needs besides the layout: the topology (None: one rank, nothing to cost), bytes per element,
+    and a forced candidate (``auto``: the cheapest)."""
+
+    topology: Topology | None
+    dtype_bytes: int = 2
+    force: str = AUTO
+
+    def __post_init__(self) -> None:
+        if self.force not in FORCE_VALUES:
+            raise ValueError(f"owner_reduce: flush algorithm must be one of {', '.join(FORCE_VALUES)}, "
+                             f"got {self.force!r}")
+        if self.dtype_bytes < 1:
+            raise ValueError(f"owner_reduce: dtype_bytes must be positive, got {self.dtype_bytes}")
+
+    def calls_us(self, calls: Iterable[tuple[str, int]]) -> float:
+        """Modelled time of grouped calls given as (kind, elements)."""
+        if self.topology is None:
+            return 0.0
+        b = self.dtype_bytes
+        return flush_time_us(((kind, count * b) for kind, count in calls), self.topology)
+
+    def handoff_us(self, peers: int, max_elems: int) -> float:
+        """Modelled time of a send/recv round: the busiest rank has ``peers`` peers and moves ``max_elems``."""
+        if self.topology is None:
+            return 0.0
+        return p2p_round_us(peers, max_elems * self.dtype_bytes, self.topology)
+
+    def for_dtype_bytes(self, dtype_bytes: int) -> FlushCost:
+        return self if dtype_bytes == self.dtype_bytes else replace(self, dtype_bytes=dtype_bytes)
+
+
+def agreed_topology(world_size: int, ranks_per_node: Sequence[int], sm_majors: Sequence[int]) -> Topology | None:
+    """The topology every rank models, from every rank's facts (the same lists everywhere, so the same result):
+    ranks per node the largest any rank reported (0: unknown; all unknown: one node), Ampere constants when every
+    GPU is sm_8x, Hopper's otherwise (also on CPU). None for one rank: nothing to cost."""
+    if world_size <= 1:
+        return None
+    known = [r for r in ranks_per_node if r > 0]
+    per_node = min(max(known), world_size) if known else world_size
+    generation = "ampere" if sm_majors and all(m == 8 for m in sm_majors) else "hopper"
+    return topology_of(world_size, per_node, generation)
+
+
+def choose(costs: Mapping[str, float], force: str = AUTO) -> str:
+    """The candidate that runs: the forced one if it is among ``costs``, else the cheapest (ties: fewest calls)."""
+    if force != AUTO and force in costs:
+        return force
+    return min((c for c in CANDIDATES if c in costs), key=lambda c: (costs[c], CANDIDATES.index(c)))
+
+
+@dataclass(frozen=True)
+class ArrivalChoice:
+    """An arrival-order flush (a graph's first backward, or one that left its schedule), as it will run."""
+
+    plan: FlushPlan  # counters and ranges of what actually runs (all on ALL when AllReduce won)
+    collectives: tuple[Collective, ...]
+    choice: str  # reduce (the plan's runs) or allreduce
+    modelled_us: float
+
+
+def all_reduced(plan: FlushPlan, offset: int, span: int) -> FlushPlan:
+    """``plan`` as one AllReduce of bucket elements ``[offset, offset + span)``: nothing takes the owner path."""
+    ranges = (FlushRange(offset, span, ALL),) if span else ()
+    return replace(plan, ranges=ranges, owner_tasks=0, owner_elems=0)
+
+
+def choose_arrival(plan: FlushPlan, cost: FlushCost) -> ArrivalChoice:
+    """Between the plan's own calls (one per run of owners, AllReduce for the rest) and one AllReduce over the span
+    of its ranges, the cheaper. ``handoff`` cannot apply to an arrival-order bucket (owners interleave), so forcing
+    it leaves the choice to the model here."""
+    per_run = collectives_of(plan.ranges)
+    runs_us = cost.calls_us((c.kind, c.count) for c in per_run)
+    if all(c.kind == ALLREDUCE for c in per_run) and len(per_run) <= 1:
+        return ArrivalChoice(plan, per_run, ALLREDUCE if per_run else "none", runs_us)
+    offset = min(r.offset for r in plan.ranges)
+    span = max(r.offset + r.count for r in plan.ranges) - offset  # holes (a flush that left its schedule) included
+    costs = {REDUCE: runs_us, ALLREDUCE: cost.calls_us([(ALLREDUCE, span)])}
+    choice = choose(costs, cost.force)
+    if choice == ALLREDUCE:
+        whole = all_reduced(plan, offset, span)
+        return ArrivalChoice(whole, collectives_of(whole.ranges), ALLREDUCE, costs[ALLREDUCE])
+    return ArrivalChoice(plan, per_run, REDUCE, runs_us)
