@@ -255,15 +255,19 @@ class StuckStreams:
 
 
 def test_handle_waits_name_the_flush_and_the_call():
+    import types
+
     from owner_reduce.planning.flags import OwnerReduceFlags
     from owner_reduce.planning.owner_map import OwnerMap
     from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
 
     empty_map = OwnerMap.from_group_tables([], 2)
-    runtime = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, False), empty_map), comm_factory=None)
-    runtime.comm = comm = MirrorComm(rank=1, world_size=2)
+    comm = MirrorComm(rank=1, world_size=2)
+    runtime = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, False), empty_map),
+                                 comm_factory=lambda group: comm)
+    runtime.init(None, types.SimpleNamespace(double_buffer=True), 64)
     comm.deadline = Deadline(0.05, "test")
-    runtime._streams = StuckStreams()
+    runtime.placer.streams = StuckStreams()
     runtime.stats.flushes = 6
     with comm.group(flush=runtime.stats.flushes + 1):  # as _flush opens it
         pass

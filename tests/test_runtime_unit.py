@@ -159,12 +159,14 @@ def test_probe_lines_stop_after_twenty_flushes():
 
 @pytest.mark.parametrize("column,name", [(1, "flags"), (2, "reduce_bucket_size"), (3, "owner map digest"),
                                          (1, "compile.reduce_to_owner differs across ranks: true on rank 0, "
-                                             "false on rank 1")])
+                                             "false on rank 1"),
+                                         (4, "OWNER_REDUCE_FLUSH_ALGO differs across ranks: auto on rank 0, "
+                                             "reduce on rank 1")])
 def test_agreement_mismatch_is_refused(column, name):
     comm = MirrorComm()
     settings = RuntimeSettings(OwnerReduceFlags(True, True), OwnerMap.from_group_tables([TABLES], 2))
     rt = OwnerReduceRuntime(settings, comm_factory=lambda group: comm)
-    good = [1, 3, 64, int(settings.owner_map.digest()[:15], 16), 0]
+    good = [2, 3, 64, int(settings.owner_map.digest()[:15], 16), 0, 0, 2, 0]
     bad = list(good)
     bad[column] += 1 if name != "flags" else 4  # an unknown flag bit: the generic sentence
     if name.startswith("compile."):
@@ -203,7 +205,7 @@ def test_cuda_streams_give_the_same_result(bucket):
         _backward(rt, grads)
         torch.testing.assert_close(buffers[0], grads[0], rtol=0, atol=0)
         torch.testing.assert_close(buffers[1], grads[1][:2], rtol=0, atol=0)
-    assert type(rt._streams).__name__ == "CudaStreams"
+    assert type(rt.placer.streams).__name__ == "CudaStreams"
 
 
 # ---- host path: cached flush plans, bucket sizing and lifetime, no per-step allocation ------------------------
@@ -234,8 +236,8 @@ def test_a_stale_plan_would_misroute_and_is_caught(rank, monkeypatch):
     """Negative control for the test above: a cache that ignores the content gives wrong grad buffers."""
     rt, _ = _runtime(rank=rank, probe=False)
     _backward(rt, _grads(), order=(2, 1, 0))
-    stale = next(iter(rt._flush_cache.values()))
-    monkeypatch.setattr(rt, "_cached_flush", lambda dtype, pending: stale)
+    stale = next(iter(rt.flusher._cache.values()))
+    monkeypatch.setattr(rt.flusher, "_arrival", lambda pending, dtype: stale)
     _backward(rt, _grads(3.0), order=(0, 1, 2))
     assert not _kept_matches(rt, _grads(3.0))
 
@@ -250,12 +252,13 @@ def test_a_new_grad_buffer_drops_the_cached_copy_out():
 
 
 def test_fault_injection_still_reaches_cached_plans(monkeypatch):
-    """The harness's negative controls replace plan_flush in the handle module; the cache must plan through it."""
-    import owner_reduce.runtime.handle as handle_module
+    """The harness's negative controls replace plan_flush in the flush module; the cache must plan through it."""
+    import owner_reduce.runtime.flush as flush_module
+    import owner_reduce.runtime.placement as placement_module
     from owner_reduce.harness.faults import inject
 
-    monkeypatch.setattr(handle_module, "plan_flush", handle_module.plan_flush)  # restored after the test
-    monkeypatch.setattr(handle_module, "plan_owner_layout", handle_module.plan_owner_layout)  # inject breaks both
+    monkeypatch.setattr(flush_module, "plan_flush", flush_module.plan_flush)  # restored after the test
+    monkeypatch.setattr(placement_module, "plan_owner_layout", placement_module.plan_owner_layout)  # broken too
     inject("wrong_root", 2)
     rt, _ = _runtime(rank=1, probe=False)  # the first owner range, c -> rank 1, now goes to rank 0
     _backward(rt, _grads())
@@ -267,23 +270,23 @@ def test_bucket_size_follows_the_registered_gradients(bucket, expected):
     """min(reduce_bucket_size, registered gradient elements of the dtype): 6 + 5 + 5 = 16 float32 elements."""
     rt, _ = _runtime(bucket=bucket, probe=False)
     _backward(rt, _grads())
-    current = rt._buckets.current(torch.float32)
+    current = rt.placer.buckets.current(torch.float32)
     assert current.size == expected and current.buffer.numel() == expected
-    assert rt._buckets._shadow == {}, "no shadow bucket on CPU: nothing overlaps a flush there"
-    assert rt._buckets.size_for(torch.float16) == bucket, "a dtype with no registered gradient keeps the config"
+    assert rt.placer.buckets._shadow == {}, "no shadow bucket on CPU: nothing overlaps a flush there"
+    assert rt.placer.buckets.size_for(torch.float16) == bucket, "a dtype with no registered gradient keeps the config"
 
 
 def test_buckets_are_kept_across_steps_and_released_as_the_native_runtime_does():
     rt, comm = _runtime(probe=False)
     _backward(rt, _grads())
-    buffer = rt._buckets.current(torch.float32).buffer
+    buffer = rt.placer.buckets.current(torch.float32).buffer
     _backward(rt, _grads(2.0))
-    assert rt._buckets.current(torch.float32).buffer is buffer and comm.buffer_releases == 0
+    assert rt.placer.buckets.current(torch.float32).buffer is buffer and comm.buffer_releases == 0
     rt.start_backward(True)
     for pid, g in _grads(3.0).items():
         rt.reduce_grad(g, 11, pid)
     rt.end_backward(11, True)  # release_reduce_buckets: deepcompile.cpp clears the shared buckets
-    assert rt._buckets._current == {} and comm.buffer_releases == 1 and _kept_matches(rt, _grads(3.0))
+    assert rt.placer.buckets._current == {} and comm.buffer_releases == 1 and _kept_matches(rt, _grads(3.0))
     _backward(rt, _grads(4.0))
     assert _kept_matches(rt, _grads(4.0))
 

@@ -8,8 +8,8 @@ import torch
 from fakes import NUMELS, ws2_runtime
 
 
-def _runtime(rank=0, bucket=64, probe=True):
-    return ws2_runtime(rank, owner=True, probe=probe, bucket=bucket)
+def _runtime(rank=0, bucket=64, probe=True, algo="reduce"):
+    return ws2_runtime(rank, owner=True, probe=probe, bucket=bucket, algo=algo)
 
 
 def _grads(scale=1.0):
@@ -35,9 +35,11 @@ def _step_calls(comm, since):
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_second_backward_is_one_reduce_scatter(rank):
-    rt, comm = _runtime(rank=rank)
+    """The cost model's own choice (16 elements: latency-bound): the arrival-order flush, whose owners interleave
+    (4 Reduces), is one AllReduce; the owner-ordered one covers both ranks: one ReduceScatter."""
+    rt, comm = _runtime(rank=rank, algo="auto")
     _backward(rt, _grads())
-    assert comm.calls == [("reduce", 1, 5), ("reduce", 0, 2), ("reduce", 1, 3), ("reduce", 0, 6)]
+    assert comm.calls == [("all_reduce", None, 16)]
     assert rt.stats.schedules_learned == 1 and rt.stats.scheduled_flushes == 0
     n = len(comm.calls)
     _backward(rt, _grads(2.0))
@@ -45,7 +47,8 @@ def test_second_backward_is_one_reduce_scatter(rank):
     assert _step_calls(comm, n) == [("reduce_scatter", None, 16)]
     assert _kept_matches(rt, _grads(2.0))
     assert rt.stats.scheduled_flushes == 1 and rt.stats.reduce_scatter_calls == 1
-    assert rt.stats.probe_lines[0].endswith(" algo=reduce") and rt.stats.probe_lines[1].endswith(" algo=reduce_scatter")
+    assert rt.stats.probe_lines[0].endswith(" algo=allreduce") and " owner_elems=0 " in rt.stats.probe_lines[0]
+    assert rt.stats.probe_lines[1].endswith(" algo=reduce_scatter")
     assert " discarded=0.0% " in rt.stats.probe_lines[1]
     _backward(rt, _grads(3.0))
     assert _kept_matches(rt, _grads(3.0)) and rt.stats.schedule_fallbacks == 0
@@ -73,9 +76,11 @@ def test_a_deviating_backward_falls_back_alike_on_every_rank():
     (rt0, comm0), (rt1, comm1) = ranks
     assert comm0.calls == comm1.calls, "ranks issued different collective sequences"
     # Step 2 left the schedule at its second gradient: c (placed) flushed alone, then a, b[0:2] | b[2:5] in
-    # arrival order; step 3 learned the new order in arrival order, step 4 followed it.
+    # arrival order; step 3 learned the new order in arrival order, step 4 followed it (Reduce forced: one per
+    # owner region).
     arrival = [("reduce", 0, 8), ("reduce", 1, 3)]
-    assert comm0.calls[4:] == [("reduce", 1, 5), *arrival, ("reduce", 1, 5), *arrival, ("reduce_scatter", None, 16)]
+    assert comm0.calls[4:] == [("reduce", 1, 5), *arrival, ("reduce", 1, 5), *arrival, ("reduce", 0, 8),
+                               ("reduce", 1, 8)]
     for rt in (rt0, rt1):
         assert (rt.stats.schedule_fallbacks, rt.stats.schedules_learned, rt.stats.scheduled_flushes) == (1, 2, 2)
 
@@ -104,11 +109,12 @@ def test_two_graphs_in_one_backward_learn_nothing():
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_negative_control_layout_off_by_one_slice_is_caught(rank, monkeypatch):
-    import owner_reduce.runtime.handle as handle_module
+    import owner_reduce.runtime.flush as flush_module
+    import owner_reduce.runtime.placement as placement_module
     from owner_reduce.harness.faults import inject
 
-    monkeypatch.setattr(handle_module, "plan_owner_layout", handle_module.plan_owner_layout)  # restored after
-    monkeypatch.setattr(handle_module, "plan_flush", handle_module.plan_flush)
+    monkeypatch.setattr(placement_module, "plan_owner_layout", placement_module.plan_owner_layout)  # restored after
+    monkeypatch.setattr(flush_module, "plan_flush", flush_module.plan_flush)
     inject("layout_off_by_one", 2)
     rt, _ = _runtime(rank=rank)
     _backward(rt, _grads())

@@ -2,8 +2,9 @@
 
 Why in the package: a comparison that cannot fail proves nothing. The acceptance script's ``--inject-fault``
 and the tests use these to show that a wrong root, a skipped range or a misplaced slice is caught. Never
-active unless asked. Both planners the runtime uses are broken alike: ``plan_flush`` (arrival-order flushes)
-and ``plan_owner_layout`` (the owner-ordered schedule), each looked up in the runtime's module at call time.
+active unless asked. Both planners the runtime uses are broken alike: ``plan_flush`` (arrival-order flushes, looked
+up in ``runtime.flush`` at call time) and ``plan_owner_layout`` (the owner-ordered schedule, looked up in
+``runtime.placement``). ``handoff_wrong_owner`` sends one piece of a hand-off to a rank that does not keep it.
 """
 
 from __future__ import annotations
@@ -11,15 +12,31 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..planning.collectives import HANDOFF, REDUCE, REDUCE_SCATTER, Collective, Transfer
 from ..planning.flush_plan import FlushRange
-from ..planning.owner_layout import REDUCE, REDUCE_SCATTER, Collective, OwnerLayout
+from ..planning.owner_layout import OwnerLayout
 
-FAULTS = ("wrong_root", "skip_range", "layout_off_by_one", "show_unoptimized_params")
+FAULTS = ("wrong_root", "skip_range", "layout_off_by_one", "handoff_wrong_owner", "show_unoptimized_params")
+
+
+def misroute_handoff(layout: OwnerLayout, world_size: int) -> OwnerLayout:
+    """``layout`` with its first hand-off transfer sent to a rank other than its owner (one that gets nothing else
+    from that sender, so that every send still meets exactly one receive); unchanged without a hand-off."""
+    transfers = list(layout.transfers)
+    pairs = {(t.src, t.dst) for t in transfers}
+    for i, t in enumerate(transfers):
+        for wrong in range(world_size):
+            if wrong not in (t.src, t.dst) and (t.src, wrong) not in pairs:
+                transfers[i] = Transfer(t.src, wrong, t.offset, t.count)
+                return dataclasses.replace(layout, transfers=tuple(transfers))
+    return layout
 
 
 def break_layout(layout: OwnerLayout, fault: str, world_size: int) -> OwnerLayout:
     """``layout`` with its first owner call broken as ``fault`` says; ``layout_off_by_one`` packs the same pieces
     one slice later (the last piece first), a valid packing that disagrees with the calls and the copy-out."""
+    if fault == "handoff_wrong_owner":
+        return misroute_handoff(layout, world_size)
     if fault == "layout_off_by_one":
         pieces = sorted((p for g in layout.grads for p in g.pieces), key=lambda p: p.bucket_offset)
         moved, offset = {}, 0
@@ -34,6 +51,9 @@ def break_layout(layout: OwnerLayout, fault: str, world_size: int) -> OwnerLayou
     if i is None:
         return layout
     if calls[i].kind == REDUCE_SCATTER:  # as one Reduce per block, so that one root can be wrong
+        if any(c.kind == HANDOFF for c in calls):
+            return misroute_handoff(layout, world_size) if fault == "wrong_root" else dataclasses.replace(
+                layout, transfers=layout.transfers[1:])  # skip_range: one piece never moves
         c = calls[i]
         calls[i:i + 1] = [Collective(REDUCE, c.offset + r * c.per_rank, c.per_rank, r) for r in range(world_size)]
     if fault == "wrong_root":
@@ -54,18 +74,18 @@ def inject(fault: str, world_size: int) -> None:
 
         activation.hide_unoptimized_params = lambda backend_fn, optimized: backend_fn
         return
-    import owner_reduce.runtime.handle as runtime_module
+    import owner_reduce.runtime.flush as flush_module
+    import owner_reduce.runtime.placement as placement_module
 
-    if hasattr(runtime_module, "plan_owner_layout"):
-        original_layout = runtime_module.plan_owner_layout
+    original_layout = placement_module.plan_owner_layout
 
-        def broken_layout(*args: Any, **kwargs: Any) -> Any:
-            return break_layout(original_layout(*args, **kwargs), fault, world_size)
+    def broken_layout(*args: Any, **kwargs: Any) -> Any:
+        return break_layout(original_layout(*args, **kwargs), fault, world_size)
 
-        runtime_module.plan_owner_layout = broken_layout
-    if fault == "layout_off_by_one":
+    placement_module.plan_owner_layout = broken_layout
+    if fault in ("layout_off_by_one", "handoff_wrong_owner"):
         return
-    original = runtime_module.plan_flush
+    original = flush_module.plan_flush
 
     def broken(entries: Any, owner_map: Any, reduce_to_owner: bool, **kwargs: Any) -> Any:
         plan = original(entries, owner_map, reduce_to_owner, **kwargs)
@@ -79,4 +99,4 @@ def inject(fault: str, world_size: int) -> None:
             del ranges[i]
         return dataclasses.replace(plan, ranges=tuple(ranges))
 
-    runtime_module.plan_flush = broken
+    flush_module.plan_flush = broken

@@ -7,6 +7,7 @@ a rank started by ``owner_reduce.harness.launch.run_ranks``.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ class TrainSpec:
     progress: bool = False  # rank 0 draws a progress bar on stderr
     inject_fault: str | None = None  # negative controls only: see owner_reduce.harness.faults
     time_runtime: bool = False  # host time of each reduce_grad (without flushes) and each flush, in ns
+    flush_algo: str | None = None  # OWNER_REDUCE_FLUSH_ALGO for this run (None: as the environment says)
+    ranks_per_node: int | None = None  # LOCAL_WORLD_SIZE as a launcher would set it (the cost model's topology)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -94,12 +97,13 @@ def _progress(done: int, total: int, loss: float) -> None:
 def _time_runtime(runtime: Any) -> dict[str, list[int]]:
     """Wrap the runtime's hot methods with host timers (instance attributes shadow the methods)."""
     timings: dict[str, list[int]] = {"reduce_grad_ns": [], "flush_ns": []}
-    reduce_grad, flush = runtime.reduce_grad, runtime._flush
+    flusher = runtime.flusher
+    reduce_grad, flush = runtime.reduce_grad, flusher.flush
     in_flush = [0]
 
-    def timed_flush(dtype: Any) -> None:
+    def timed_flush(pending: Any, streams: Any) -> None:
         start = time.perf_counter_ns()
-        flush(dtype)
+        flush(pending, streams)
         elapsed = time.perf_counter_ns() - start
         timings["flush_ns"].append(elapsed)
         in_flush[0] += elapsed
@@ -110,7 +114,7 @@ def _time_runtime(runtime: Any) -> dict[str, list[int]]:
         reduce_grad(grad, graph_id, ds_id)
         timings["reduce_grad_ns"].append(time.perf_counter_ns() - start - in_flush[0])
 
-    runtime._flush = timed_flush
+    flusher.flush = timed_flush
     runtime.reduce_grad = timed_reduce_grad
     return timings
 
@@ -127,6 +131,10 @@ def train(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
         from .faults import inject
 
         inject(spec.inject_fault, world_size)
+    if spec.flush_algo is not None:
+        os.environ["OWNER_REDUCE_FLUSH_ALGO"] = spec.flush_algo
+    if spec.ranks_per_node is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(spec.ranks_per_node)
     model, batch = _model_and_batches(spec, rank)
     zero: dict[str, Any] = {"stage": spec.zero_stage}
     if spec.reduce_bucket_size is not None:

@@ -10,11 +10,15 @@ DeepSpeed's default of 5e8 elements would otherwise be 2 GB of bf16 for GPT-2's 
 gradient larger than that still fits (``reserve``). Buckets are allocated once and kept across steps until
 ``clear()`` (the native runtime's ``release_reduce_buckets``). Note (CPU): no shadow buffer; nothing overlaps
 a flush there, so a second buffer would only cost memory.
+
+Note (views): ``views`` keeps, per scheduled flush, the views of this bucket's buffer that each gradient is copied
+into (made at first use), so that a step makes none; they live and die with the buffer (``reserve`` drops them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -27,6 +31,7 @@ class ReduceBucket:
         self.buffer = torch.empty(self.size, dtype=dtype, device=device)
         self.offset = 0
         self.free_event: object | None = None  # CUDA: recorded on the reduce stream when a flush released it
+        self.views: dict[int, list[Any]] = {}  # id(scheduled flush) -> per gradient, its copy targets (placement)
 
     def should_flush(self, numel: int) -> bool:
         return self.offset > 0 and self.offset + numel > self.size
@@ -38,6 +43,7 @@ class ReduceBucket:
                 raise RuntimeError("owner_reduce: cannot grow a reduce bucket that holds gradients")
             self.buffer = torch.empty(numel, dtype=self.dtype, device=self.device)
             self.size = numel
+            self.views.clear()
 
     def allocate(self, numel: int) -> tuple[int, torch.Tensor]:
         if self.offset + numel > self.size:

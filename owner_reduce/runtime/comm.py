@@ -3,8 +3,9 @@
 Why a seam: the flush logic must not care whether bytes move through gloo on CPU, torch's NCCL process
 group, or a cupy NCCL communicator on a side stream. Each implementation provides ``group()`` (a context
 that batches the calls and always closes, also when a call raises), ``reduce(buf, root)``,
-``all_reduce(buf)`` and ``reduce_scatter(buf, per_rank)``; ``root`` is a rank of the data-parallel
-communicator, not a global rank.
+``all_reduce(buf)``, ``reduce_scatter(buf, per_rank)``, and ``send(buf, peer)`` / ``recv(buf, peer)`` for the owner
+hand-off (in a group of their own); ``root`` and ``peer`` are ranks of the data-parallel communicator, not global
+ranks.
 
 Note (bounded waits): every wait on a collective is bounded by ``self.deadline`` (see ``deadline``) and
 fails with ``OwnerReduceCommError`` naming the rank, the flush (``group(flush=n)`` sets it), the call and
@@ -96,6 +97,14 @@ class ReduceComm(ABC):
             raise ValueError(f"{self.name}: reduce_scatter on rank {self.rank} needs world_size x per_rank = "
                              f"{self.world_size} x {per_rank} elements, the buffer has {buf.numel()}")
 
+    def send(self, buf: torch.Tensor, peer: int) -> None:
+        """Send ``buf`` to ``peer`` (inside a group, matched by ``peer``'s ``recv`` of the same count)."""
+        raise NotImplementedError(f"{self.name}: this communicator has no send (owner hand-off)")
+
+    def recv(self, buf: torch.Tensor, peer: int) -> None:
+        """Receive into ``buf`` what ``peer`` sends (inside a group)."""
+        raise NotImplementedError(f"{self.name}: this communicator has no recv (owner hand-off)")
+
     @abstractmethod
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (same length everywhere), by rank: the init-time agreement check."""
@@ -122,6 +131,10 @@ class TorchDistComm(ReduceComm):
     Note (bounded waits): every call is issued with async_op=True and waited with Work.wait(timeout): in a
     group, all of the flush's calls at its end against one deadline; outside a group, at once. A flush
     therefore fails within the deadline when a peer stalls, instead of DeepSpeed's group timeout.
+
+    Note (send/recv): a group's sends and receives are issued together at its end with ``batch_isend_irecv`` (on
+    NCCL one grouped launch, so that two ranks sending to each other cannot block each other; on gloo each is
+    asynchronous anyway) and waited like every call; gloo's send/recv works honour ``wait(timeout)``.
     """
 
     name = "torch.distributed"
@@ -138,6 +151,7 @@ class TorchDistComm(ReduceComm):
         self._no_dispatcher: Any = None
         self._native_scatter = str(tdist.get_backend(process_group)).lower() != "gloo"  # see reduce_scatter
         self._works: list[tuple[Any, tuple[str, int | None, int, torch.dtype]]] = []  # issued, not yet waited for
+        self._p2p: list[tuple[Any, tuple[str, int | None, int, torch.dtype]]] = []  # P2POps, issued at group end
 
     def _group_start(self) -> None:
         self._no_dispatcher = _no_python_dispatcher()
@@ -145,8 +159,12 @@ class TorchDistComm(ReduceComm):
 
     def _group_end(self) -> None:
         works, self._works = self._works, []
+        p2p, self._p2p = self._p2p, []
         context, self._no_dispatcher = self._no_dispatcher, None
         try:
+            if p2p:
+                issued = self._tdist.batch_isend_irecv([op for op, _ in p2p])
+                works += list(zip(issued, (call for _, call in p2p), strict=True))
             self._wait(works, flush=self.flush)
         finally:
             if context is not None:
@@ -196,6 +214,22 @@ class TorchDistComm(ReduceComm):
             work = self._tdist.reduce_scatter_tensor(out, buf, op=self._sum, group=self._group, async_op=True)
             self._wait([(work, call)], flush=self.flush)
 
+    def send(self, buf: torch.Tensor, peer: int) -> None:
+        self._point_to_point(self._tdist.isend, "send", buf, peer)
+
+    def recv(self, buf: torch.Tensor, peer: int) -> None:
+        self._point_to_point(self._tdist.irecv, "recv", buf, peer)
+
+    def _point_to_point(self, fn: Any, name: str, buf: torch.Tensor, peer: int) -> None:
+        op = self._tdist.P2POp(fn, buf, self._global_rank[peer], group=self._group)
+        call = (name, peer, buf.numel(), buf.dtype)
+        if self._in_group:
+            self._p2p.append((op, call))
+            return
+        with _no_python_dispatcher():
+            works = self._tdist.batch_isend_irecv([op])
+            self._wait([(works[0], call)], flush=self.flush)
+
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         from deepspeed.accelerator import get_accelerator
 
@@ -219,7 +253,8 @@ class TorchDistComm(ReduceComm):
 def _call_name(call: tuple[str, int | None, int, torch.dtype], index: int, calls: int) -> str:
     """``reduce(root=1, count=143, dtype=float32) (call 1 of 4)``: formatted only for an error."""
     kind, root, count, dtype = call
-    name = f"{kind}({'' if root is None else f'root={root}, '}count={count}, dtype={str(dtype).removeprefix('torch.')})"
+    who = "" if root is None else f"{'peer' if kind in ('send', 'recv') else 'root'}={root}, "
+    name = f"{kind}({who}count={count}, dtype={str(dtype).removeprefix('torch.')})"
     return name if calls == 1 else f"{name} (call {index + 1} of {calls})"
 
 

@@ -269,6 +269,21 @@ class CupyNcclComm(ReduceComm):
         self._collective(buf, "reduce_scatter", f"per_rank={per_rank}, ",
                          lambda comm, ptr, n, dt, op, s: comm.reduceScatter(ptr, ptr + offset, per_rank, dt, op, s))
 
+    def send(self, buf: torch.Tensor, peer: int) -> None:
+        self._check_peer(peer)
+        self._collective(buf, "send", f"peer={peer}, ",
+                         lambda comm, ptr, n, dt, op, s: comm.send(ptr, n, dt, peer, s))
+
+    def recv(self, buf: torch.Tensor, peer: int) -> None:
+        self._check_peer(peer)
+        self._collective(buf, "recv", f"peer={peer}, ",
+                         lambda comm, ptr, n, dt, op, s: comm.recv(ptr, n, dt, peer, s))
+
+    def _check_peer(self, peer: int) -> None:
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise ValueError(f"owner_reduce: send/recv peer {peer} on rank {self.rank} must be another rank of "
+                             f"0..{self.world_size - 1}")
+
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Through this communicator (ncclAllGather of int64), so it needs no torch process group."""
         if self._in_group:

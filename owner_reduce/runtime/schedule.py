@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..planning.owner_layout import OwnerLayout, PlacedGrad
+from ..planning.owner_layout import OwnerLayout
 
 
 @dataclass(frozen=True)
@@ -43,11 +43,12 @@ class Schedule:
 
 
 def learn(graph_id: int, recorded: Sequence[tuple[Any, tuple[int, ...], tuple[int, ...]]],
-          layout_of: Callable[[Sequence[tuple[int, int]]], OwnerLayout]) -> Schedule:
-    """A schedule from the flushes recorded in one arrival-order backward ((dtype, ids, numels) in order)."""
+          layout_of: Callable[[Any, Sequence[tuple[int, int]]], OwnerLayout]) -> Schedule:
+    """A schedule from the flushes recorded in one arrival-order backward ((dtype, ids, numels) in order);
+    ``layout_of(dtype, grads)`` lays out one flush."""
     by_dtype: dict[Any, list[ScheduledFlush]] = {}
     for dtype, ids, numels in recorded:
-        layout = layout_of(list(zip(ids, numels, strict=True)))
+        layout = layout_of(dtype, list(zip(ids, numels, strict=True)))
         by_dtype.setdefault(dtype, []).append(ScheduledFlush(dtype, tuple(ids), tuple(numels), layout))
     return Schedule(graph_id, {d: tuple(f) for d, f in by_dtype.items()})
 
@@ -61,9 +62,9 @@ class Follower:
         self.schedule = schedule
         self._at: dict[Any, tuple[int, int]] = {d: (0, 0) for d in schedule.flushes}
 
-    def next(self, dtype: Any, ds_id: int, numel: int) -> tuple[ScheduledFlush, PlacedGrad, bool, bool] | None:
-        """(flush, placed gradient, first of its flush, last of its flush) if ``ds_id`` is what the schedule
-        expects next for ``dtype``; None (and nothing advances) if not."""
+    def next(self, dtype: Any, ds_id: int, numel: int) -> tuple[ScheduledFlush, int, bool] | None:
+        """(flush, the gradient's index in it, last of its flush) if ``ds_id`` is what the schedule expects next
+        for ``dtype``; None (and nothing advances) if not."""
         at = self._at.get(dtype)
         if at is None:
             return None
@@ -76,7 +77,7 @@ class Follower:
             return None
         last = grad_index + 1 == len(flush.ids)
         self._at[dtype] = (flush_index + 1, 0) if last else (flush_index, grad_index + 1)
-        return flush, flush.layout.grads[grad_index], grad_index == 0, last
+        return flush, grad_index, last
 
     def complete(self) -> bool:
         """Every scheduled flush of every dtype happened in full."""

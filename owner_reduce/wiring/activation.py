@@ -8,9 +8,11 @@ With both flags off this module does nothing at all and DeepCompile's own functi
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ..planning.flags import flags_of
+from ..planning.flush_choice import FORCE_ENV_VAR, parse_force
 from ..runtime.comm import ReduceComm
 from ..runtime.handle import OwnerReduceRuntime, RuntimeSettings
 from . import cpu_compat
@@ -30,9 +32,11 @@ def make_comm(process_group: Any) -> ReduceComm:
 def build_runtime(engine: Any, flags: Any) -> OwnerReduceRuntime:
     from .engine_tables import build_owner_map, disagreements_with_optimizer
 
+    flush_algo = parse_force(os.environ.get(FORCE_ENV_VAR))  # a bad value fails here, naming the variable
     owner_map = build_owner_map(engine)
     problems = tuple(disagreements_with_optimizer(owner_map, engine))
-    return OwnerReduceRuntime(RuntimeSettings(flags=flags, owner_map=owner_map, map_problems=problems), make_comm)
+    return OwnerReduceRuntime(RuntimeSettings(flags=flags, owner_map=owner_map, map_problems=problems,
+                                              flush_algo=flush_algo), make_comm)
 
 
 def wrap_init_z1_and_2(original: Any) -> Any:

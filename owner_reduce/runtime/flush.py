@@ -1,0 +1,301 @@
+"""The flush: the plan for a complete bucket (cached), its collectives, the owner hand-off, and the copy-out.
+
+Semantics follow ``z1.cpp`` / ``z2.cpp``: each flush pre-divides by the world size, SUM-reduces, and copies into the
+non-empty grad buffers at their offsets (stage 2: adds after the first micro-step). Which calls run is the
+cost model's choice for that flush (``planning.flush_choice``): for an owner-ordered flush the layout says it
+(``planning.owner_layout``); for an arrival-order one, the plan's own calls or one AllReduce.
+
+Note (two groups for a hand-off): a hand-off moves pieces of the ReduceScatter's output, so it must start after
+the ReduceScatter has finished writing them, and its receives must not land in a buffer the ReduceScatter still
+reads. NCCL may run the operations of one group concurrently; the hand-off is therefore a second group, issued
+after the first on the same stream (cupy: stream order; torch.distributed: the first group's works are waited).
+
+Note (flush plan cache): a graph's buckets hold the same gradients in the same order every step, so the plan and
+the copy-out list are computed once per distinct bucket content and reused: for an owner-ordered flush, the
+scheduled flush itself (held by the entry, so its id is never reused while cached) and how many of its gradients
+are present; for an arrival-order one, (dtype, gradient ids in order) with their sizes checked. Registering or
+moving a grad buffer drops the cache (the copy-out list holds views of the grad buffers).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from ..planning.collectives import HANDOFF, REDUCE, REDUCE_SCATTER, Collective, algo_of
+from ..planning.flags import OwnerReduceFlags
+from ..planning.flush_choice import FlushCost, choose_arrival
+from ..planning.flush_plan import BucketEntry, FlushPlan, FlushRange, plan_flush
+from ..planning.owner_layout import plan_placed
+from ..planning.owner_map import OwnerMap
+from ..planning.probe import PROBE_FLUSH_LIMIT, FlushReport, format_probe_line
+from .comm import ReduceComm
+from .stats import FlushRecord, RuntimeStats, emit
+
+_LOG_NAMES = {REDUCE: "reduce", REDUCE_SCATTER: "reduce_scatter", "allreduce": "all_reduce", HANDOFF: "handoff"}
+_FLUSH_CACHE_LIMIT = 256  # distinct bucket contents remembered; beyond it the cache starts over
+
+
+class Param(NamedTuple):
+    """A parameter as DeepCompile registered it: its grad buffer (this rank's part) starts at ``offset``."""
+
+    tensor: torch.Tensor
+    grad_buffer: torch.Tensor
+    offset: int
+
+
+class Pending:
+    """One dtype's bucket between its first gradient and its flush.
+
+    Arrival order: ``ids``/``numels`` in bucket order (offsets follow: the bucket fills from 0). Scheduled: the
+    ``scheduled`` flush's first ``count`` gradients, copied into ``views`` (the bucket's cached copy targets).
+    """
+
+    __slots__ = ("bucket", "copy", "scheduled", "views", "ids", "numels", "count")
+
+    def __init__(self, bucket: Any, copy: Callable[[torch.Tensor, torch.Tensor], None], scheduled: Any = None,
+                 views: list[Any] | None = None) -> None:
+        self.bucket = bucket
+        self.copy = copy
+        self.scheduled = scheduled
+        self.views = views
+        self.ids: list[int] = []
+        self.numels: list[int] = []
+        self.count = 0
+
+
+class _CopyOut(NamedTuple):
+    dst: torch.Tensor  # the flat, non-empty grad buffer this rank keeps
+    src_offset: int  # where its elements start in the bucket
+    ds_id: int
+
+
+class _P2p(NamedTuple):
+    send: bool
+    peer: int
+    offset: int
+    count: int
+
+
+@dataclass(frozen=True)
+class _CachedFlush:
+    """A flush plan with everything derived from it, valid for exactly one bucket content."""
+
+    source: Any  # the scheduled flush it was made for (identity), or None for arrival order
+    numels: list[int]
+    plan: FlushPlan
+    copy_out: tuple[_CopyOut, ...]  # only the buffers this rank keeps, in bucket order
+    split_sizes: list[int]  # the used bucket cut into (gap, kept) pairs and a tail: one split yields every source
+    dsts: list[torch.Tensor]  # copy_out's destinations, for one _foreach_copy_
+    kept: int
+    calls: tuple[Collective, ...]  # the first group (everything but the hand-off)
+    p2p: tuple[_P2p, ...]  # this rank's part of the hand-off round, in the layout's order
+    collectives: tuple[Collective, ...]  # every call, the hand-off round included (counted as one)
+    padding: tuple[FlushRange, ...]  # zero-filled before the calls
+    span: int  # bucket elements the flush covers
+    algo: str
+    reduce_calls: int
+    all_reduce_calls: int
+    reduce_scatter_calls: int
+
+
+class Flusher:
+    """Issues flushes for one runtime; the placement hands it complete buckets (``Pending``)."""
+
+    def __init__(self, owner_map: OwnerMap, flags: OwnerReduceFlags, params: dict[int, Param], stats: RuntimeStats,
+                 cost: FlushCost) -> None:
+        self._owner_map = owner_map
+        self._owner = flags.reduce_to_owner
+        self._probe = flags.reduce_probe
+        self._params = params  # the handle's registry (read only here)
+        self._stats = stats
+        self.cost = cost
+        self.comm: ReduceComm | None = None
+        self.stage = 0  # 1 or 2, from the graphs' registration
+        self.pre_div = True  # as the native runtime: divide by the world size, then SUM
+        self.has_acc_grad: dict[int, bool] = {}  # stage 2: the grad buffer already holds this step's sum
+        self.record_collectives = False  # tests and the demo: one entry per collective / per flush (grows)
+        self.collective_log: list[tuple[str, int | None, int, str]] = []
+        self.flush_log: list[FlushRecord] = []
+        self.plans_computed = 0  # flush plans computed (not reused); tests read it
+        self._cache: dict[tuple[Any, ...], _CachedFlush] = {}
+        self._flush_counter = itertools.count(1)
+
+    def forget_plans(self) -> None:
+        """A grad buffer was registered or moved: the cached copy-out lists point at the old ones."""
+        self._cache.clear()
+
+    def buffers_replaced(self) -> None:
+        """A bucket buffer was replaced or released: the communicator forgets its views of the old ones."""
+        if self.comm is not None:
+            self.comm.release_buffers()
+
+    # ---- the flush ---------------------------------------------------------------------------------------
+
+    def flush(self, pending: Pending, streams: Any) -> None:
+        comm = self.comm
+        assert comm is not None, "owner_reduce runtime used before init()"
+        bucket = pending.bucket
+        buffer = bucket.buffer
+        cached = self._scheduled(pending) if pending.scheduled is not None else self._arrival(pending, buffer.dtype)
+        index = self._stats.flushes + 1
+        with streams.reducing():
+            used = buffer.narrow(0, 0, cached.span)
+            for pad in cached.padding:
+                buffer.narrow(0, pad.offset, pad.count).zero_()
+            if self.pre_div:
+                used.div_(comm.world_size)
+            with comm.group(flush=index):
+                for c in cached.calls:
+                    segment = buffer.narrow(0, c.offset, c.count)
+                    if c.kind == REDUCE_SCATTER:
+                        comm.reduce_scatter(segment, c.per_rank)
+                    elif c.kind == REDUCE:
+                        comm.reduce(segment, c.root)
+                    else:
+                        comm.all_reduce(segment)
+            if cached.p2p:
+                with comm.group(flush=index):  # after the first group: see Note (two groups for a hand-off)
+                    for op in cached.p2p:
+                        piece = buffer.narrow(0, op.offset, op.count)
+                        if op.send:
+                            comm.send(piece, op.peer)
+                        else:
+                            comm.recv(piece, op.peer)
+            self._copy_out(cached, used)
+            streams.bucket_released(bucket)
+        self._count(cached, buffer, pending.scheduled is not None)
+
+    def _copy_out(self, cached: _CachedFlush, used: torch.Tensor) -> None:
+        """Copy what this rank keeps into its grad buffers (stage 2: add into them after the first micro-step)."""
+        if not cached.copy_out:
+            return
+        sources = used.split_with_sizes(cached.split_sizes)[1::2]
+        if self.stage != 2:
+            torch._foreach_copy_(cached.dsts, sources)
+            return
+        has_acc = self.has_acc_grad
+        for (dst, _, ds_id), reduced in zip(cached.copy_out, sources, strict=True):
+            if has_acc.get(ds_id, False):
+                dst.add_(reduced)
+            else:
+                dst.copy_(reduced)
+                has_acc[ds_id] = True
+
+    # ---- plans (cached) ----------------------------------------------------------------------------------
+
+    def _scheduled(self, pending: Pending) -> _CachedFlush:
+        """An owner-ordered bucket: the layout's calls when complete, else (it left its schedule) the pieces
+        present, each reduced where the layout put it, or one AllReduce, as the model chooses."""
+        flush = pending.scheduled
+        present = pending.count
+        key = ("owner-ordered", id(flush), present)
+        cached = self._cache.get(key)
+        if cached is not None and cached.source is flush:
+            return cached
+        layout = flush.layout
+        grads = layout.grads[:present]
+        if present == len(flush.ids):
+            plan, collectives, padding, transfers = layout.plan, layout.collectives, layout.padding, layout.transfers
+        else:
+            choice = choose_arrival(plan_placed(grads, self._owner_map, self._owner),
+                                    self.cost.for_dtype_bytes(pending.bucket.buffer.element_size()))
+            plan, collectives, padding, transfers = choice.plan, choice.collectives, (), ()
+        copy_out = []
+        for g in grads:
+            param = self._params[g.param_id]
+            dst = param.grad_buffer.view(-1)
+            if dst.numel():  # lies in one piece this rank received (checked at registration)
+                copy_out.append(_CopyOut(dst, g.locate(param.offset, dst.numel()), g.param_id))
+        cached = self._make(flush, list(flush.numels[:present]), plan, copy_out, collectives, padding, transfers,
+                            layout.total)
+        self._remember(key, cached)
+        return cached
+
+    def _arrival(self, pending: Pending, dtype: torch.dtype) -> _CachedFlush:
+        """An arrival-order bucket: the plan for this content, reused when the content is the one it was made for."""
+        key = (dtype, *pending.ids)
+        cached = self._cache.get(key)
+        if cached is not None and cached.numels == pending.numels:
+            return cached
+        entries, offset = [], 0
+        for ds_id, numel in zip(pending.ids, pending.numels, strict=True):
+            entries.append(BucketEntry(ds_id, offset, numel))
+            offset += numel
+        # Looked up in this module at call time: the harness's fault injection replaces plan_flush here.
+        choice = choose_arrival(plan_flush(entries, self._owner_map, self._owner),
+                                self.cost.for_dtype_bytes(pending.bucket.buffer.element_size()))
+        copy_out = []
+        for entry in entries:
+            param = self._params[entry.param_id]
+            dst = param.grad_buffer.view(-1)
+            if dst.numel():  # checked at registration: a non-empty buffer lies in what reached this rank
+                copy_out.append(_CopyOut(dst, entry.offset + param.offset, entry.param_id))
+        cached = self._make(None, list(pending.numels), choice.plan, copy_out, choice.collectives, (), (), offset)
+        self._remember(key, cached)
+        return cached
+
+    def _make(self, source: Any, numels: list[int], plan: FlushPlan, copy_out: list[_CopyOut],
+              collectives: tuple[Collective, ...], padding: tuple[FlushRange, ...], transfers: tuple[Any, ...],
+              span: int) -> _CachedFlush:
+        self.plans_computed += 1
+        rank = self.comm.rank if self.comm is not None else 0
+        copy_out.sort(key=lambda c: c.src_offset)
+        split_sizes, cursor = [], 0
+        for c in copy_out:
+            split_sizes += [c.src_offset - cursor, c.dst.numel()]
+            cursor = c.src_offset + c.dst.numel()
+        split_sizes.append(span - cursor)
+        p2p = tuple(_P2p(t.src == rank, t.dst if t.src == rank else t.src, t.offset, t.count)
+                    for t in transfers if rank in (t.src, t.dst))
+        kinds = [c.kind for c in collectives]
+        return _CachedFlush(source=source, numels=numels, plan=plan, copy_out=tuple(copy_out), split_sizes=split_sizes,
+                            dsts=[c.dst for c in copy_out], kept=sum(c.dst.numel() for c in copy_out),
+                            calls=tuple(c for c in collectives if c.kind != HANDOFF), p2p=p2p,
+                            collectives=collectives, padding=padding, span=span, algo=algo_of(kinds),
+                            reduce_calls=kinds.count(REDUCE), all_reduce_calls=kinds.count("allreduce"),
+                            reduce_scatter_calls=kinds.count(REDUCE_SCATTER))
+
+    def _remember(self, key: tuple[Any, ...], cached: _CachedFlush) -> None:
+        if len(self._cache) >= _FLUSH_CACHE_LIMIT:
+            self._cache.clear()
+        self._cache[key] = cached
+
+    # ---- counting and the probe --------------------------------------------------------------------------
+
+    def _count(self, cached: _CachedFlush, buffer: torch.Tensor, scheduled: bool) -> None:
+        s = self._stats
+        comm = self.comm
+        plan = cached.plan
+        s.flushes += 1
+        s.scheduled_flushes += scheduled
+        s.collectives += len(cached.collectives)
+        s.reduce_calls += cached.reduce_calls
+        s.all_reduce_calls += cached.all_reduce_calls
+        s.reduce_scatter_calls += cached.reduce_scatter_calls
+        if cached.p2p:
+            s.handoff_rounds += 1
+            sends = sum(op.send for op in cached.p2p)
+            s.sends += sends
+            s.recvs += len(cached.p2p) - sends
+        s.reduced_elems += plan.reduced_elems
+        s.owner_elems += plan.owner_elems
+        s.kept_elems += cached.kept
+        dtype = str(buffer.dtype).removeprefix("torch.")
+        if self.record_collectives:
+            for c in cached.collectives:
+                self.collective_log.append((_LOG_NAMES[c.kind], c.root, c.count, str(buffer.dtype)))
+            self.flush_log.append(FlushRecord(dtype, buffer.element_size(), plan.reduced_elems,
+                                              plan.received_elems(comm.rank), cached.kept, plan.owner_elems,
+                                              len(cached.collectives), cached.algo))
+        index = next(self._flush_counter)
+        if self._probe and index <= PROBE_FLUSH_LIMIT:
+            line = format_probe_line(FlushReport(rank=comm.rank, flush_index=index, dtype=dtype, plan=plan,
+                                                 kept_elems=cached.kept, pre_div=self.pre_div,
+                                                 calls=len(cached.collectives), algo=cached.algo))
+            s.probe_lines.append(line)
+            emit(line)

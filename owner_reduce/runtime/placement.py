@@ -1,0 +1,242 @@
+"""Where a gradient goes: into which bucket, at which offset, and when that bucket is complete and flushes.
+
+Why its own module: this is the per-gradient hot path (microseconds count), and it is only about placement. A
+graph's first backward is bucketed in arrival order, as DeepCompile does, and recorded; every later backward of
+that graph copies each gradient, or each slice of a straddling one, to its place in an owner-ordered bucket
+(``schedule``, ``planning.owner_layout``): owners ascending, AllReduce-only gradients last, laid out for the
+algorithm the cost model chose for that flush. A bucket that is complete goes to the ``Flusher``; calls go one
+way, placement to flush, never back.
+
+Note (owner-ordered buckets): a flush's layout spans at most the bucket plus its padding (a ReduceScatter's short
+regions, or the last of a hand-off's equal chunks), so the bucket grows by that much at most, once; no other
+buffer. A backward that leaves the recorded order flushes what it placed and continues in arrival order,
+identically on every rank (see ``schedule``), and the graph learns its schedule again.
+
+Note (hot path): per scheduled gradient this costs one dictionary lookup, one schedule step and one copy per piece
+into a view of the bucket made once per (bucket, flush) and kept with the bucket (``ReduceBucket.views``); no
+stream or event call (``streams``), no allocation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..planning.flush_choice import FlushCost
+from ..planning.owner_layout import OwnerLayout, map_order, plan_owner_layout
+from ..planning.owner_map import OwnerMap
+from .buckets import DoubleBufferedBuckets, ReduceBucket
+from .flush import Flusher, Pending
+from .schedule import Follower, Schedule, ScheduledFlush, learn
+from .stats import RuntimeStats
+from .streams import CudaStreams, HostStreams, make_streams
+
+
+class GradPlacer:
+    """Buckets, schedules and the copies into buckets, for one runtime (all graphs share the buckets)."""
+
+    def __init__(self, owner_map: OwnerMap, reduce_to_owner: bool, buckets: DoubleBufferedBuckets, flusher: Flusher,
+                 stats: RuntimeStats, cost: FlushCost, sync: Callable[[str], None],
+                 on_learned: Callable[[Schedule], None] | None = None) -> None:
+        self._owner_map = owner_map
+        self._owner = reduce_to_owner
+        self.buckets = buckets
+        self._flusher = flusher
+        self._stats = stats
+        self._cost = cost
+        self._sync = sync  # waits for the reduce stream within the deadline (before a bucket is replaced)
+        self._on_learned = on_learned
+        self.streams: HostStreams | CudaStreams | None = None  # chosen from the first gradient's device
+        self._pending: dict[torch.dtype, Pending] = {}
+        self._schedules: dict[int, Schedule] = {}  # graph_id -> learned owner-ordered flushes
+        self._map_order = map_order(owner_map)
+        self._backward_graph: int | None = None  # the graph whose gradients this backward enqueues
+        self._follower: Follower | None = None  # following a schedule in this backward
+        self._recording: list[tuple[Any, tuple[int, ...], tuple[int, ...]]] | None = None  # arrival-order flushes
+
+    # ---- one gradient ------------------------------------------------------------------------------------
+
+    def add(self, ds_id: int, grad: torch.Tensor, graph_id: int) -> None:
+        """Copy ``grad`` into its bucket; flush the bucket when it is complete (or would overflow)."""
+        if self._backward_graph != graph_id:
+            self._start(graph_id, grad.device)
+        follower = self._follower
+        if follower is not None:
+            step = follower.next(grad.dtype, ds_id, grad.numel())
+            if step is not None:
+                self._place(step, grad)
+                return
+            self._leave_schedule()
+        self._append(ds_id, grad)
+
+    def _place(self, step: tuple[ScheduledFlush, int, bool], grad: torch.Tensor) -> None:
+        """A scheduled gradient: copy it (piece by piece) to its owner-ordered place; flush when its flush is done."""
+        flush, index, last = step
+        dtype = grad.dtype
+        if index == 0:
+            pending = self._begin_scheduled(flush, dtype, grad)
+        else:
+            pending = self._pending[dtype]
+        targets = pending.views[index]
+        if targets is None:
+            targets = pending.views[index] = _targets(pending.bucket.buffer, flush.layout, index, grad)
+        copy = pending.copy
+        if targets.__class__ is torch.Tensor:  # a whole gradient (the common case)
+            copy(targets, grad)
+        else:
+            flat = grad.reshape(-1)
+            for dst, start, stop in targets:
+                copy(dst, flat[start:stop])
+        pending.count += 1
+        if last:
+            self._flush(dtype)
+
+    def _begin_scheduled(self, flush: ScheduledFlush, dtype: torch.dtype, grad: torch.Tensor) -> Pending:
+        """The first gradient of a scheduled flush: the bucket is empty here (a schedule's flushes of one dtype
+        follow each other, and arrival-order gradients of this dtype were flushed when the schedule was left)."""
+        bucket = self.buckets.for_tensor(grad)
+        total = flush.layout.total
+        if total > bucket.size:  # at most the padding beyond a right-sized bucket
+            self._sync("bucket growth")  # the buffer being replaced may still be read by a flush
+            bucket.reserve(total)
+            self._flusher.buffers_replaced()
+        bucket.offset = total
+        streams = self._streams_for(grad.device)
+        streams.bucket_acquired(bucket)
+        cached = bucket.views.get(id(flush))
+        if cached is None or cached[0] is not flush:  # the flush is kept alive by the entry: its id is not reused
+            cached = bucket.views[id(flush)] = (flush, [None] * len(flush.ids))
+        pending = self._pending[dtype] = Pending(bucket, streams.copy, scheduled=flush, views=cached[1])
+        return pending
+
+    def _append(self, ds_id: int, grad: torch.Tensor) -> None:
+        """Arrival order (a graph's first backward, the AllReduce path, or after leaving a schedule)."""
+        dtype = grad.dtype
+        numel = grad.numel()
+        bucket = self.buckets.for_tensor(grad)
+        if bucket.offset and bucket.offset + numel > bucket.size:
+            self._flush(dtype)
+            bucket = self.buckets.for_tensor(grad)
+        if numel > bucket.size:
+            self._sync("bucket growth")  # the buffer being replaced may still be read by a flush in flight
+            bucket.reserve(numel)
+            self._flusher.buffers_replaced()
+        pending = self._pending.get(dtype)
+        if pending is None:
+            streams = self._streams_for(grad.device)
+            streams.bucket_acquired(bucket)
+            pending = self._pending[dtype] = Pending(bucket, streams.copy)
+        start = bucket.offset
+        bucket.offset = start + numel
+        # A basic slice makes the view faster than narrow() does (about 1.2 vs 1.8 µs on this host).
+        pending.copy(bucket.buffer[start:start + numel], grad if grad.dim() == 1 else grad.reshape(-1))
+        pending.ids.append(ds_id)
+        pending.numels.append(numel)
+        pending.count += 1
+
+    def _streams_for(self, device: torch.device) -> HostStreams | CudaStreams:
+        streams = self.streams
+        if streams is None:
+            streams = self.streams = make_streams(device)
+        return streams
+
+    # ---- flushes -----------------------------------------------------------------------------------------
+
+    def _flush(self, dtype: torch.dtype) -> None:
+        pending = self._pending.pop(dtype, None)
+        if pending is None or not pending.count:
+            return
+        if pending.scheduled is None and self._recording is not None:
+            self._recording.append((dtype, tuple(pending.ids), tuple(pending.numels)))
+        try:
+            self._flusher.flush(pending, self.streams)
+        finally:
+            self.buckets.swap(dtype)  # even after an error: the next flush must not find a half-used bucket
+
+    def end_backward(self) -> None:
+        """Flush what is left (leaving a schedule this backward did not finish), then learn from this backward."""
+        if self._follower is not None and not self._follower.complete():
+            self._leave_schedule()  # this backward ended before its schedule did
+        for dtype in list(self._pending):
+            self._flush(dtype)
+        self._end_schedule(learn_graph=True)
+
+    # ---- owner-ordered schedules -------------------------------------------------------------------------
+
+    def _start(self, graph_id: int, device: torch.device) -> None:
+        """The first gradient of a backward (or of another graph in it): follow the graph's schedule, or record
+        this backward's arrival-order flushes to learn one."""
+        if self._backward_graph is not None:
+            # Two graphs in one backward: leave any schedule, and learn nothing from it (the record is mixed).
+            if self._follower is not None:
+                self._leave_schedule()
+            self._recording = None
+            self._backward_graph = graph_id
+            return
+        self._backward_graph = graph_id
+        if not self._owner:
+            return
+        schedule = self._schedules.get(graph_id)
+        if schedule is not None:
+            self._follower = Follower(schedule)
+        else:
+            self._recording = []
+
+    def _leave_schedule(self) -> None:
+        """This backward left its schedule: flush what was placed (the pieces present, planned where they lie),
+        then continue in arrival order; drop the schedule so that the next backward learns it again."""
+        follower, self._follower = self._follower, None
+        if follower is None:
+            return
+        for dtype in [d for d, p in self._pending.items() if p.scheduled is not None]:
+            self._flush(dtype)
+        self._schedules.pop(follower.schedule.graph_id, None)
+        self._recording = None
+        self._stats.schedule_fallbacks += 1
+
+    def _end_schedule(self, learn_graph: bool = False) -> None:
+        recording, graph = self._recording, self._backward_graph
+        self._recording = self._follower = self._backward_graph = None
+        if learn_graph and recording and graph is not None:
+            schedule = learn(graph, recording, self._layout_of)
+            self._schedules[graph] = schedule
+            self._stats.schedules_learned += 1
+            if self._on_learned is not None:
+                self._on_learned(schedule)
+
+    def _layout_of(self, dtype: torch.dtype, grads: list[tuple[int, int]]) -> OwnerLayout:
+        capacity = max([self.buckets.size] + [n for _, n in grads])
+        # Looked up in this module at call time: the harness's fault injection replaces it here.
+        return plan_owner_layout(grads, self._owner_map, self._owner, order=self._map_order, capacity=capacity,
+                                 cost=self._cost.for_dtype_bytes(dtype.itemsize))
+
+    # ---- lifetime ----------------------------------------------------------------------------------------
+
+    def release_buckets(self) -> None:
+        """As deepcompile.cpp's end_backward with ``release_reduce_buckets``: the next flush allocates again."""
+        self.buckets.clear()
+        self._flusher.buffers_replaced()
+
+    def clear(self) -> None:
+        self._pending.clear()
+        self._schedules.clear()
+        self._end_schedule()
+        self.buckets.clear()
+
+
+def _targets(buffer: torch.Tensor, layout: OwnerLayout, index: int, grad: torch.Tensor) -> Any:
+    """Where gradient ``index`` of a scheduled flush goes in ``buffer``: one view shaped like the gradient when it
+    goes whole (copy_ takes any strides), else (view, start, stop) per piece of the flattened gradient."""
+    placed = layout.grads[index]
+    pieces = placed.pieces
+    numel = grad.numel()
+    if len(pieces) == 1 and pieces[0].length == numel:
+        at = pieces[0].bucket_offset
+        return buffer[at:at + numel].view(grad.shape)
+    return [(buffer[p.bucket_offset:p.bucket_offset + p.length], p.src_offset, p.src_offset + p.length)
+            for p in pieces]
+
+
+__all__ = ["GradPlacer", "ReduceBucket"]

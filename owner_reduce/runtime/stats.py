@@ -1,0 +1,72 @@
+"""What the runtime counts and records: proof that it ran, for tests, the demo and the benchmark.
+
+Why a module of its own: the handle, the placement and the flush each add to the same counters; none of them
+should reach into another to do it.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+def emit(line: str) -> None:
+    """Print a line the user asked for: through DeepSpeed's logger when it shows INFO (its default level is
+    WARNING), otherwise on stdout, as DeepCompile prints its own reports.
+
+    Note (whole lines): every rank writes to the same terminal or pipe; ``print`` writes the text and the newline
+    separately, so another rank's line could land in between. The line goes out in one write with its newline
+    (the logger's handler does the same), after anything this process had buffered.
+    """
+    import logging
+
+    from deepspeed.utils import logger
+
+    if logger.isEnabledFor(logging.INFO):
+        logger.info(line)
+    else:
+        stream = sys.stdout
+        stream.flush()
+        stream.write(line + "\n")
+        stream.flush()
+
+
+@dataclass
+class RuntimeStats:
+    """Counters that prove the runtime ran (tests and benchmarks read them)."""
+
+    reduce_grad_calls: int = 0
+    profiling_calls: int = 0
+    accumulated_calls: int = 0
+    flushes: int = 0
+    collectives: int = 0
+    reduce_calls: int = 0
+    all_reduce_calls: int = 0
+    reduce_scatter_calls: int = 0
+    handoff_rounds: int = 0  # grouped send/recv rounds after a ReduceScatter
+    sends: int = 0  # this rank's sends in those rounds
+    recvs: int = 0
+    scheduled_flushes: int = 0  # flushes laid out in owner order (a learned schedule)
+    schedules_learned: int = 0
+    schedule_fallbacks: int = 0  # backwards that left their schedule and finished in arrival order
+    reduced_elems: int = 0
+    owner_elems: int = 0
+    kept_elems: int = 0
+    end_backward_calls: int = 0
+    init_line: str | None = None  # what rank 0 printed at init
+    schedule_lines: list[str] = field(default_factory=list)  # what rank 0 printed when schedules were learned
+    probe_lines: list[str] = field(default_factory=list)
+
+
+class FlushRecord(NamedTuple):
+    """What one flush did on this rank (recorded only with ``record_collectives``)."""
+
+    dtype: str
+    element_size: int
+    reduced_elems: int
+    received_elems: int
+    kept_elems: int
+    owner_elems: int
+    calls: int
+    algo: str = ""

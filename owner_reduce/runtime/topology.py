@@ -1,0 +1,32 @@
+"""What this rank knows about where it runs, for the flush cost model: ranks per node and the GPU generation.
+
+Why each rank reports and all agree: the per-flush algorithm must be the same on every rank (NCCL needs the same
+calls everywhere), so the model's topology is derived from every rank's facts, gathered once at init with the
+runtime's agreement check (``flush_choice.agreed_topology``), never from one rank's environment alone.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+RANKS_PER_NODE_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")  # torchrun, DeepSpeed, Open MPI
+
+
+def ranks_per_node(environ: dict[str, str] | None = None) -> int:
+    """Ranks on this node as the launcher says (torchrun, DeepSpeed's launcher, mpirun), else the GPUs this process
+    sees, else 0 (unknown)."""
+    env = os.environ if environ is None else environ
+    for name in RANKS_PER_NODE_VARS:
+        value = env.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def sm_major(device: torch.device | None = None) -> int:
+    """The compute capability's major version of this rank's GPU (8: Ampere, 9: Hopper), 0 without CUDA."""
+    if not torch.cuda.is_available():
+        return 0
+    return int(torch.cuda.get_device_capability(device)[0])
