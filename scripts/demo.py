@@ -25,6 +25,14 @@ def _flush_bytes(results: list[dict[str, Any]]) -> list[list[int]]:
     return [[f.received_elems * f.element_size for f in r["flush_log"]] for r in results]
 
 
+def _algos(flush_log: list[Any]) -> dict[str, int]:
+    """Flushes per algorithm (the probe's ``algo=``), most frequent first."""
+    counts: dict[str, int] = {}
+    for f in flush_log:
+        counts[f.algo] = counts.get(f.algo, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 def summarize(runs: dict[str, list[dict[str, Any]]], steps: int) -> dict[str, Any]:
     loss = {name: _per_step(results, "losses") for name, results in runs.items()}
     diffs = [abs(a - b) for a, b in zip(loss["allreduce"], loss["owner"], strict=True)]
@@ -48,6 +56,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]], steps: int) -> dict[str, An
             "owner_share": sum(f.owner_elems for f in flushes) / sum(f.reduced_elems for f in flushes),
             "kept_share": sum(f.kept_elems for f in flushes) / sum(f.received_elems for f in flushes),
             "flushes_per_rank": len(results[0]["flush_log"]),
+            "algos": _algos(results[0]["flush_log"]),
+            "algos_last_step": _algos(results[0]["flush_log"][-len(results[0]["flush_log"]) // steps:]),
         }
     total = {name: sum(out[name]["bytes_per_rank_per_step"]) for name in runs}
     out["bytes_saved_share"] = 1 - total["owner"] / total["allreduce"]
@@ -93,6 +103,10 @@ def plot(runs: dict[str, list[dict[str, Any]]], summary: dict[str, Any], out: Pa
     return [loss_png, bytes_png]
 
 
+def _algo_text(algos: dict[str, int]) -> str:
+    return ", ".join(f"{a} x{n}" for a, n in algos.items())
+
+
 def print_table(summary: dict[str, Any]) -> None:
     a, o = summary["allreduce"], summary["owner"]
     rows = [
@@ -102,12 +116,15 @@ def print_table(summary: dict[str, Any]) -> None:
         ("share of delivered elements kept", f"{a['kept_share']:.1%}", f"{o['kept_share']:.1%}"),
         ("share of reduced elements on the owner path", f"{a['owner_share']:.1%}", f"{o['owner_share']:.1%}"),
         ("collective calls per flush", f"{a['calls_per_flush']:.2f}", f"{o['calls_per_flush']:.2f}"),
+        ("flush algorithm, one step (model's choice)", _algo_text(a["algos_last_step"]),
+         _algo_text(o["algos_last_step"])),
         ("final loss (mean over ranks)", f"{summary['final_loss']['allreduce']:.6f}",
          f"{summary['final_loss']['owner']:.6f}"),
     ]
-    print(f"{'':45} {'AllReduce path':>16} {'owner path':>16}")
+    width = max(16, *(len(x) for _, x, _ in rows), *(len(y) for _, _, y in rows))
+    print(f"{'':45} {'AllReduce path':>{width}} {'owner path':>{width}}")
     for name, x, y in rows:
-        print(f"{name:45} {x:>16} {y:>16}")
+        print(f"{name:45} {x:>{width}} {y:>{width}}")
     print(f"bytes saved: {summary['bytes_saved_share']:.1%}; max |loss diff| {summary['max_abs_loss_diff']:.3e} "
           f"(relative {summary['max_rel_loss_diff']:.3e}) over {summary['steps']} steps, "
           f"{summary['max_abs_loss_diff_first_10']:.1e} in the first 10")
@@ -147,6 +164,8 @@ def main() -> int:
     pngs = plot(runs, summary, args.out)
     print()
     print(summary["init_line"])
+    for line in runs["owner"][0]["stats"].schedule_lines:
+        print(line)
     for line in runs["owner"][0]["stats"].probe_lines[:3]:
         print(line)
     print()
