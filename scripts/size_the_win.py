@@ -1,12 +1,16 @@
 """Size the win of reduce_to_owner for a model and world size, on a CPU box, with DeepSpeed's own partitioning.
 
-Builds a real DeepSpeed ZeRO-1 engine as rank 0 of N in torch's fake process group (no GPU, no other
-processes), reads the owner map from its partition tables, and prints the init line, the share of elements
-on the owner path, bytes delivered per rank per step, collective calls per bucket flush and the ring-model
-time ratio. Examples::
+Computes DeepSpeed's own ZeRO-1 partitioning as rank 0 of N in torch's fake process group (no GPU, no other
+processes): by default with the model on the meta device through DeepSpeed's partition methods (no parameter
+storage: Llama-2 70B at ws 1024 in seconds), with ``--exact-engine`` by building a real engine with
+uninitialized bf16 weights (the reference; ~3.4 GB for 1B). It reads the owner map and prints the init line,
+the share of elements on the owner path, bytes delivered per rank per step, collective calls per bucket flush
+and the ring-model time ratio. Examples::
 
     python scripts/size_the_win.py --model gpt2-124m --world-size 8 64
     python scripts/size_the_win.py --model 1b --world-size 8 --json
+    python scripts/size_the_win.py --model llama-70b --world-size 1024
+    python scripts/size_the_win.py --model llama-7b --vocab 128256 --param-groups decay --world-size 64
     python scripts/size_the_win.py --model mypkg.models:make_model --world-size 16
     python scripts/size_the_win.py --world-size 8 64 512 --check-published
 
@@ -34,12 +38,11 @@ _START = time.perf_counter()  # before torch and deepspeed are imported: the wal
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from owner_reduce.offline_sizing.fake_engine import (  # noqa: E402
-    ModelSpec,
     check_published_in_subprocess,
     size_in_subprocess,
     size_model,
 )
-from owner_reduce.offline_sizing.gpt_presets import PRESETS, describe  # noqa: E402
+from owner_reduce.offline_sizing.model_spec import GROUPINGS, PRESETS, ModelSpec, describe_preset  # noqa: E402
 from owner_reduce.planning.sizing import (  # noqa: E402
     DEFAULT_BUCKET_SIZE,
     DTYPE_BYTES,
@@ -82,8 +85,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         default=[DEFAULT_BUCKET_SIZE, DEFAULT_BUCKET_SIZE // 10],
                         help="reduce bucket size(s) in elements (default: DeepSpeed's 5e8, and 5e7)")
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="gradient dtype for bytes")
-    parser.add_argument("--vocab", type=int, default=None, help="preset vocabulary size (default GPT-2's 50257)")
-    parser.add_argument("--untied-head", action="store_true", help="preset with a separate LM head")
+    parser.add_argument("--vocab", type=int, default=None,
+                        help="preset vocabulary size (default the preset's: GPT-2 50257, Llama-2 32000)")
+    head = parser.add_mutually_exclusive_group()
+    head.add_argument("--untied-head", action="store_true",
+                      help="preset with a separate LM head (Llama presets have one already)")
+    head.add_argument("--tied-head", action="store_true",
+                      help="preset whose LM head shares the token embedding (GPT presets do already)")
+    parser.add_argument("--param-groups", choices=list(GROUPINGS), default="one",
+                        help="optimizer parameter groups: " + "; ".join(f"{k}: {v}" for k, v in GROUPINGS.items()))
+    parser.add_argument("--exact-engine", action="store_true",
+                        help="build a real ZeRO-1 engine (uninitialized bf16 weights) instead of the meta layout: "
+                             "the reference, far slower and larger")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the text report")
     parser.add_argument("--check-published", action="store_true",
                         help="also model the published 8x A800 measurement (GPT-2 350M untied-head tensors)")
@@ -91,8 +104,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.world_size):
         parser.error("--world-size must be at least 1")
-    if (args.vocab is not None or args.untied_head) and args.model not in PRESETS:
-        parser.error("--vocab and --untied-head apply to presets only")
+    tied = True if args.tied_head else False if args.untied_head else None
+    if args.model not in PRESETS and (args.vocab is not None or tied is not None):
+        parser.error(f"--vocab, --untied-head and --tied-head apply to presets ({', '.join(PRESETS)}) only, "
+                     f"not to {args.model}")
+    try:
+        args.spec = ModelSpec(args.model, vocab_size=args.vocab, tied_head=tied, param_groups=args.param_groups)
+    except ValueError as exc:
+        parser.error(str(exc))
     return args
 
 
@@ -100,13 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.list_presets:
         for name, config in PRESETS.items():
-            print(f"{name:10} {describe(config)}")
+            print(f"{name:10} {describe_preset(config)}")
         return 0
-    spec = ModelSpec(args.model, vocab_size=args.vocab, tied_head=not args.untied_head)
     sizer = size_model if len(args.world_size) == 1 else size_in_subprocess
     with _stdout_to_stderr():
-        reports = [sizer(spec, ws, args.bucket_size, args.dtype) for ws in args.world_size]
-        published = check_published_in_subprocess() if args.check_published else None
+        reports = [sizer(args.spec, ws, args.bucket_size, args.dtype, args.exact_engine) for ws in args.world_size]
+        published = (check_published_in_subprocess(exact_engine=args.exact_engine) if args.check_published
+                     else None)
     wall = time.perf_counter() - _START
     if args.json:
         data: dict = {"reports": [report_to_dict(r) for r in reports], "wall_seconds": wall}
