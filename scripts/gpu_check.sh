@@ -80,7 +80,7 @@ if [ "$MODE" = fetch ]; then
              --platform manylinux2014_x86_64)
   $PIP download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${PLATFORMS[@]}" \
     -d "$WHL" hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
-    typing-extensions py-cpuinfo
+    typing-extensions py-cpuinfo pytest-timeout ninja  # ninja: DeepSpeed's JIT build of native DeepCompile
   # DeepSpeed ships an sdist only: build its (pure Python, no prebuilt ops) wheel here.
   DS_BUILD_OPS=0 $PIP wheel -q --no-deps --no-build-isolation -w "$WHL" deepspeed==0.19.8
   # NCCL: the 305 MB wheel stays outside $WHL (a cache in /tmp); only its stripped, xz'd library is carried.
@@ -215,7 +215,8 @@ step() {
   [ "$limit" -gt "$remaining" ] && limit=$remaining
   t0=$(date +%s)
   echo "===== $name (timeout ${limit}s, +$(( t0 - START ))s): $*" | tee -a "$LOG"
-  timeout --kill-after=10 "$limit" "$@" > "$STEPS_DIR/$name.txt" 2>&1
+  # GPU_CHECK_STEP_LIMIT_S: gpu_e2e keeps its own bound under it, so it writes its results before this kill.
+  GPU_CHECK_STEP_LIMIT_S=$limit timeout --kill-after=10 "$limit" "$@" > "$STEPS_DIR/$name.txt" 2>&1
   rc=$?
   secs=$(( $(date +%s) - t0 ))
   cat "$STEPS_DIR/$name.txt" >> "$LOG"
@@ -246,6 +247,7 @@ if timeout 60 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_availab
     note "environment: no wheels carried (bash scripts/gpu_check.sh --fetch-wheels prepares them)"
   fi
   export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+  export PATH="$SITE/bin:$PATH"  # the carried ninja, where the image has none
   note "environment: the machine's python3 ($(command -v python3)) + $SITE + this checkout"
 else
   if timeout 300 bash -c 'source scripts/env.sh' >> "$LOG" 2>&1; then

@@ -254,7 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     atol = 2e-2 if args.bf16 else 1e-4
     expected_comm = "TorchDistComm" if args.cpu else "CupyNcclComm"
-    deadline = time.monotonic() + (args.total_timeout or float("inf"))
+    total = args.total_timeout or float("inf")
+    step_limit = os.environ.get("GPU_CHECK_STEP_LIMIT_S")  # gpu_check.sh's timeout for this step: finish before it
+    if step_limit:
+        total = min(total, float(step_limit) - 15)
+    deadline = time.monotonic() + total
     for mode in modes:
         # Results so far are printed and written after every mode: a step killed later keeps them.
         limit = min(args.timeout, deadline - time.monotonic())
