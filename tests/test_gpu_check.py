@@ -65,7 +65,7 @@ def test_an_arch_with_a_dot_is_refused_naming_the_value():
     assert "--arch must be a compute capability without the dot (90 for sm_90), got '9.0'" in done.stderr
 
 
-PLAN_WS2 = ("nccl_ws2", "nccl_ws4", "e2e_ws2", "bf16_ws4", "pytest_cuda", "e2e_ws4", "e2e_ws1")
+PLAN_WS2 = ("nccl_ws2", "nccl_ws4", "e2e_ws2", "pytest_cuda", "bf16_ws4", "e2e_ws4", "e2e_ws1")
 
 
 @pytest.mark.timeout(240)
