@@ -221,8 +221,12 @@ step() {
   rc=$?
   secs=$(( $(date +%s) - t0 ))
   cat "$STEPS_DIR/$name.txt" >> "$LOG"
-  grep -E '^(RESULT|nccl_check:|gpu_e2e:|  (float32|bfloat16|float16|owner runtime):|  \[dc-probe\]|  phase r0 +\+ *[0-9.]+s done |    |[0-9]+ (passed|failed|skipped|error))' \
-    "$STEPS_DIR/$name.txt" | grep -v '^    File' | head -150 >> "$SUMMARY"
+  case $name in  # the lines worth keeping: results, and (nccl_check) the indented checks under each dtype
+    pytest_cuda) grep -E '^(FAILED|ERROR|SKIPPED|[0-9]+ (passed|failed|skipped|error|deselected))' "$STEPS_DIR/$name.txt";;
+    nccl_*) grep -E '^(RESULT|nccl_check:|  (float32|bfloat16|float16):|    (identical|random|median))' "$STEPS_DIR/$name.txt";;
+    *) grep -E '^(RESULT|gpu_e2e: (ws=|all|A COMP|the owner|.*(SKIPPED|FAILED|unavailable))|  owner runtime:|  \[dc-probe\]|  phase r0 +\+ *[0-9.]+s done )' \
+         "$STEPS_DIR/$name.txt" | cut -c1-400;;
+  esac | head -150 >> "$SUMMARY"
   case $rc in
     0) note "step $name: ok (${secs}s)"; RAN[$name]=ok;;
     124|137) note "step $name: TIMED OUT after ${limit}s"; RAN[$name]=failed;;
