@@ -8,13 +8,21 @@ LOCAL_RANK 0, so several ranks can share one GPU, which NCCL >= 2.30 allows with
 - owner: DeepCompile + owner_reduce (reduce_to_owner, reduce_probe), which must pick the cupy NCCL communicator;
 - native: DeepCompile's own C++/CUDA runtime, if its extension builds here (a failure is reported, not fatal).
 Prints a RESULT line per run (median step time, host µs per ``reduce_grad`` on the owner path, peak GPU memory)
-and per comparison, and writes everything to --json. ``--require-bitwise`` (what gpu_check.sh uses at ws=1)
-makes anything but bitwise-equal losses and parameters a failure; the ranks then run with
+and per comparison, and writes everything to --json. ``--require-bitwise`` (what gpu_check.sh uses) makes
+anything but bitwise-equal owner and plain losses and parameters a failure; the ranks then run with
 ``torch.use_deterministic_algorithms(True, warn_only=True)`` and CUBLAS_WORKSPACE_CONFIG=:4096:8, so that
 plain and owner runs are comparable bit for bit on a GPU (embedding backward otherwise uses atomics).
+Without plain in --modes, the first mode is the reference (e.g. ``--modes owner,native``: native vs owner).
 
-Exit codes: 0 owner matched plain (and native, where it ran), 1 a comparison failed, 3 no CUDA GPU,
-5 the owner or plain job failed.
+Slow or stuck (issue 17: ws 4 on one GPU did not finish in 70 s, last line "Launching compile passes"): every rank
+prints its phases as they start and end (``  phase r0 +12.30s enter step 1 forward (DeepCompile compiles and
+profiles the forward graph)``, with the torch.distributed calls each phase made), and before training it times
+the pattern DeepCompile's compile-time profiler repeats about twice per graph node: one tiny all_reduce read back
+with ``.item()`` (RESULT ... pg_allreduce_item_ms). A mode that overstays --timeout fails with each rank's
+phase ("rank 2: in 'step 1 backward ...' for 41.0 s") and the ranks' Python stacks on stderr.
+
+Exit codes: 0 owner matched the reference (and native, where it ran), 1 a comparison failed, 3 no CUDA GPU,
+5 the owner or plain job failed or overstayed its bound.
 ``--cpu`` runs the same jobs on gloo ranks on the CPU (to check this script without a GPU).
 """
 
@@ -25,6 +33,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -47,14 +56,45 @@ class Job:
     cpu: bool = False
     seed: int = 0
     deterministic: bool = False
+    pg_probe_iters: int = 20  # tiny all_reduce + .item() round trips timed before training (0: none)
+
+
+def pg_allreduce_item_ms(iters: int, device: Any) -> float | None:
+    """Median ms of one 1-element all_reduce on the default group read back with ``.item()``: the round trip that
+    DeepCompile's compile-time profiler makes about twice per graph node (graph_profile.MemoryProfilingInterpreter)."""
+    import torch
+    import torch.distributed as dist
+
+    if iters <= 0 or not dist.is_initialized():
+        return None
+    flag = torch.ones(1, dtype=torch.int64, device=device)
+    times = []
+    for i in range(iters + 3):
+        start = time.perf_counter()
+        dist.all_reduce(flag)
+        flag.item()
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
 
 
 def _train(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     """One rank of ``job``: owner_reduce's shared training run (identical batches on every rank), summarized."""
     import torch
 
+    from owner_reduce.harness.phases import CollectiveCounter, PhaseLog
     from owner_reduce.harness.toy_training import TrainSpec, train
 
+    counter = CollectiveCounter()
+    phases = PhaseLog(rank, counter=counter, echo=True)
+    phases.enter("process group ready: waiting for every rank to start (barrier)")
+    import torch.distributed as dist
+
+    dist.barrier()
+    phases.enter("timing all_reduce + .item() round trips")
+    probe_ms = pg_allreduce_item_ms(job.pg_probe_iters, "cpu" if job.cpu else torch.device("cuda",
+                                                                                            torch.cuda.current_device()))
+    counter.install()
     if job.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
     spec = TrainSpec(mode=job.mode, backend=job.backend, steps=job.steps, micro_batch=job.micro_batch,
@@ -64,13 +104,22 @@ def _train(rank: int, world_size: int, job: Job) -> dict[str, Any]:
                      time_runtime=job.mode == "owner")
     if not job.cpu:
         torch.cuda.reset_peak_memory_stats()
-    out = train(rank, world_size, spec)
+    try:
+        out = train(rank, world_size, spec, on_phase=phases.enter)
+    finally:
+        counter.uninstall()
     deadline = None
     if job.mode == "owner":  # the bounded waits' deadline, read from this run's default process group
         from owner_reduce.wiring.ops import active_runtime_or_none
 
         runtime = active_runtime_or_none()
         deadline = None if runtime is None or runtime.comm is None else runtime.comm.deadline.describe()
+    dc_pass_s: dict[str, float] = {}
+    if job.mode in ("owner", "native"):  # DeepCompile's own record: seconds in its passes + profiling, per graph
+        from deepspeed.compile import backend as dc_backend
+
+        for kind, _index, _graph, seconds in getattr(dc_backend, "opt_pass_times", []):
+            dc_pass_s[kind] = dc_pass_s.get(kind, 0.0) + seconds
     stats = None
     if out["stats"] is not None:
         stats = asdict(out["stats"])
@@ -81,15 +130,18 @@ def _train(rank: int, world_size: int, job: Job) -> dict[str, Any]:
             # host time of one reduce_grad call without its flushes (owner path only; plain ZeRO has none)
             "reduce_grad_us": statistics.median(reduce_grad_ns) / 1000 if reduce_grad_ns else None,
             "reduce_grad_calls_timed": len(reduce_grad_ns), "deadline": deadline,
-            "peak_gpu_mib": None if job.cpu else torch.cuda.max_memory_allocated() / 2**20}
+            "peak_gpu_mib": None if job.cpu else torch.cuda.max_memory_allocated() / 2**20,
+            "phases": phases.history, "pg_allreduce_item_ms": probe_ms, "dc_pass_s": dc_pass_s}
 
 
 def launch(job: Job, world_size: int, timeout: float) -> list[dict[str, Any]]:
-    """Run ``job`` on ``world_size`` fresh ranks; results by rank, or RuntimeError with every rank's traceback.
+    """Run ``job`` on ``world_size`` fresh ranks; results by rank, or RuntimeError with every rank's traceback,
+    or, past ``timeout``, with the phase each rank was in (and its stacks on stderr).
 
     On GPUs each rank sees one device (cuda:0, LOCAL_RANK 0), so several ranks can share one GPU.
     """
     from owner_reduce.harness.launch import RankFailure, RankTimeout, run_ranks
+    from owner_reduce.harness.phases import PHASE_DIR_ENV, describe_phases
 
     rank_env = None
     if not job.cpu:
@@ -100,11 +152,16 @@ def launch(job: Job, world_size: int, timeout: float) -> list[dict[str, Any]]:
         rank_env = [{"CUDA_VISIBLE_DEVICES": visible[r % len(visible)], "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                      **({"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if job.deterministic else {})}
                     for r in range(world_size)]
-    try:
-        return run_ranks(_train, world_size, args=(job,), timeout=timeout, rank_env=rank_env,
-                         dist_backend="gloo" if job.cpu else "nccl")
-    except (RankFailure, RankTimeout) as error:
-        raise RuntimeError(f"{job.mode} job failed: {error}") from error
+    with tempfile.TemporaryDirectory(prefix="gpu_e2e_phases_") as phase_dir:
+        try:
+            return run_ranks(_train, world_size, args=(job,), timeout=timeout, rank_env=rank_env,
+                             env={PHASE_DIR_ENV: phase_dir}, dist_backend="gloo" if job.cpu else "nccl")
+        except RankTimeout as error:
+            raise RuntimeError(f"{job.mode} job overstayed its bound of {timeout:.0f} s: {error}; where each rank "
+                               f"was: {describe_phases(phase_dir, world_size)}") from error
+        except RankFailure as error:
+            raise RuntimeError(f"{job.mode} job failed: {error}\nwhere each rank was: "
+                               f"{describe_phases(phase_dir, world_size)}") from error
 
 
 def compare(name: str, a: dict[str, Any], b: dict[str, Any], atol: float,
@@ -131,6 +188,21 @@ def _timing(rows: list[dict[str, Any]]) -> dict[str, float]:
             "first_step_s": max(r["first_step_s"] for r in rows)}
 
 
+def phase_seconds(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Each phase's duration on its slowest rank, in rank 0's order (the ranks run the same phases)."""
+    out: dict[str, float] = {}
+    for r in rows:
+        for ph in r.get("phases") or ():
+            out[ph["phase"]] = max(out.get(ph["phase"], 0.0), ph["seconds"])
+    return out
+
+
+def _short(phase: str) -> str:
+    """A phase name as a RESULT key: 'step 1 forward (DeepCompile ...)' -> 'step1_forward'."""
+    head = phase.split("(")[0].split(":")[0].strip()
+    return "_".join(head.replace(".", "_").split())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=1)
@@ -138,6 +210,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="plain,owner,native")
     parser.add_argument("--backend", default="eager", help="torch.compile backend under DeepCompile")
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--dim", type=int, default=Job.dim, help="model width (the 167M model of issue 17: 1024)")
+    parser.add_argument("--layers", type=int, default=Job.layers, help="transformer blocks (167M model: 8)")
+    parser.add_argument("--vocab", type=int, default=Job.vocab, help="vocabulary (167M model: 32000)")
+    parser.add_argument("--seq", type=int, default=Job.seq)
+    parser.add_argument("--micro-batch", type=int, default=Job.micro_batch)
+    parser.add_argument("--bucket", type=int, default=Job.bucket,
+                        help="reduce_bucket_size in elements (whole model: 500000000)")
+    parser.add_argument("--pg-probe-iters", type=int, default=Job.pg_probe_iters,
+                        help="all_reduce + .item() round trips timed in each rank before training (0: none)")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per mode")
     parser.add_argument("--total-timeout", type=float, default=None,
                         help="seconds for all modes; a mode that would start with under 30s left is skipped")
@@ -147,8 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
-    if set(modes) - set(MODES) or "plain" not in modes:
-        parser.error(f"--modes: a comma list of {MODES} that includes plain")
+    if set(modes) - set(MODES) or not modes or len(set(modes)) != len(modes):
+        parser.error(f"--modes: a comma list of distinct modes from {MODES}")
+    reference = "plain" if "plain" in modes else modes[0]
+    modes = [reference] + [m for m in modes if m != reference]
     if not args.cpu:
         import torch
 
@@ -157,14 +240,25 @@ def main(argv: list[str] | None = None) -> int:
             return 3
         if args.world_size > torch.cuda.device_count():
             os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+        if "native" in modes and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+            # DeepSpeed's JIT builder otherwise probes the device in every rank; an explicit list is what made
+            # native DeepCompile build on the H200 image (issue 17).
+            major, minor = torch.cuda.get_device_capability(0)
+            os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
     print(f"gpu_e2e: ws={args.world_size} modes={modes} steps={args.steps} backend={args.backend} "
-          f"bf16={args.bf16} {'CPU (gloo)' if args.cpu else 'GPU (nccl)'}", flush=True)
+          f"bf16={args.bf16} model dim={args.dim} layers={args.layers} vocab={args.vocab} seq={args.seq} "
+          f"micro_batch={args.micro_batch} bucket={args.bucket} {'CPU (gloo)' if args.cpu else 'GPU (nccl)'}"
+          + ("" if args.cpu else f" TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '')}"), flush=True)
     runs: dict[str, Any] = {}
     errors: dict[str, str] = {}
     rows: list[dict[str, Any]] = []
     atol = 2e-2 if args.bf16 else 1e-4
     expected_comm = "TorchDistComm" if args.cpu else "CupyNcclComm"
-    deadline = time.monotonic() + (args.total_timeout or float("inf"))
+    total = args.total_timeout or float("inf")
+    step_limit = os.environ.get("GPU_CHECK_STEP_LIMIT_S")  # gpu_check.sh's timeout for this step: finish before it
+    if step_limit:
+        total = min(total, float(step_limit) - 15)
+    deadline = time.monotonic() + total
     for mode in modes:
         # Results so far are printed and written after every mode: a step killed later keeps them.
         limit = min(args.timeout, deadline - time.monotonic())
@@ -172,8 +266,9 @@ def main(argv: list[str] | None = None) -> int:
             errors[mode] = f"not run: {max(limit, 0):.0f}s of --total-timeout left"
             print(f"gpu_e2e: {mode} job SKIPPED ({errors[mode]})", flush=True)
             continue
-        job = Job(mode=mode, steps=args.steps, backend=args.backend, bf16=args.bf16, cpu=args.cpu,
-                  deterministic=args.require_bitwise)
+        job = Job(mode=mode, steps=args.steps, micro_batch=args.micro_batch, dim=args.dim, layers=args.layers,
+                  vocab=args.vocab, seq=args.seq, bucket=args.bucket, backend=args.backend, bf16=args.bf16,
+                  cpu=args.cpu, deterministic=args.require_bitwise, pg_probe_iters=args.pg_probe_iters)
         start = time.monotonic()
         try:
             runs[mode] = launch(job, args.world_size, limit)
@@ -183,9 +278,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpu_e2e: {label}: {str(error)[-3000:]}", flush=True)
             continue
         _print_run(mode, args.world_size, runs[mode], time.monotonic() - start)
-        if mode != "plain" and "plain" in runs:
-            rows.append(compare(f"{mode} vs plain", runs[mode][0], runs["plain"][0], atol,
-                                require_bitwise=args.require_bitwise and mode == "owner"))
+        if mode != reference and reference in runs:
+            rows.append(compare(f"{mode} vs {reference}", runs[mode][0], runs[reference][0], atol,
+                                require_bitwise=args.require_bitwise and reference == "plain" and mode == "owner"))
         if args.json:
             _write_json(args.json, args.world_size, rows, errors, runs)
     if args.json:
@@ -193,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     owner_comm = runs["owner"][0]["comm"] if "owner" in runs else None
     if "owner" in runs and owner_comm != expected_comm:
         print(f"gpu_e2e: the owner path used {owner_comm}, expected {expected_comm}", flush=True)
-    if any(m in errors for m in ("plain", "owner") if m in modes):
+    if any(m in errors for m in ("plain", "owner") if m in modes) or reference in errors:
         return 5
     ok = all(r["ok"] for r in rows) and ("owner" not in modes or owner_comm == expected_comm)
     print(f"gpu_e2e: {'all comparisons passed' if ok else 'A COMPARISON FAILED'}", flush=True)
@@ -208,6 +303,14 @@ def _print_run(mode: str, world_size: int, rows: list[dict[str, Any]], wall_s: f
     print(f"RESULT gpu_e2e mode={mode} ws={world_size} median_step_ms={timing['median_step_ms']:.2f} "
           f"first_step_s={timing['first_step_s']:.1f} wall_s={wall_s:.0f} comm={r0['comm']} "
           f"host_us_per_reduce_grad={us} peak_gpu_mib={mib} final_loss={r0['losses'][-1]:.6f}", flush=True)
+    probes = [r["pg_allreduce_item_ms"] for r in rows if r.get("pg_allreduce_item_ms") is not None]
+    seconds = phase_seconds(rows)
+    wanted = [p for p in seconds if p.startswith(("engine", "step 1 ", "first flush", "after the first flush"))]
+    print(f"RESULT gpu_e2e phases mode={mode} ws={world_size} "
+          + " ".join(f"{_short(p)}_s={seconds[p]:.2f}" for p in wanted)
+          + (f" pg_allreduce_item_ms={max(probes):.3f}" if probes else "")
+          + "".join(f" dc_passes_{kind}_s={max(r['dc_pass_s'].get(kind, 0.0) for r in rows):.2f}"
+                    for kind in ("fwd", "bwd") if any(kind in (r.get("dc_pass_s") or {}) for r in rows)), flush=True)
     if r0["stats"]:
         s = r0["stats"]
         print(f"  owner runtime: flushes={s['flushes']} collectives={s['collectives']} "
@@ -225,6 +328,9 @@ def _write_json(path: str, world_size: int, rows: list[dict[str, Any]], errors: 
                    "timing": {m: _timing(r) for m, r in runs.items()},
                    "host_us_per_reduce_grad": {m: r[0]["reduce_grad_us"] for m, r in runs.items()},
                    "peak_gpu_mib": {m: r[0]["peak_gpu_mib"] for m, r in runs.items()},
+                   "phase_seconds": {m: phase_seconds(r) for m, r in runs.items()},
+                   "pg_allreduce_item_ms": {m: max((x["pg_allreduce_item_ms"] or 0.0) for x in r)
+                                            for m, r in runs.items()},
                    "losses": {m: r[0]["losses"] for m, r in runs.items()}}, f, indent=1)
 
 

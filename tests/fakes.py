@@ -113,18 +113,32 @@ def ws2_runtime(rank=0, owner=True, probe=True, bucket=64, problems=(), comm=Non
     return rt, comm
 
 
-def two_gpu_ranks_env() -> dict[str, str]:
-    """The environment for two NCCL ranks on this machine's GPUs, or a skip: two ranks on one GPU need NCCL >= 2.30
-    and its opt-in (``NCCL_MULTI_RANK_GPU_ENABLE``); on two GPUs nothing is needed."""
+def shared_gpu_env(world_size: int, torch_pg: bool = False) -> dict[str, str]:
+    """The environment for ``world_size`` NCCL ranks on this machine's GPUs, or a skip. Ranks outnumbering the GPUs
+    share them, which needs NCCL >= 2.30 and its opt-in (``NCCL_MULTI_RANK_GPU_ENABLE``) in cupy's NCCL, and also in
+    torch's when the ranks' process group is NCCL (``torch_pg``). Each rank's device is its index among the visible
+    GPUs (``harness.launch.local_device``), never its rank."""
     import pytest
 
     from owner_reduce.runtime import nccl_comm
 
-    if torch.cuda.device_count() >= 2:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if torch.cuda.device_count() >= world_size:
         return {}
-    if nccl_comm.nccl_runtime_version() < (2, 30, 0):
-        pytest.skip("two ranks on one GPU need NCCL >= 2.30 (NCCL_MULTI_RANK_GPU_ENABLE)")
+    versions = {"cupy": nccl_comm.nccl_runtime_version()}
+    if torch_pg:
+        versions["torch"] = tuple(torch.cuda.nccl.version())
+    old = {k: ".".join(map(str, v)) for k, v in versions.items() if tuple(v) < (2, 30, 0)}
+    if old:
+        pytest.skip(f"{world_size} ranks on {torch.cuda.device_count()} GPU(s) need NCCL >= 2.30 "
+                    f"(NCCL_MULTI_RANK_GPU_ENABLE); loaded: {old}")
     return {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+
+
+def two_gpu_ranks_env() -> dict[str, str]:
+    """``shared_gpu_env(2)``: two ranks whose process group is gloo, their communicator cupy's NCCL."""
+    return shared_gpu_env(2)
 
 
 def flat_map(numels, ws, other_comm_numels=()):

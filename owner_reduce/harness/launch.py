@@ -2,15 +2,23 @@
 
 Why a deadline on everything: a collective that one rank never joins hangs the others forever; on CI
 that would burn the whole time limit. Every rank reports back (result or traceback) through a queue,
-and the parent kills all ranks once the deadline passes, naming the ranks that did not finish.
+and the parent kills all ranks once the deadline passes, naming the ranks that did not finish; before it
+kills them, it asks each unfinished rank for its Python stacks (SIGUSR1, ``faulthandler``: all threads, on the
+rank's stderr), so that a hang says where it hangs.
+
+Note (GPUs): a rank's CUDA device is its local rank among the visible GPUs (``local_device``), and where ranks
+outnumber the GPUs LOCAL_RANK itself is rewritten to that index before DeepSpeed starts: DeepSpeed binds its
+process group and engine to ``cuda:LOCAL_RANK`` (``device_id``), which for rank 1 on one GPU is out of range.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -18,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 _FAILURE_GRACE_S = 5.0
+_STACK_DUMP_WAIT_S = 2.0
 
 
 class RankFailure(RuntimeError):
@@ -34,17 +43,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def local_device(local_rank: int, device_count: int) -> int:
+    """The CUDA device index of a rank: its local rank among the ``device_count`` visible GPUs, wrapping around
+    where ranks outnumber them (ranks sharing a GPU, NCCL >= 2.30). Never the rank itself."""
+    if device_count < 1:
+        raise ValueError(f"local_device: no visible GPU (device_count={device_count})")
+    if local_rank < 0:
+        raise ValueError(f"local_device: LOCAL_RANK must be >= 0, got {local_rank}")
+    return local_rank % device_count
+
+
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: Sequence[Any],
                results: Any, env: dict[str, str], dist_backend: str | None) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.update(env)  # before torch touches CUDA: CUDA_VISIBLE_DEVICES and LOCAL_RANK may be set here
     try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's "where are you" on a timeout
+    except (AttributeError, ValueError, RuntimeError):  # no SIGUSR1 (Windows) or no usable stderr
+        pass
+    try:
         import torch
 
-        if dist_backend == "nccl":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
-        else:
+        if torch.cuda.is_available():
+            device = local_device(int(os.environ["LOCAL_RANK"]), torch.cuda.device_count())
+            os.environ["LOCAL_RANK"] = str(device)  # DeepSpeed's device_id and engine device: cuda:LOCAL_RANK
+            torch.cuda.set_device(device)
+        if dist_backend != "nccl":
             torch.set_num_threads(1)  # N ranks share the machine's few cores
         if dist_backend is not None:
             import deepspeed
@@ -71,10 +96,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return results by rank.
 
     Each rank gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* plus ``env`` and its own ``rank_env[rank]``, then
-    ``deepspeed.init_distributed(dist_backend)`` ("gloo"; "nccl" also selects the CUDA device LOCAL_RANK
-    modulo the visible devices; None: no process group, ``fn`` brings its own). ``fn`` must be importable by
-    name (module level). Raises RankFailure if any rank raised, RankTimeout if any rank had not reported within
-    ``timeout`` seconds; all ranks are dead when this returns.
+    ``deepspeed.init_distributed(dist_backend)`` ("gloo" or "nccl"; None: no process group, ``fn`` brings its
+    own). Where torch sees a GPU, every rank first selects ``local_device(LOCAL_RANK, visible GPUs)`` and
+    LOCAL_RANK becomes that index (see the module's note). ``fn`` must be importable by name (module level).
+    Raises RankFailure if any rank raised, RankTimeout if any rank had not reported within ``timeout``
+    seconds (after the unfinished ranks dumped their stacks to stderr); all ranks are dead when this returns.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -99,8 +125,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
                 if any(not ok for ok, _ in outcome.values()):
                     break
                 missing = sorted(set(range(world_size)) - set(outcome))
+                dumped = _dump_stacks([procs[r] for r in missing])
                 raise RankTimeout(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s "
-                                  "(hung collective?)")
+                                  "(hung collective?)" + ("; their Python stacks are on stderr" if dumped else ""))
             try:
                 rank, ok, out = results.get(timeout=min(remaining, 0.5))
             except queue.Empty:
@@ -122,3 +149,18 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
     if failed:
         raise RankFailure("".join(f"\n--- rank {r} raised ---\n{tb}" for r, tb in sorted(failed.items())))
     return [pickle.loads(outcome[r][1]) for r in range(world_size)]
+
+
+def _dump_stacks(procs: Sequence[Any]) -> bool:
+    """Ask each live rank for its Python stacks (``faulthandler`` on SIGUSR1) and give them a moment to print."""
+    asked = False
+    for p in procs:
+        if p.is_alive() and p.pid is not None and hasattr(signal, "SIGUSR1"):
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+                asked = True
+            except OSError:
+                pass
+    if asked:
+        time.sleep(_STACK_DUMP_WAIT_S)
+    return asked

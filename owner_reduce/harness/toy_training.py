@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,13 +120,39 @@ def _time_runtime(runtime: Any) -> dict[str, list[int]]:
     return timings
 
 
-def train(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
-    """Train ``spec.steps`` optimizer steps; return losses, final parameters, runtime counters and log lines."""
+def _first_flush_phases(runtime: Any, on_phase: Callable[[str], None]) -> None:
+    """Report the runtime's first flush as two phases: issuing it, and the rest of that backward after it."""
+    flusher = runtime.flusher
+    flush = flusher.flush
+    seen = [False]
+
+    def flush_with_phases(pending: Any, streams: Any) -> None:
+        if seen[0]:
+            flush(pending, streams)
+            return
+        seen[0] = True
+        on_phase("first flush: issuing its collectives (ncclGroupEnd may connect NCCL's transports)")
+        flush(pending, streams)
+        on_phase("after the first flush (rest of backward 1: end_backward waits for the reduce stream)")
+
+    flusher.flush = flush_with_phases
+
+
+def train(rank: int, world_size: int, spec: TrainSpec,
+          on_phase: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Train ``spec.steps`` optimizer steps; return losses, final parameters, runtime counters and log lines.
+
+    ``on_phase(name)`` (optional) is called as each phase starts: engine, compile, step 1's forward (DeepCompile
+    compiles and profiles the forward graph there), backward and first flush, optimizer, each later step, the
+    final barrier; a run that overstays its bound then says where it stopped (``harness.phases``).
+    """
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
 
     import owner_reduce
+
+    phase = on_phase or (lambda name: None)
 
     if spec.inject_fault is not None:
         from .faults import inject
@@ -158,10 +185,12 @@ def train(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
     if spec.param_groups == 2:
         params = list(model.parameters())
         parameters = [{"params": [p for p in params if p.dim() > 1]}, {"params": [p for p in params if p.dim() <= 1]}]
+    phase("engine: deepspeed.initialize")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters, config=config)
     accelerator = get_accelerator()
     compile_start = time.perf_counter()
     if spec.mode != "plain":
+        phase("engine.compile (DeepCompile init: the owner runtime builds its communicator)")
         engine.compile(backend=spec.backend)
     runtime = None
     timings: dict[str, list[int]] = {}
@@ -169,7 +198,10 @@ def train(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
     step_times: list[float] = []
     for step in range(spec.steps):
         start = time.perf_counter()
-        for _ in range(spec.grad_accum):
+        for micro in range(spec.grad_accum):
+            first = step == 0 and micro == 0
+            phase("step 1 forward (DeepCompile compiles and profiles the forward graph)" if first and
+                  spec.mode != "plain" else f"step {step + 1} forward")
             loss = engine(*(t.to(engine.device) for t in batch()))
             if runtime is None and spec.mode == "owner":
                 from ..wiring.ops import active_runtime
@@ -178,7 +210,12 @@ def train(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
                 runtime.record_collectives = spec.record_collectives
                 if spec.time_runtime:
                     timings = _time_runtime(runtime)
+                if on_phase is not None:
+                    _first_flush_phases(runtime, on_phase)
+            phase("step 1 backward (DeepCompile compiles and profiles the backward graph, then reduces)" if first
+                  and spec.mode != "plain" else f"step {step + 1} backward")
             engine.backward(loss)
+            phase(f"step {step + 1} optimizer")
             engine.step()
             losses.append(loss.item())
         accelerator.synchronize()
@@ -187,7 +224,9 @@ def train(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
             _progress(step + 1, spec.steps, losses[-1])
         if step == 0:
             first_step_s = time.perf_counter() - compile_start
+    phase("final barrier")
     dist.barrier()
+    phase("done")
     return {
         "losses": losses,
         "params": {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()},
