@@ -12,7 +12,8 @@ gradient larger than that still fits (``reserve``). Buckets are allocated once a
 a flush there, so a second buffer would only cost memory.
 
 Note (views): ``views`` keeps, per scheduled flush, the views of this bucket's buffer that each gradient is copied
-into (made at first use), so that a step makes none; they live and die with the buffer (``reserve`` drops them).
+into, and per flush plan the views its copy-out reads (made at first use), so that a step makes none; they live and
+die with the buffer (``reserve`` drops them). Each entry holds the object it is keyed by the id of.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class ReduceBucket:
         self.buffer = torch.empty(self.size, dtype=dtype, device=device)
         self.offset = 0
         self.free_event: object | None = None  # CUDA: recorded on the reduce stream when a flush released it
-        self.views: dict[int, list[Any]] = {}  # id(scheduled flush) -> per gradient, its copy targets (placement)
+        self.views: dict[int, tuple[Any, Any]] = {}  # id(flush or plan) -> (it, its views): see Note (views)
 
     def should_flush(self, numel: int) -> bool:
         return self.offset > 0 and self.offset + numel > self.size

@@ -20,7 +20,7 @@ moving a grad buffer drops the cache (the copy-out list holds views of the grad 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -38,6 +38,7 @@ from .stats import FlushRecord, RuntimeStats, emit
 
 _LOG_NAMES = {REDUCE: "reduce", REDUCE_SCATTER: "reduce_scatter", "allreduce": "all_reduce", HANDOFF: "handoff"}
 _FLUSH_CACHE_LIMIT = 256  # distinct bucket contents remembered; beyond it the cache starts over
+_VIEWS_PER_BUCKET_LIMIT = 512  # plans whose copy-out views one bucket keeps; beyond it they start over
 
 
 class Param(NamedTuple):
@@ -166,15 +167,29 @@ class Flusher:
                             comm.send(piece, op.peer)
                         else:
                             comm.recv(piece, op.peer)
-            self._copy_out(cached, used)
+            self._copy_out(cached, self._sources(cached, bucket, used))
             streams.bucket_released(bucket)
         self._count(cached, buffer, pending.scheduled is not None)
 
-    def _copy_out(self, cached: _CachedFlush, used: torch.Tensor) -> None:
+    @staticmethod
+    def _sources(cached: _CachedFlush, bucket: Any, used: torch.Tensor) -> Sequence[torch.Tensor]:
+        """The bucket views that ``cached``'s copy-out reads, made once per (bucket buffer, plan) and kept with the
+        bucket (``ReduceBucket.views``, which holds the plan too, so its id is not reused meanwhile)."""
+        if not cached.copy_out:
+            return ()
+        entry = bucket.views.get(id(cached))
+        if entry is not None and entry[0] is cached:
+            return entry[1]
+        if len(bucket.views) >= _VIEWS_PER_BUCKET_LIMIT:  # contents that keep changing: start over
+            bucket.views.clear()
+        sources = used.split_with_sizes(cached.split_sizes)[1::2]
+        bucket.views[id(cached)] = (cached, sources)
+        return sources
+
+    def _copy_out(self, cached: _CachedFlush, sources: Sequence[torch.Tensor]) -> None:
         """Copy what this rank keeps into its grad buffers (stage 2: add into them after the first micro-step)."""
         if not cached.copy_out:
             return
-        sources = used.split_with_sizes(cached.split_sizes)[1::2]
         if self.stage != 2:
             torch._foreach_copy_(cached.dsts, sources)
             return
