@@ -46,8 +46,10 @@ from owner_reduce.offline_sizing.model_spec import GROUPINGS, PRESETS, ModelSpec
 from owner_reduce.planning.sizing import (  # noqa: E402
     DEFAULT_BUCKET_SIZE,
     DTYPE_BYTES,
+    SUMMARY_HEADER,
     format_published_check,
     format_report,
+    format_summary_rows,
     report_to_dict,
 )
 
@@ -98,6 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="build a real ZeRO-1 engine (uninitialized bf16 weights) instead of the meta layout: "
                              "the reference, far slower and larger")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the text report")
+    parser.add_argument("--summary", action="store_true",
+                        help="print one markdown row per world size and bucket (step time against native before and "
+                             "after the per-flush choice, the worst flush) instead of the text report")
     parser.add_argument("--check-published", action="store_true",
                         help="also model the published 8x A800 measurement (GPT-2 350M untied-head tensors)")
     parser.add_argument("--list-presets", action="store_true", help="list the presets and exit")
@@ -133,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
             data["published_check"] = {"model": published[0], "variants": [
                 dict(dataclasses.asdict(c), ratio=c.ratio, measured_ratio=c.measured_ratio) for c in published[1]]}
         print(json.dumps(data, indent=2))
+    elif args.summary:
+        print(SUMMARY_HEADER)
+        for report in reports:
+            print("\n".join(format_summary_rows(report, args.model)))
+        print(f"\n(alpha-beta model; ratios against native DeepCompile's one AllReduce per gradient; wall time "
+              f"{wall:.1f} s)")
     else:
         print("\n\n".join(format_report(r) for r in reports))
         if published is not None:

@@ -41,7 +41,9 @@ class TrainSpec:
     inject_fault: str | None = None  # negative controls only: see owner_reduce.harness.faults
     time_runtime: bool = False  # host time of each reduce_grad (without flushes) and each flush, in ns
     flush_algo: str | None = None  # OWNER_REDUCE_FLUSH_ALGO for this run (None: as the environment says)
-    ranks_per_node: int | None = None  # LOCAL_WORLD_SIZE as a launcher would set it (the cost model's topology)
+    # "SGD" for negative controls: Adam's update is nearly invariant to a gradient scaled by a constant, which is
+    # what an element that missed its reduction holds with identical data on every rank (its own share).
+    optimizer: str = "Adam"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -160,8 +162,6 @@ def train(rank: int, world_size: int, spec: TrainSpec,
         inject(spec.inject_fault, world_size)
     if spec.flush_algo is not None:
         os.environ["OWNER_REDUCE_FLUSH_ALGO"] = spec.flush_algo
-    if spec.ranks_per_node is not None:
-        os.environ["LOCAL_WORLD_SIZE"] = str(spec.ranks_per_node)
     model, batch = _model_and_batches(spec, rank)
     zero: dict[str, Any] = {"stage": spec.zero_stage}
     if spec.reduce_bucket_size is not None:
@@ -169,10 +169,13 @@ def train(rank: int, world_size: int, spec: TrainSpec,
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": spec.micro_batch,
         "gradient_accumulation_steps": spec.grad_accum,
-        "optimizer": {"type": "Adam", "params": {"lr": spec.lr, "torch_adam": True}},
+        "optimizer": {"type": "Adam", "params": {"lr": spec.lr, "torch_adam": True}} if spec.optimizer == "Adam"
+        else {"type": spec.optimizer, "params": {"lr": spec.lr}},
         "zero_optimization": zero,
         "steps_per_print": 1_000_000,
     }
+    if spec.optimizer != "Adam":
+        config["zero_allow_untested_optimizer"] = True  # a torch.optim class by name: ZeRO partitions it as any
     if spec.bf16:
         config["bf16"] = {"enabled": True}
     if spec.mode == "owner":

@@ -498,6 +498,27 @@ def format_report(report: SizingReport) -> str:
     return "\n".join(lines)
 
 
+SUMMARY_HEADER = ("| model | ws | bucket | flushes | calls per flush: native / reduce_to_owner | algorithms chosen | "
+                  "step, native | before the choice | reduce_to_owner | worst flush |\n"
+                  "|---|---|---|---|---|---|---|---|---|---|")
+
+
+def format_summary_rows(report: SizingReport, name: str) -> list[str]:
+    """One markdown row per bucket size: the scale table of the guide (alpha-beta step time against native, the
+    owner-ordered bucket before the per-flush choice, and the worst flush), for ``SUMMARY_HEADER``."""
+    rows = []
+    for b in report.buckets:
+        per = max(len(b.flushes), 1)
+        worst = b.worst_flush()
+        if not b.topology or worst is None:
+            continue
+        rows.append(f"| {name} | {report.world_size} | {b.bucket_size:.0e} | {len(b.flushes)} | "
+                    f"{b.native_calls / per:.1f} / {b.layout_calls / per:.1f} | {_algos(b)} | "
+                    f"{_ms(b.step_us('native'))} | {b.us_ratio('previous'):.3f}x | "
+                    f"**{b.us_ratio('layout'):.3f}x** | {worst.layout_over_native:.3f}x ({worst.layout_algo}) |")
+    return rows
+
+
 def report_to_dict(report: SizingReport) -> dict[str, Any]:
     """Machine-readable report: the dataclasses as plain data plus the derived ratios and call totals."""
     data = asdict(report)
