@@ -64,3 +64,25 @@ def test_parameters_outside_zero_groups_reach_deepcompile_as_plain_inputs():
         assert plain.requires_grad == original.requires_grad
     backend("gm", (frozen,))
     assert isinstance(seen[1], tuple)
+
+
+def test_forced_flush_algorithm_is_read_checked_and_never_silent(monkeypatch):
+    import pytest
+    from deepspeed.utils import logger
+
+    from owner_reduce.planning.flags import OwnerReduceFlags
+
+    warnings = []
+    monkeypatch.setattr(logger, "warning", warnings.append)
+    on, probe_only = OwnerReduceFlags(True, False), OwnerReduceFlags(False, True)
+    assert activation.forced_flush_algo(on, 0, {}) == "auto"
+    assert activation.forced_flush_algo(on, 0, {"OWNER_REDUCE_FLUSH_ALGO": "handoff"}) == "handoff"
+    assert warnings == []
+    with pytest.raises(ValueError, match="OWNER_REDUCE_FLUSH_ALGO must be one of auto, reduce, allreduce, handoff, "
+                                         "got 'fast'"):
+        activation.forced_flush_algo(on, 0, {"OWNER_REDUCE_FLUSH_ALGO": "fast"})
+    assert activation.forced_flush_algo(probe_only, 1, {"OWNER_REDUCE_FLUSH_ALGO": "reduce"}) == "reduce"
+    assert warnings == []  # rank 1 does not warn
+    activation.forced_flush_algo(probe_only, 0, {"OWNER_REDUCE_FLUSH_ALGO": "reduce"})
+    assert warnings == ["owner_reduce: OWNER_REDUCE_FLUSH_ALGO=reduce has no effect: compile.reduce_to_owner is "
+                        "false, so every flush is one AllReduce, as DeepCompile does"]

@@ -6,6 +6,12 @@ and the parent kills all ranks once the deadline passes, naming the ranks that d
 kills them, it asks each unfinished rank for its Python stacks (SIGUSR1, ``faulthandler``: all threads, on the
 rank's stderr), so that a hang says where it hangs.
 
+Note (start method): on a machine where torch sees no GPU, ranks are forked from a fork server that has already
+imported torch and DeepSpeed (``harness.preload``; started once per parent process), which saves each rank several
+seconds of imports; each rank then takes the parent's environment as it is at ``run_ranks`` (plus ``env``), not
+the fork server's. Where torch sees a GPU, ranks are spawned fresh: a process forked after CUDA was touched cannot
+use it. ``OWNER_REDUCE_START_METHOD=spawn`` forces spawning.
+
 Note (GPUs): a rank's CUDA device is its local rank among the visible GPUs (``local_device``), and where ranks
 outnumber the GPUs LOCAL_RANK itself is rewritten to that index before DeepSpeed starts: DeepSpeed binds its
 process group and engine to ``cuda:LOCAL_RANK`` (``device_id``), which for rank 1 on one GPU is out of range.
@@ -53,8 +59,26 @@ def local_device(local_rank: int, device_count: int) -> int:
     return local_rank % device_count
 
 
+def _start_context() -> Any:
+    """The multiprocessing context for ranks (see Note (start method))."""
+    import torch
+
+    method = os.environ.get("OWNER_REDUCE_START_METHOD", "").strip() or (
+        "forkserver" if "forkserver" in mp.get_all_start_methods() and not torch.cuda.is_available() else "spawn")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"OWNER_REDUCE_START_METHOD must be forkserver or spawn, got {method!r}")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["owner_reduce.harness.preload"])
+    return ctx
+
+
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: Sequence[Any],
-               results: Any, env: dict[str, str], dist_backend: str | None) -> None:
+               results: Any, env: dict[str, str], dist_backend: str | None,
+               environ: dict[str, str] | None = None) -> None:
+    if environ is not None:  # forked from the fork server: the parent's environment now, not the server's
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.update(env)  # before torch touches CUDA: CUDA_VISIBLE_DEVICES and LOCAL_RANK may be set here
@@ -102,13 +126,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
     Raises RankFailure if any rank raised, RankTimeout if any rank had not reported within ``timeout``
     seconds (after the unfinished ranks dumped their stacks to stderr); all ranks are dead when this returns.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _start_context()
     results = ctx.Queue()
     port = free_port()
     envs = [{**(env or {}), **(rank_env[r] if rank_env else {})} for r in range(world_size)]
+    environ = dict(os.environ) if ctx.get_start_method() == "forkserver" else None
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, tuple(args), results, envs[r], dist_backend),
-                    daemon=True) for r in range(world_size)
+        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, tuple(args), results, envs[r], dist_backend,
+                                             environ), daemon=True) for r in range(world_size)
     ]
     for p in procs:
         p.start()

@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from ..planning.flags import flags_of
-from ..planning.flush_choice import FORCE_ENV_VAR, parse_force
+from ..planning.flush_choice import AUTO, FORCE_ENV_VAR, parse_force
 from ..runtime.comm import ReduceComm
 from ..runtime.handle import OwnerReduceRuntime, RuntimeSettings
 from . import cpu_compat
@@ -29,10 +29,22 @@ def make_comm(process_group: Any) -> ReduceComm:
     return select_comm(process_group)
 
 
+def forced_flush_algo(flags: Any, global_rank: int, environ: Any = None) -> str:
+    """``OWNER_REDUCE_FLUSH_ALGO`` (default ``auto``); a bad value fails here, naming the variable; a forced value
+    that cannot take effect (the owner path is off) is named in a warning on rank 0."""
+    flush_algo = parse_force((os.environ if environ is None else environ).get(FORCE_ENV_VAR))
+    if flush_algo != AUTO and not flags.reduce_to_owner and global_rank == 0:
+        from deepspeed.utils import logger
+
+        logger.warning(f"owner_reduce: {FORCE_ENV_VAR}={flush_algo} has no effect: compile.reduce_to_owner is false, "
+                       "so every flush is one AllReduce, as DeepCompile does")
+    return flush_algo
+
+
 def build_runtime(engine: Any, flags: Any) -> OwnerReduceRuntime:
     from .engine_tables import build_owner_map, disagreements_with_optimizer
 
-    flush_algo = parse_force(os.environ.get(FORCE_ENV_VAR))  # a bad value fails here, naming the variable
+    flush_algo = forced_flush_algo(flags, int(getattr(engine, "global_rank", 0)))
     owner_map = build_owner_map(engine)
     problems = tuple(disagreements_with_optimizer(owner_map, engine))
     return OwnerReduceRuntime(RuntimeSettings(flags=flags, owner_map=owner_map, map_problems=problems,
