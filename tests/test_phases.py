@@ -69,7 +69,9 @@ def _phases_then_stuck(rank: int, world_size: int, directory: str) -> int:
 
 
 @pytest.mark.timeout(90)
-def test_a_rank_past_the_bound_is_reported_with_its_phase_and_its_stack(tmp_path, capfd):
+def test_a_rank_past_the_bound_is_reported_with_its_phase_and_its_stack(tmp_path, capfd, monkeypatch):
+    # Spawned: a rank forked from the fork server writes to the stderr the server started with, not this test's.
+    monkeypatch.setenv("OWNER_REDUCE_START_METHOD", "spawn")
     with pytest.raises(RankTimeout, match=r"ranks \[1\] of 2 did not finish within 10s \(hung collective\?\); "
                                           r"their Python stacks are on stderr"):
         run_ranks(_phases_then_stuck, 2, args=(str(tmp_path),), timeout=10, dist_backend=None)

@@ -9,7 +9,8 @@ rank's stderr), so that a hang says where it hangs.
 Note (start method): on a machine where torch sees no GPU, ranks are forked from a fork server that has already
 imported torch and DeepSpeed (``harness.preload``; started once per parent process), which saves each rank several
 seconds of imports; each rank then takes the parent's environment as it is at ``run_ranks`` (plus ``env``), not
-the fork server's. Where torch sees a GPU, ranks are spawned fresh: a process forked after CUDA was touched cannot
+the fork server's; their stdout and stderr are the ones the fork server started with (the parent's at its first
+``run_ranks``). Where torch sees a GPU, ranks are spawned fresh: a process forked after CUDA was touched cannot
 use it. ``OWNER_REDUCE_START_METHOD=spawn`` forces spawning.
 
 Note (GPUs): a rank's CUDA device is its local rank among the visible GPUs (``local_device``), and where ranks
