@@ -122,9 +122,9 @@ def print_table(summary: dict[str, Any]) -> None:
          f"{summary['final_loss']['owner']:.6f}"),
     ]
     width = max(16, *(len(x) for _, x, _ in rows), *(len(y) for _, _, y in rows))
-    print(f"{'':45} {'AllReduce path':>{width}} {'owner path':>{width}}")
+    print(f"{'':45}   {'AllReduce path':>{width}}   {'owner path':>{width}}")
     for name, x, y in rows:
-        print(f"{name:45} {x:>{width}} {y:>{width}}")
+        print(f"{name:45}   {x:>{width}}   {y:>{width}}")
     print(f"bytes saved: {summary['bytes_saved_share']:.1%}; max |loss diff| {summary['max_abs_loss_diff']:.3e} "
           f"(relative {summary['max_rel_loss_diff']:.3e}) over {summary['steps']} steps, "
           f"{summary['max_abs_loss_diff_first_10']:.1e} in the first 10")

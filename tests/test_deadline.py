@@ -347,6 +347,14 @@ def _gloo_stall(rank: int, world_size: int) -> dict:
         except OwnerReduceCommError as error:
             out["scatter_error"] = str(error)
         out["scatter_elapsed"] = time.monotonic() - start
+        start = time.monotonic()
+        try:  # a hand-off round: gloo's send/recv works honour wait(timeout)
+            with comm.group(flush=7):
+                comm.send(buf[:4], 1)
+                comm.recv(buf[4:], 1)
+        except OwnerReduceCommError as error:
+            out["handoff_error"] = str(error)
+        out["handoff_elapsed"] = time.monotonic() - start
     dist.barrier()  # the default group: rank 0 comes here after its error; rank 1 waited here all along
     return out
 
@@ -367,6 +375,13 @@ def test_torch_dist_flush_fails_at_the_deadline_when_a_peer_stalls():
     assert r0["scatter_error"].startswith("owner_reduce: rank 0, flush #6: reduce(root=0, count=4, dtype=float32) "
                                           "(call 1 of 2) timed out after waiting 2.0 s"), r0
     assert 1.9 <= r0["scatter_elapsed"] < 10.0
+    # gloo's send waits for the stalled peer too (or gloo refuses the round at once, the pair to rank 1 having
+    # been closed by the timeouts above): bounded and named either way.
+    assert r0["handoff_error"].startswith("owner_reduce: rank 0, flush #7: "), r0
+    assert any(what in r0["handoff_error"] for what in ("send(peer=1, count=4, dtype=float32) (call 1 of 2) timed out",
+                                                        "recv(peer=1, count=4, dtype=float32) (call 2 of 2) timed out",
+                                                        "send/recv round (2 operations")), r0
+    assert r0["handoff_elapsed"] < 10.0
 
 
 # ---- real NCCL (GPU only): abort on a real communicator, and a peer that never joins -------------------------

@@ -163,8 +163,7 @@ class TorchDistComm(ReduceComm):
         context, self._no_dispatcher = self._no_dispatcher, None
         try:
             if p2p:
-                issued = self._tdist.batch_isend_irecv([op for op, _ in p2p])
-                works += list(zip(issued, (call for _, call in p2p), strict=True))
+                works += self._issue_p2p(p2p)
             self._wait(works, flush=self.flush)
         finally:
             if context is not None:
@@ -214,6 +213,19 @@ class TorchDistComm(ReduceComm):
             work = self._tdist.reduce_scatter_tensor(out, buf, op=self._sum, group=self._group, async_op=True)
             self._wait([(work, call)], flush=self.flush)
 
+    def _issue_p2p(self, p2p: list[tuple[Any, tuple[str, int | None, int, torch.dtype]]]) -> list[Any]:
+        """Issue a group's sends and receives together; a failure to issue (gloo: a pair its peer closed) is the one
+        error too, naming the round."""
+        try:
+            issued = self._tdist.batch_isend_irecv([op for op, _ in p2p])
+        except Exception as error:  # noqa: BLE001 - gloo and NCCL raise RuntimeError (or DistBackendError)
+            text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise deadlines.OwnerReduceCommError(
+                rank=self.rank, flush=self.flush, call=f"send/recv round ({len(p2p)} operations, first "
+                f"{_call_name(p2p[0][1], 0, 1)})", waited_s=0.0, deadline=self.deadline,
+                reason=f"failed: {type(error).__name__}: {text}") from error
+        return list(zip(issued, (call for _, call in p2p), strict=True))
+
     def send(self, buf: torch.Tensor, peer: int) -> None:
         self._point_to_point(self._tdist.isend, "send", buf, peer)
 
@@ -227,8 +239,7 @@ class TorchDistComm(ReduceComm):
             self._p2p.append((op, call))
             return
         with _no_python_dispatcher():
-            works = self._tdist.batch_isend_irecv([op])
-            self._wait([(works[0], call)], flush=self.flush)
+            self._wait(self._issue_p2p([(op, call)]), flush=self.flush)
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         from deepspeed.accelerator import get_accelerator
