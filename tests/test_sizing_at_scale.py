@@ -213,3 +213,30 @@ def test_command_lists_llama_presets_and_refuses_overrides_on_a_factory() -> Non
     assert refused.returncode == 2 and "apply to presets" in refused.stderr and "llama-7b" in refused.stderr
     refused = _run("--model", "llama-7b", "--tied-head", "--untied-head")
     assert refused.returncode == 2 and "not allowed with" in refused.stderr
+
+
+# ---- issue 16's bar, on DeepSpeed's own partitioning: never slower than native, half of it at the default bucket -
+
+
+def _size_models(names: list[str], world_size: int) -> list:
+    """In a spawned process (one fake world): each preset sized at DeepSpeed's default bucket and a tenth of it."""
+    from owner_reduce.offline_sizing.fake_engine import size_model
+
+    return [size_model(ModelSpec(name), world_size, (500_000_000, 50_000_000)) for name in names]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size", [64, 512, 1024])
+def test_no_flush_slower_than_native_and_at_most_0_6x_at_the_default_bucket(world_size):
+    names = ["1b", "llama-7b"]
+    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+        reports = pool.submit(_size_models, names, world_size).result()
+    for name, report in zip(names, reports, strict=True):
+        default, tenth = report.buckets
+        for b in (default, tenth):
+            worst = b.worst_flush()
+            assert worst.layout_over_native <= 1.0 + 1e-9, (name, world_size, b.bucket_size, worst)
+            assert b.us_ratio("layout") <= 1.0
+        assert default.us_ratio("layout") <= 0.6, (name, world_size, default.us_ratio("layout"), default.choices())
+        # Before the per-flush choice the same layout cost more wherever a flush held part of the model.
+        assert default.us_ratio("previous") >= default.us_ratio("layout")
