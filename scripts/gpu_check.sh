@@ -107,7 +107,7 @@ manifest_field() { "$PLAN_PY" -c "import json,sys; print(json.load(open(sys.argv
   "$NCCL_DIR/manifest.json" "$1" 2>/dev/null; }
 
 # The steps: name:limit_s:required. The limits add up to more than the budget: a step never starts past it.
-MULTI_PLAN=("nccl_ws2:60:required" "nccl_ws4:75:required" "e2e_ws2:130:required" "pytest_cuda:150:required"
+MULTI_PLAN=("nccl_ws2:60:required" "nccl_ws4:75:required" "e2e_ws2:160:required" "pytest_cuda:150:required"
             "bf16_ws4:175:required" "e2e_ws4:130:required" "e2e_ws1:70:optional")
 SINGLE_PLAN=("nccl_ws1:90:required" "pytest_cuda:150:required" "e2e_ws1:150:required")
 PLAN=()
@@ -121,7 +121,7 @@ command_of() {  # the command line of a step, for the dry run and the run alike 
     nccl_ws2) echo "NCCL_MULTI_RANK_GPU_ENABLE=1 scripts/nccl_check.py --world-size 2 --iters 10 --timeout 50";;
     nccl_ws4) echo "NCCL_MULTI_RANK_GPU_ENABLE=1 scripts/nccl_check.py --world-size 4 --iters 10 --timeout 65";;
     e2e_ws1) echo "scripts/gpu_e2e.py --world-size 1 ${E2E_SMALL[*]} --modes plain,owner,native --timeout 50 --total-timeout $(( $(limit_of e2e_ws1) - 15 ))";;
-    e2e_ws2) echo "scripts/gpu_e2e.py --world-size 2 ${E2E_SMALL[*]} --modes plain,owner,native --timeout 70 --total-timeout 115";;
+    e2e_ws2) echo "scripts/gpu_e2e.py --world-size 2 ${E2E_SMALL[*]} --modes plain,owner,handoff,native --timeout 60 --total-timeout 145";;
     e2e_ws4) echo "scripts/gpu_e2e.py --world-size 4 ${E2E_SMALL[*]} --modes plain,owner,native --timeout 70 --total-timeout 115";;
     bf16_ws4) echo "scripts/gpu_e2e.py --world-size 4 --steps 4 ${BF16_MODEL[*]} --modes owner,native --timeout 120 --total-timeout 160";;
     pytest_cuda) echo "-m pytest -q -m cuda -p no:cacheprovider -k 'not ws4_bf16' tests (the ws 4 bf16 test is step bf16_ws4)";;

@@ -38,7 +38,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-MODES = ("plain", "owner", "native")
+MODES = ("plain", "owner", "handoff", "native")  # handoff: the owner path with OWNER_REDUCE_FLUSH_ALGO=handoff
 
 
 @dataclass(frozen=True)
@@ -97,11 +97,12 @@ def _train(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     counter.install()
     if job.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    spec = TrainSpec(mode=job.mode, backend=job.backend, steps=job.steps, micro_batch=job.micro_batch,
+    spec = TrainSpec(mode="owner" if job.mode == "handoff" else job.mode, backend=job.backend, steps=job.steps,
+                     micro_batch=job.micro_batch, flush_algo="handoff" if job.mode == "handoff" else None,
                      model="tiny_transformer",
                      model_kwargs=(("vocab", job.vocab), ("dim", job.dim), ("layers", job.layers), ("seq", job.seq)),
                      reduce_bucket_size=job.bucket, bf16=job.bf16, lr=1e-3, seed=job.seed, reduce_probe=True,
-                     time_runtime=job.mode == "owner")
+                     time_runtime=job.mode in ("owner", "handoff"))
     if not job.cpu:
         torch.cuda.reset_peak_memory_stats()
     try:
@@ -109,13 +110,13 @@ def _train(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     finally:
         counter.uninstall()
     deadline = None
-    if job.mode == "owner":  # the bounded waits' deadline, read from this run's default process group
+    if job.mode in ("owner", "handoff"):  # the bounded waits' deadline, read from this run's default process group
         from owner_reduce.wiring.ops import active_runtime_or_none
 
         runtime = active_runtime_or_none()
         deadline = None if runtime is None or runtime.comm is None else runtime.comm.deadline.describe()
     dc_pass_s: dict[str, float] = {}
-    if job.mode in ("owner", "native"):  # DeepCompile's own record: seconds in its passes + profiling, per graph
+    if job.mode in ("owner", "handoff", "native"):  # DeepCompile's own record: seconds in passes + profiling
         from deepspeed.compile import backend as dc_backend
 
         for kind, _index, _graph, seconds in getattr(dc_backend, "opt_pass_times", []):
@@ -279,8 +280,16 @@ def main(argv: list[str] | None = None) -> int:
             continue
         _print_run(mode, args.world_size, runs[mode], time.monotonic() - start)
         if mode != reference and reference in runs:
+            # The hand-off's ReduceScatter cuts the flush into other chunks than plain ZeRO's: NCCL's ring may sum an
+            # element in another order, except at two ranks (a + b == b + a).
+            bitwise = mode == "owner" or (mode == "handoff" and args.world_size <= 2)
             rows.append(compare(f"{mode} vs {reference}", runs[mode][0], runs[reference][0], atol,
-                                require_bitwise=args.require_bitwise and reference == "plain" and mode == "owner"))
+                                require_bitwise=args.require_bitwise and reference == "plain" and bitwise))
+            if mode == "handoff":
+                rounds = sum((r["stats"] or {}).get("handoff_rounds", 0) for r in runs[mode])
+                rows.append({"comparison": "handoff ran (send/recv rounds, all ranks)", "ok": rounds > 0,
+                             "rounds": rounds})
+                print(f"gpu_e2e: handoff: {rounds} send/recv rounds over all ranks", flush=True)
         if args.json:
             _write_json(args.json, args.world_size, rows, errors, runs)
     if args.json:

@@ -437,3 +437,52 @@ def test_nccl_check_without_gpu_says_so_and_exits_3():
                           timeout=120)
     assert done.returncode == 3, done.stderr
     assert "no CUDA GPU is visible" in done.stdout
+
+
+def _two_rank_handoff_worker(rank: int, world_size: int) -> dict:
+    """A hand-off as the flush issues it: one group with the ReduceScatter, then one group of sends and receives
+    (each rank sends the first 100 elements of its reduced block to the other, which receives them in place)."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    comm = select_comm(dist.group.WORLD)
+    out: dict = {"comm": type(comm).__name__}
+    for dtype in (torch.float32, torch.bfloat16):
+        buf = torch.arange(2 * 500, device="cuda", dtype=torch.float32).to(dtype) * (rank + 1)
+        with comm.group(flush=1):
+            comm.reduce_scatter(buf, 500)
+        other = 1 - rank
+        with comm.group(flush=1):
+            comm.send(buf[500 * rank:500 * rank + 100], other)
+            comm.recv(buf[500 * other:500 * other + 100], other)
+        torch.cuda.synchronize()
+        out[str(dtype)] = (buf[500 * rank:500 * (rank + 1)].cpu().float(), buf[500 * other:500 * other + 100].cpu()
+                           .float())
+    comm.close()
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.timeout(240)
+def test_two_rank_reduce_scatter_then_handoff():
+    results = run_ranks(_two_rank_handoff_worker, 2, timeout=200, env=two_gpu_ranks_env())
+    for rank, r in enumerate(results):
+        assert r["comm"] == "CupyNcclComm"
+        other = 1 - rank
+        for dtype in ("torch.float32", "torch.bfloat16"):
+            block, received = r[dtype]
+            torch_dtype = getattr(torch, dtype[6:])
+            want = torch.arange(500 * rank, 500 * (rank + 1), dtype=torch.float32).to(torch_dtype).float() * 3
+            torch.testing.assert_close(block, want, rtol=0, atol=0)
+            want_other = (torch.arange(500 * other, 500 * other + 100, dtype=torch.float32).to(torch_dtype)
+                          .float() * 3)
+            torch.testing.assert_close(received, want_other, rtol=0, atol=0)
+
+
+def test_send_recv_peer_is_checked():
+    comm = object.__new__(nccl_comm.CupyNcclComm)
+    comm.rank, comm.world_size = 1, 4
+    for peer in (1, 4, -1):
+        with pytest.raises(ValueError, match=f"peer {peer} on rank 1 must be another rank of 0..3"):
+            comm._check_peer(peer)
