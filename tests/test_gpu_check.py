@@ -93,7 +93,7 @@ def test_dry_run_shows_the_carry_the_nccl_install_the_versions_and_the_ws2_ws4_p
     assert order == sorted(order) and versions < order[0]
     step = {name: lines[i] for name, i in zip(PLAN_WS2, order, strict=True)}
     assert "NCCL_MULTI_RANK_GPU_ENABLE=1 scripts/nccl_check.py --world-size 4" in step["nccl_ws4"]
-    assert "--world-size 2" in step["e2e_ws2"] and "--modes plain,owner,native" in step["e2e_ws2"]
+    assert "--world-size 2" in step["e2e_ws2"] and "--modes plain,owner,handoff,native" in step["e2e_ws2"]
     assert "--require-bitwise" in step["e2e_ws2"] and "--require-bitwise" in step["e2e_ws4"]
     assert ("--world-size 4 --steps 4 --bf16 --dim 1024 --layers 8 --vocab 32000 --bucket 500000000 "
             "--modes owner,native") in step["bf16_ws4"]
