@@ -61,7 +61,7 @@ class GradPlacer:
     def add(self, ds_id: int, grad: torch.Tensor, graph_id: int) -> None:
         """Copy ``grad`` into its bucket; flush the bucket when it is complete (or would overflow)."""
         if self._backward_graph != graph_id:
-            self._start(graph_id, grad.device)
+            self._start(graph_id)
         follower = self._follower
         if follower is not None:
             step = follower.next(grad.dtype, ds_id, grad.numel())
@@ -165,7 +165,7 @@ class GradPlacer:
 
     # ---- owner-ordered schedules -------------------------------------------------------------------------
 
-    def _start(self, graph_id: int, device: torch.device) -> None:
+    def _start(self, graph_id: int) -> None:
         """The first gradient of a backward (or of another graph in it): follow the graph's schedule, or record
         this backward's arrival-order flushes to learn one."""
         if self._backward_graph is not None:
