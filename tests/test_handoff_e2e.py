@@ -14,7 +14,7 @@ import dataclasses
 import re
 
 import pytest
-from test_runtime_e2e import _assert_bitwise, _assert_same_collectives_on_all_ranks, _max_param_diff, _reference, _run
+from test_runtime_e2e import _assert_bitwise, _max_param_diff, _reference, _run, _scheduled_run_matching_plain
 
 from owner_reduce.harness.toy_training import TrainSpec
 
@@ -44,14 +44,9 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_handoff_trains_bitwise_equal_to_plain_zero(case):
     world_size, spec, forced = CASES[case]
-    owner = _run(world_size, spec)
-    _assert_bitwise(owner, _reference(world_size, spec))
-    _assert_same_collectives_on_all_ranks(owner)
-    micro_steps = spec.steps * spec.grad_accum
+    owner = _scheduled_run_matching_plain(world_size, spec)
     for rank, r in enumerate(owner):
         s = r["stats"]
-        assert s.reduce_grad_calls == micro_steps * len(r["params"]), (rank, s)
-        assert s.schedules_learned >= 1 and s.schedule_fallbacks == 0 and s.scheduled_flushes > 0, (rank, s)
         assert s.handoff_rounds > 0 and s.sends + s.recvs > 0, (rank, s)
         algos = [ALGO_RE.search(line).group(2) for line in s.probe_lines]
         assert any("handoff" in a for a in algos), algos

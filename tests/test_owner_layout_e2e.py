@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from test_runtime_e2e import _assert_bitwise, _assert_same_collectives_on_all_ranks, _max_param_diff, _reference, _run
+from test_runtime_e2e import _max_param_diff, _reference, _run, _scheduled_run_matching_plain
 
 from owner_reduce.harness.toy_training import TrainSpec
 
@@ -37,14 +37,10 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_owner_ordered_flushes_bitwise_equal_to_plain_zero(case):
     world_size, spec, whole_model_algo = CASES[case]
-    owner = _run(world_size, spec)
-    _assert_bitwise(owner, _reference(world_size, spec))
-    _assert_same_collectives_on_all_ranks(owner)
+    owner = _scheduled_run_matching_plain(world_size, spec)
     micro_steps = spec.steps * spec.grad_accum
     for rank, r in enumerate(owner):
         s = r["stats"]
-        assert s.reduce_grad_calls == micro_steps * len(r["params"]), (rank, s)
-        assert s.schedules_learned >= 1 and s.schedule_fallbacks == 0, (rank, s)
         # Only the first reducing backward runs in arrival order; every later flush follows the schedule.
         first_step_flushes = s.flushes - s.scheduled_flushes
         assert s.scheduled_flushes > 0 and s.scheduled_flushes >= first_step_flushes, (rank, s)

@@ -73,6 +73,19 @@ def _assert_runtime_ran(results: tuple, spec: TrainSpec, owner_path: bool, n_par
     assert all(r["stats"].init_line is None for r in results[1:]), "only rank 0 prints the init line"
 
 
+def _scheduled_run_matching_plain(world_size: int, spec: TrainSpec) -> tuple:
+    """An owner run bitwise equal to plain ZeRO, with the same calls on every rank, every gradient reduced, and a
+    learned owner-ordered schedule followed without falling back (the owner-ordered and hand-off tests)."""
+    owner = _run(world_size, spec)
+    _assert_bitwise(owner, _reference(world_size, spec))
+    _assert_same_collectives_on_all_ranks(owner)
+    for rank, r in enumerate(owner):
+        s = r["stats"]
+        assert s.reduce_grad_calls == spec.steps * spec.grad_accum * len(r["params"]), (rank, s)
+        assert s.schedules_learned >= 1 and s.schedule_fallbacks == 0 and s.scheduled_flushes > 0, (rank, s)
+    return owner
+
+
 def _assert_same_collectives_on_all_ranks(results: tuple) -> None:
     logs = [r["collective_log"] for r in results]
     assert logs[0], "no collectives recorded"
