@@ -196,7 +196,8 @@ def test_cleanup_and_unknown_methods():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (stream discipline)")
 @pytest.mark.parametrize("bucket", [64, 6, 4])
 def test_cuda_streams_give_the_same_result(bucket):
-    """Copy stream, reduce stream and events: the same values as on CPU, with buckets reused and grown."""
+    """Copies on the current stream, the reduce stream, free events: the same values as on CPU, with buckets reused
+    and grown."""
     cuda = torch.device("cuda")
     rt, buffers = _rank0_runtime(bucket=bucket, device=cuda)
     rt.register_graph_z1(11, [0, 1, 2])
