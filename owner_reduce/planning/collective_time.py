@@ -117,6 +117,16 @@ def network(nodes: int, gpus_per_node: int = 8, *, channels: int = 8) -> Topolog
 A800_NODE = nvlink_node(8, generation="ampere", links=8, channels=8)  # the published measurement's machine
 
 
+def named_topology(world_size: int) -> Topology | None:
+    """``topology_for(world_size)``, or None where there is nothing to model (one rank) or no named topology."""
+    if world_size <= 1:
+        return None
+    try:
+        return topology_for(world_size)
+    except ValueError:
+        return None
+
+
 def topology_for(world_size: int) -> Topology:
     """The named topology for a world size: one NVLink node up to 8 GPUs, nodes of 8 over a network above."""
     if world_size <= 8:

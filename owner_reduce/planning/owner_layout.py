@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from .collective_time import topology_for, topology_of
+from .collective_time import named_topology
 from .collectives import ALLREDUCE, HANDOFF, REDUCE, REDUCE_SCATTER, Collective, Transfer, algo_of, collectives_of
 from .flush_choice import FlushCost, choose
 from .flush_plan import ALL, BucketEntry, FlushPlan, FlushRange, merge_ranges, plan_flush
@@ -231,13 +231,9 @@ def plan_owner_layout(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, red
 
 
 def default_cost(world_size: int, dtype_bytes: int = 2) -> FlushCost:
-    """The cost model of a world size's named topology (``topology_for``; one rank per node where there is none)."""
-    if world_size <= 1:
-        return FlushCost(None, dtype_bytes)
-    try:
-        return FlushCost(topology_for(world_size), dtype_bytes)
-    except ValueError:
-        return FlushCost(topology_of(world_size, 1), dtype_bytes)
+    """The cost model of a world size's named topology (``collective_time.named_topology``, as the sizing uses);
+    without one every candidate costs 0 and the fewest calls win."""
+    return FlushCost(named_topology(world_size), dtype_bytes)
 
 
 def map_order(owner_map: OwnerMap) -> dict[int, int]:

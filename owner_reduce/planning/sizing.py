@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .collective_time import A800_NODE, ALLREDUCE, REDUCE, REDUCE_SCATTER, Topology, flush_time_us, topology_for
+from .collective_time import A800_NODE, ALLREDUCE, REDUCE, REDUCE_SCATTER, Topology, flush_time_us, named_topology
 from .flush_choice import FlushCost
 from .flush_plan import ALL, BucketEntry, FlushRange, plan_flush
 from .owner_layout import collectives_of, map_order, plan_owner_layout
@@ -290,19 +290,11 @@ class BucketSizing:
         return self._ratio("sliced_time")
 
 
-def default_topology(world_size: int) -> Topology | None:
-    """The named topology of a world size (``collective_time.topology_for``), None where there is none."""
-    try:
-        return topology_for(world_size) if world_size > 1 else None
-    except ValueError:
-        return None
-
-
 def size_buckets(owner_map: OwnerMap, grad_order: Sequence[int], bucket_size: int,
                  double_buffer: bool = True, dtype_bytes: int = 2,
                  topology: Topology | None | str = "default") -> BucketSizing:
     n = owner_map.dp_world_size
-    topo = default_topology(n) if topology == "default" else topology
+    topo = named_topology(n) if topology == "default" else topology
     cost = FlushCost(topo, dtype_bytes)
     order = map_order(owner_map)
     sized = []

@@ -219,11 +219,10 @@ class TorchDistComm(ReduceComm):
         try:
             issued = self._tdist.batch_isend_irecv([op for op, _ in p2p])
         except Exception as error:  # noqa: BLE001 - gloo and NCCL raise RuntimeError (or DistBackendError)
-            text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise deadlines.OwnerReduceCommError(
                 rank=self.rank, flush=self.flush, call=f"send/recv round ({len(p2p)} operations, first "
                 f"{_call_name(p2p[0][1], 0, 1)})", waited_s=0.0, deadline=self.deadline,
-                reason=f"failed: {type(error).__name__}: {text}") from error
+                reason=f"failed: {type(error).__name__}: {deadlines.first_line(error)}") from error
         return list(zip(issued, (call for _, call in p2p), strict=True))
 
     def send(self, buf: torch.Tensor, peer: int) -> None:

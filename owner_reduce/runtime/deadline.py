@@ -134,6 +134,12 @@ def poll_until_done(done: Callable[[], bool], *, deadline: Deadline, rank: int, 
             return clock() - start
 
 
+def first_line(error: BaseException) -> str:
+    """What an error says, in one line (its first), or its type's name when it says nothing."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def wait_work(work: Any, *, deadline: Deadline, started: float, rank: int, flush: int | None,
               call: str | Callable[[], str], clock: Callable[[], float] = time.monotonic) -> None:
     """Wait for a torch.distributed ``Work`` until ``started + deadline``; ``OwnerReduceCommError`` otherwise.
@@ -148,7 +154,7 @@ def wait_work(work: Any, *, deadline: Deadline, started: float, rank: int, flush
             raise TimeoutError("Operation timed out!")
         work.wait(datetime.timedelta(seconds=max(remaining, 0.001)))
     except Exception as error:  # noqa: BLE001 - gloo and NCCL raise RuntimeError (or DistBackendError)
-        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        text = first_line(error)
         reason = "timed out" if "timed out" in text.lower() else f"failed: {type(error).__name__}: {text}"
         raise OwnerReduceCommError(rank=rank, flush=flush, call=call() if callable(call) else call,
                                    waited_s=clock() - started, deadline=deadline, reason=reason) from error

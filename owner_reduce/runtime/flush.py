@@ -20,13 +20,13 @@ moving a grad buffer drops the cache (the copy-out list holds views of the grad 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
-from ..planning.collectives import HANDOFF, REDUCE, REDUCE_SCATTER, Collective, algo_of
+from ..planning.collectives import ALLREDUCE, HANDOFF, REDUCE, REDUCE_SCATTER, Collective, algo_of
 from ..planning.flags import OwnerReduceFlags
 from ..planning.flush_choice import FlushCost, choose_arrival
 from ..planning.flush_plan import BucketEntry, FlushPlan, FlushRange, plan_flush
@@ -36,7 +36,7 @@ from ..planning.probe import PROBE_FLUSH_LIMIT, FlushReport, format_probe_line
 from .comm import ReduceComm
 from .stats import FlushRecord, RuntimeStats, emit
 
-_LOG_NAMES = {REDUCE: "reduce", REDUCE_SCATTER: "reduce_scatter", "allreduce": "all_reduce", HANDOFF: "handoff"}
+_LOG_NAMES = {REDUCE: "reduce", REDUCE_SCATTER: "reduce_scatter", ALLREDUCE: "all_reduce", HANDOFF: "handoff"}
 _FLUSH_CACHE_LIMIT = 256  # distinct bucket contents remembered; beyond it the cache starts over
 _VIEWS_PER_BUCKET_LIMIT = 512  # plans whose copy-out views one bucket keeps; beyond it they start over
 
@@ -220,12 +220,7 @@ class Flusher:
             choice = choose_arrival(plan_placed(grads, self._owner_map, self._owner),
                                     self.cost.for_dtype_bytes(pending.bucket.buffer.element_size()))
             plan, collectives, padding, transfers = choice.plan, choice.collectives, (), ()
-        copy_out = []
-        for g in grads:
-            param = self._params[g.param_id]
-            dst = param.grad_buffer.view(-1)
-            if dst.numel():  # lies in one piece this rank received (checked at registration)
-                copy_out.append(_CopyOut(dst, g.locate(param.offset, dst.numel()), g.param_id))
+        copy_out = self._copy_outs((g.param_id, g.locate) for g in grads)
         cached = self._make(flush, list(flush.numels[:present]), plan, copy_out, collectives, padding, transfers,
                             layout.total)
         self._remember(key, cached)
@@ -244,15 +239,22 @@ class Flusher:
         # Looked up in this module at call time: the harness's fault injection replaces plan_flush here.
         choice = choose_arrival(plan_flush(entries, self._owner_map, self._owner),
                                 self.cost.for_dtype_bytes(pending.bucket.buffer.element_size()))
-        copy_out = []
-        for entry in entries:
-            param = self._params[entry.param_id]
-            dst = param.grad_buffer.view(-1)
-            if dst.numel():  # checked at registration: a non-empty buffer lies in what reached this rank
-                copy_out.append(_CopyOut(dst, entry.offset + param.offset, entry.param_id))
+        copy_out = self._copy_outs((e.param_id, lambda at, _, e=e: e.offset + at) for e in entries)
         cached = self._make(None, list(pending.numels), choice.plan, copy_out, choice.collectives, (), (), offset)
         self._remember(key, cached)
         return cached
+
+    def _copy_outs(self, where: Iterable[tuple[int, Callable[[int, int], int]]]) -> list[_CopyOut]:
+        """The grad buffers this rank keeps among ``(param_id, locate)``, where ``locate(offset, numel)`` is the bucket
+        offset of the gradient's elements ``[offset, +numel)``. A non-empty buffer lies in what reached this rank
+        (checked at registration)."""
+        copy_out = []
+        for param_id, locate in where:
+            param = self._params[param_id]
+            dst = param.grad_buffer.view(-1)
+            if dst.numel():
+                copy_out.append(_CopyOut(dst, locate(param.offset, dst.numel()), param_id))
+        return copy_out
 
     def _make(self, source: Any, numels: list[int], plan: FlushPlan, copy_out: list[_CopyOut],
               collectives: tuple[Collective, ...], padding: tuple[FlushRange, ...], transfers: tuple[Any, ...],
@@ -272,7 +274,7 @@ class Flusher:
                             dsts=[c.dst for c in copy_out], kept=sum(c.dst.numel() for c in copy_out),
                             calls=tuple(c for c in collectives if c.kind != HANDOFF), p2p=p2p,
                             collectives=collectives, padding=padding, span=span, algo=algo_of(kinds),
-                            reduce_calls=kinds.count(REDUCE), all_reduce_calls=kinds.count("allreduce"),
+                            reduce_calls=kinds.count(REDUCE), all_reduce_calls=kinds.count(ALLREDUCE),
                             reduce_scatter_calls=kinds.count(REDUCE_SCATTER))
 
     def _remember(self, key: tuple[Any, ...], cached: _CachedFlush) -> None:

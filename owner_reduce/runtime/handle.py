@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..planning.collectives import algo_of
+from ..planning.collectives import ALLREDUCE, algo_of
 from ..planning.flags import OwnerReduceFlags, describe_flag_disagreement, pack_flags
 from ..planning.flush_choice import AUTO, FORCE_ENV_VAR, FORCE_VALUES, FlushCost, agreed_topology
 from ..planning.owner_map import OwnerMap, Placement
@@ -278,7 +278,7 @@ class OwnerReduceRuntime:
                 + ", ".join(f"{a} x{n}" for a, n in choices.items()))
         if cost.topology is not None:
             chosen = sum(f.layout.modelled_us for f in flushes)
-            native = sum(cost.for_dtype_bytes(f.dtype.itemsize).calls_us(("allreduce", n) for n in f.numels)
+            native = sum(cost.for_dtype_bytes(f.dtype.itemsize).calls_us((ALLREDUCE, n) for n in f.numels)
                          for f in flushes)
             ratio = chosen / native if native else 1.0
             line += (f"; modelled {ratio:.2f}x the native reduction ({chosen / 1000:.3f} vs {native / 1000:.3f} ms, "
