@@ -95,22 +95,11 @@ TABLES = GroupTables(group=0, param_ids=(0, 1, 2), numels=(6, 5, 5), partition_c
 
 
 def ws2_runtime(rank=0, owner=True, probe=True, bucket=64, problems=(), comm=None, algo="reduce"):
-    """A runtime of rank ``rank`` of 2 on ``TABLES``, grad buffers registered as DeepCompile does, graph 11;
-    ``algo`` forces the flush algorithm (these flushes are tiny: the cost model alone would AllReduce them)."""
-    from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
-
-    comm = comm or MirrorComm(rank=rank)
-    settings = RuntimeSettings(OwnerReduceFlags(owner, probe), OwnerMap.from_group_tables([TABLES], 2), problems,
-                               flush_algo=algo)
-    rt = OwnerReduceRuntime(settings, comm_factory=lambda group: comm)
-    rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
-    # As DeepCompile registers on rank 0: a whole, b's first 2 elements (offset 0), nothing of c.
-    kept = {0: (torch.zeros(6), 0), 1: (torch.zeros(2), 0), 2: (torch.empty(0), 0)} if rank == 0 else \
-        {0: (torch.empty(0), 0), 1: (torch.zeros(3), 2), 2: (torch.zeros(5), 0)}
-    for pid, (buf, offset) in kept.items():
-        rt.register_param(pid, (NUMELS[pid],), torch.zeros(NUMELS[pid]), buf, offset)
-    rt.register_graph_z1(11, [0, 1, 2])
-    return rt, comm
+    """A runtime of rank ``rank`` of 2 on ``TABLES``, grad buffers registered as DeepCompile does (rank 0: a whole,
+    b's first 2 elements at offset 0, nothing of c), graph 11; ``algo`` forces the flush algorithm (these flushes
+    are tiny: the cost model alone would AllReduce them)."""
+    return mirror_runtime(OwnerMap.from_group_tables([TABLES], 2), rank=rank, bucket=bucket, algo=algo, probe=probe,
+                          owner=owner, problems=problems, comm=comm)
 
 
 def shared_gpu_env(world_size: int, torch_pg: bool = False) -> dict[str, str]:
@@ -166,13 +155,14 @@ def flat_map(numels, ws, other_comm_numels=()):
     return OwnerMap.from_group_tables(groups, dp_world_size=ws)
 
 
-def mirror_runtime(owner_map, rank=0, bucket=1 << 20, algo="auto", probe=False, stage=1, graph_id=11):
-    """A runtime of rank ``rank`` on ``owner_map`` with a ``MirrorComm``, every parameter registered as DeepCompile
-    registers it (this rank's slice of each gradient as its grad buffer), one graph of every parameter."""
+def mirror_runtime(owner_map, rank=0, bucket=1 << 20, algo="auto", probe=False, stage=1, graph_id=11, owner=True,
+                   problems=(), comm=None):
+    """A runtime of rank ``rank`` on ``owner_map`` with a ``MirrorComm`` (or ``comm``), every parameter registered as
+    DeepCompile registers it (this rank's slice of each gradient as its grad buffer), one graph of every parameter."""
     from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
 
-    comm = MirrorComm(rank=rank, world_size=owner_map.dp_world_size)
-    rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, probe), owner_map, flush_algo=algo),
+    comm = comm or MirrorComm(rank=rank, world_size=owner_map.dp_world_size)
+    rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(owner, probe), owner_map, problems, flush_algo=algo),
                             comm_factory=lambda group: comm)
     rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
     for p in owner_map:

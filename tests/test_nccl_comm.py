@@ -366,36 +366,50 @@ def test_two_rank_reduce_and_all_reduce():
 
 
 def _two_rank_reduce_scatter_worker(rank: int, world_size: int) -> dict:
+    """A flush as the runtime issues a hand-off: one group with the in-place ReduceScatter (and an AllReduce), then
+    one group of sends and receives (each rank sends the first 100 elements of its reduced block to the other,
+    which receives them in place)."""
     import torch.distributed as dist
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
     comm = select_comm(dist.group.WORLD)
     out: dict = {"comm": type(comm).__name__}
+    other = 1 - rank
     for dtype in (torch.float32, torch.bfloat16):
         buf = torch.arange(2 * 500, device="cuda", dtype=torch.float32).to(dtype) * (rank + 1)
         tail = torch.full((100,), float(rank + 1), device="cuda", dtype=dtype)
-        with comm.group():
+        with comm.group(flush=1):
             comm.reduce_scatter(buf, 500)  # in place: this rank's block receives its sum
             comm.all_reduce(tail)
+        block = buf[500 * rank:500 * (rank + 1)].clone()
+        with comm.group(flush=1):
+            comm.send(buf[500 * rank:500 * rank + 100], other)
+            comm.recv(buf[500 * other:500 * other + 100], other)
         torch.cuda.synchronize()
-        out[str(dtype)] = (buf[500 * rank:500 * (rank + 1)].cpu().float(), tail.cpu().float())
+        out[str(dtype)] = (block.cpu().float(), tail.cpu().float(), buf[500 * other:500 * other + 100].cpu().float())
     comm.close()
     return out
+
+
+def _scaled_arange(start: int, stop: int, dtype: str) -> torch.Tensor:
+    """What rank 0's and rank 1's ``arange * (rank + 1)`` sum to, in ``dtype``, as float32."""
+    return torch.arange(start, stop, dtype=torch.float32).to(getattr(torch, dtype[6:])).float() * 3
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.timeout(240)
-def test_two_rank_reduce_scatter_in_place():
+def test_two_rank_reduce_scatter_in_place_then_handoff():
     results = run_ranks(_two_rank_reduce_scatter_worker, 2, timeout=200, env=two_gpu_ranks_env())
     for rank, r in enumerate(results):
         assert r["comm"] == "CupyNcclComm"
+        other = 1 - rank
         for dtype in ("torch.float32", "torch.bfloat16"):
-            block, tail = r[dtype]
-            want = (torch.arange(500 * rank, 500 * (rank + 1), dtype=torch.float32).to(getattr(torch, dtype[6:]))
-                    .float() * 3)
-            torch.testing.assert_close(block, want, rtol=0, atol=0)
+            block, tail, received = r[dtype]
+            torch.testing.assert_close(block, _scaled_arange(500 * rank, 500 * (rank + 1), dtype), rtol=0, atol=0)
             assert tail.eq(3).all()
+            torch.testing.assert_close(received, _scaled_arange(500 * other, 500 * other + 100, dtype), rtol=0,
+                                       atol=0)
 
 
 # ---- scripts/nccl_check.py: its layout, and its answer without a GPU ----------------------------------------------
@@ -437,47 +451,6 @@ def test_nccl_check_without_gpu_says_so_and_exits_3():
                           timeout=120)
     assert done.returncode == 3, done.stderr
     assert "no CUDA GPU is visible" in done.stdout
-
-
-def _two_rank_handoff_worker(rank: int, world_size: int) -> dict:
-    """A hand-off as the flush issues it: one group with the ReduceScatter, then one group of sends and receives
-    (each rank sends the first 100 elements of its reduced block to the other, which receives them in place)."""
-    import torch.distributed as dist
-
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    comm = select_comm(dist.group.WORLD)
-    out: dict = {"comm": type(comm).__name__}
-    for dtype in (torch.float32, torch.bfloat16):
-        buf = torch.arange(2 * 500, device="cuda", dtype=torch.float32).to(dtype) * (rank + 1)
-        with comm.group(flush=1):
-            comm.reduce_scatter(buf, 500)
-        other = 1 - rank
-        with comm.group(flush=1):
-            comm.send(buf[500 * rank:500 * rank + 100], other)
-            comm.recv(buf[500 * other:500 * other + 100], other)
-        torch.cuda.synchronize()
-        out[str(dtype)] = (buf[500 * rank:500 * (rank + 1)].cpu().float(), buf[500 * other:500 * other + 100].cpu()
-                           .float())
-    comm.close()
-    return out
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.timeout(240)
-def test_two_rank_reduce_scatter_then_handoff():
-    results = run_ranks(_two_rank_handoff_worker, 2, timeout=200, env=two_gpu_ranks_env())
-    for rank, r in enumerate(results):
-        assert r["comm"] == "CupyNcclComm"
-        other = 1 - rank
-        for dtype in ("torch.float32", "torch.bfloat16"):
-            block, received = r[dtype]
-            torch_dtype = getattr(torch, dtype[6:])
-            want = torch.arange(500 * rank, 500 * (rank + 1), dtype=torch.float32).to(torch_dtype).float() * 3
-            torch.testing.assert_close(block, want, rtol=0, atol=0)
-            want_other = (torch.arange(500 * other, 500 * other + 100, dtype=torch.float32).to(torch_dtype)
-                          .float() * 3)
-            torch.testing.assert_close(received, want_other, rtol=0, atol=0)
 
 
 def test_send_recv_peer_is_checked():
