@@ -107,7 +107,6 @@ class ArrivalChoice:
     plan: FlushPlan  # counters and ranges of what actually runs (all on ALL when AllReduce won)
     collectives: tuple[Collective, ...]
     choice: str  # reduce (the plan's runs) or allreduce
-    modelled_us: float
 
 
 def all_reduced(plan: FlushPlan, offset: int, span: int) -> FlushPlan:
@@ -123,12 +122,12 @@ def choose_arrival(plan: FlushPlan, cost: FlushCost) -> ArrivalChoice:
     per_run = collectives_of(plan.ranges)
     runs_us = cost.calls_us((c.kind, c.count) for c in per_run)
     if all(c.kind == ALLREDUCE for c in per_run) and len(per_run) <= 1:
-        return ArrivalChoice(plan, per_run, ALLREDUCE if per_run else "none", runs_us)
+        return ArrivalChoice(plan, per_run, ALLREDUCE if per_run else "none")
     offset = min(r.offset for r in plan.ranges)
     span = max(r.offset + r.count for r in plan.ranges) - offset  # holes (a flush that left its schedule) included
     costs = {REDUCE: runs_us, ALLREDUCE: cost.calls_us([(ALLREDUCE, span)])}
     choice = choose(costs, cost.force)
     if choice == ALLREDUCE:
         whole = all_reduced(plan, offset, span)
-        return ArrivalChoice(whole, collectives_of(whole.ranges), ALLREDUCE, costs[ALLREDUCE])
-    return ArrivalChoice(plan, per_run, REDUCE, runs_us)
+        return ArrivalChoice(whole, collectives_of(whole.ranges), ALLREDUCE)
+    return ArrivalChoice(plan, per_run, REDUCE)

@@ -51,16 +51,12 @@ class RuntimeSettings:
     owner_map: OwnerMap
     map_problems: tuple[str, ...] = ()  # where this rank's optimizer contradicts the map (should be empty)
     flush_algo: str = AUTO  # OWNER_REDUCE_FLUSH_ALGO: a forced candidate, or the cost model's choice
-    local_facts: tuple[int, int] | None = None  # (ranks per node, sm major); None: read from this process
 
 
 class OwnerReduceRuntime:
     """The DeepCompile handle for ZeRO stages 1 (z1.cpp) and 2 (z2.cpp): ``init`` ... ``cleanup``."""
 
     def __init__(self, settings: RuntimeSettings, comm_factory: Any) -> None:
-        if settings.flush_algo not in FORCE_VALUES:
-            raise ValueError(f"owner_reduce: {FORCE_ENV_VAR} must be one of {', '.join(FORCE_VALUES)}, "
-                             f"got {settings.flush_algo!r}")
         self.settings = settings
         self._comm_factory = comm_factory
         self.comm: ReduceComm | None = None
@@ -310,12 +306,9 @@ class OwnerReduceRuntime:
         """One all_gather of eight integers; every rank raises on any mismatch, so no rank is left hanging. Returns
         the flush cost model every rank derives from the same gathered facts."""
         flags = self.settings.flags
-        facts = self.settings.local_facts
-        if facts is None:
-            facts = (ranks_per_node(), sm_major())
         mine = [_AGREEMENT_PROTOCOL, pack_flags(flags), bucket_size,
                 int(self.settings.owner_map.digest()[:15], 16), FORCE_VALUES.index(self.settings.flush_algo),
-                len(self.settings.map_problems), int(facts[0]), int(facts[1])]
+                len(self.settings.map_problems), ranks_per_node(), sm_major()]
         rows = self.comm.all_gather_ints(mine)
         names = ("protocol", "flags", "reduce_bucket_size", "owner map digest", FORCE_ENV_VAR)
         problems = []
