@@ -87,7 +87,7 @@ def _value(step, micro, pid):
     return float(1 + (step + 2 * micro + pid) % 5)
 
 
-def _train(hb, rt, weights, steps, ga, release, orders=(), params=PARAMS):
+def _train(rt, weights, steps, ga, release, orders=(), params=PARAMS):
     """``steps`` optimizer steps of ``ga`` backwards each; the backwards of step ``i`` feed their gradients in
     ``orders[i]`` (else arrival order). Each gradient is made fresh on the compute stream and dropped after
     ``reduce_grad`` (the allocator may reuse its memory); after each step but the last the optimizer reads every grad
@@ -138,7 +138,7 @@ def _run(algo, stage, ga, release, rank=RANK, steps=6, patches=(), false_queries
             undo.callback(setattr, obj, name, old)
         with hb:
             rt, weights = _runtime(hb, algo, stage, rank=rank)
-            expected = _train(hb, rt, weights, steps, ga, release, ORDERS_LEAVING)
+            expected = _train(rt, weights, steps, ga, release, ORDERS_LEAVING)
             hb.synchronize()
     return hb, rt, expected
 
@@ -242,9 +242,9 @@ def test_a_buffer_replaced_while_a_flush_reads_it_is_reported():
         finally:
             GradPlacer.__init__ = init
         order = (3, 2, 1, 0, 4)  # 16 | 16 | 40: the third flush's gradient grows the bucket of the first
-        _train(hb, rt, weights, 2, 1, False, (order, order), params=params)
+        _train(rt, weights, 2, 1, False, (order, order), params=params)
         assert not hb.races, hb.report()
-        _train(hb, rt2, weights2, 2, 1, False, (order, order), params=params)
+        _train(rt2, weights2, 2, 1, False, (order, order), params=params)
     assert any("freed on the host" in text and "on reduce" in text for text in hb.races), hb.report()
 
 
@@ -303,7 +303,7 @@ def test_bucket_growth_waits_once_per_run(release):
     hb = HbCuda()
     with hb:
         rt, weights = _runtime(hb, "handoff", 1, params=params, ws=7, rank=3, bucket=60)
-        expected = _train(hb, rt, weights, 6, 1, release, [order] * 6, params=params)
+        expected = _train(rt, weights, 6, 1, release, [order] * 6, params=params)
         hb.synchronize()
     assert not hb.races, hb.report()
     assert rt.stats.handoff_rounds >= 10 and rt.stats.scheduled_flushes == 10, rt.stats
