@@ -6,10 +6,18 @@ streams the caller records an event for the flush before swapping and waits on i
 into that buffer.
 
 Note (size): a bucket holds min(``reduce_bucket_size``, the elements of every registered gradient of its dtype):
-DeepSpeed's default of 5e8 elements would otherwise be 2 GB of bf16 for GPT-2's 248 MB of gradients. A
-gradient larger than that still fits (``reserve``). Buckets are allocated once and kept across steps until
-``clear()`` (the native runtime's ``release_reduce_buckets``). Note (CPU): no shadow buffer; nothing overlaps
-a flush there, so a second buffer would only cost memory.
+DeepSpeed's default of 5e8 elements would otherwise be 2 GB of bf16 for GPT-2's 248 MB of gradients. Buckets are
+allocated once and kept across steps until ``release()`` (the native runtime's ``release_reduce_buckets``). Note
+(CPU): no shadow buffer; nothing overlaps a flush there, so a second buffer would only cost memory.
+
+Note (growth): a bucket's ``size`` is where an arrival-order bucket flushes, as DeepCompile's: a gradient larger than
+it raises it for that bucket (``reserve``) until the buckets are released, so arrival-order flushes end where the
+native runtime's do. Its buffer's ``capacity`` may be larger: an owner-ordered flush spans its padding too, and an
+oversized gradient needs room. Replacing a buffer needs a host wait (a flush in flight may still read the old one),
+so ``grow`` replaces both buffers of the dtype's pair at once (after one wait, neither is in use) and the capacity is
+remembered per dtype across ``release()``: the pair allocated after a release already has it, and a steady-state
+step grows nothing and waits for nothing. The cost: with a gradient larger than the bucket, both buffers hold it
+(the native runtime grows one, and frees and grows it again after every release).
 
 Note (views): ``views`` keeps, per scheduled flush, the views of this bucket's buffer that each gradient is copied
 into, and per flush plan the views its copy-out reads (made at first use), so that a step makes none; they live and
@@ -25,11 +33,12 @@ import torch
 
 
 class ReduceBucket:
-    def __init__(self, size: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.size = int(size)
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device, capacity: int = 0) -> None:
+        self.size = int(size)  # where an arrival-order bucket flushes: see Note (growth)
         self.dtype = dtype
         self.device = device
-        self.buffer = torch.empty(self.size, dtype=dtype, device=device)
+        self.capacity = max(self.size, int(capacity))  # the buffer's elements (>= size)
+        self.buffer = torch.empty(self.capacity, dtype=dtype, device=device)
         self.offset = 0
         self.free_event: object | None = None  # CUDA: recorded on the reduce stream when a flush released it
         self.views: dict[int, tuple[Any, Any]] = {}  # id(flush or plan) -> (it, its views): see Note (views)
@@ -38,13 +47,22 @@ class ReduceBucket:
         return self.offset > 0 and self.offset + numel > self.size
 
     def reserve(self, numel: int) -> None:
-        """Grow an empty bucket so one oversized gradient fits (the native runtime does the same)."""
+        """Raise an empty bucket's size so one oversized gradient fits (the native runtime does the same); the
+        buffer must hold it already (``DoubleBufferedBuckets.grow``)."""
         if numel > self.size:
             if self.offset:
-                raise RuntimeError("owner_reduce: cannot grow a reduce bucket that holds gradients")
-            self.buffer = torch.empty(numel, dtype=self.dtype, device=self.device)
+                raise RuntimeError(f"owner_reduce: cannot grow a {self.dtype} reduce bucket that holds gradients "
+                                   f"({self.offset}/{self.size}) to {numel} elements")
+            if numel > self.capacity:
+                raise RuntimeError(f"owner_reduce: a {self.dtype} reduce bucket of {self.capacity} elements cannot "
+                                   f"take a {numel}-element gradient before its buffer grows")
             self.size = numel
-            self.views.clear()
+
+    def replace_buffer(self, capacity: int) -> None:
+        """A larger buffer (the caller made sure that no flush still reads this one); the views die with the old."""
+        self.buffer = torch.empty(capacity, dtype=self.dtype, device=self.device)
+        self.capacity = capacity
+        self.views.clear()
 
     def allocate(self, numel: int) -> tuple[int, torch.Tensor]:
         if self.offset + numel > self.size:
@@ -65,6 +83,8 @@ class DoubleBufferedBuckets:
         self._registered_elems = registered_elems  # dtype -> elements of the registered gradients (None: unknown)
         self._current: dict[torch.dtype, ReduceBucket] = {}
         self._shadow: dict[torch.dtype, ReduceBucket] = {}
+        self._capacity: dict[torch.dtype, int] = {}  # kept across release(): see Note (growth)
+        self.double_on_host = False  # tests: a fake-CUDA run on CPU tensors double-buffers as a GPU does
 
     def size_for(self, dtype: torch.dtype) -> int:
         """min(reduce_bucket_size, registered gradient elements of ``dtype``)."""
@@ -74,10 +94,10 @@ class DoubleBufferedBuckets:
     def get(self, dtype: torch.dtype, device: torch.device) -> ReduceBucket:
         bucket = self._current.get(dtype)
         if bucket is None:
-            size = self.size_for(dtype)
-            bucket = self._current[dtype] = ReduceBucket(size, dtype, device)
-            if self.double_buffer and device.type != "cpu":
-                self._shadow[dtype] = ReduceBucket(size, dtype, device)
+            size, capacity = self.size_for(dtype), self._capacity.get(dtype, 0)
+            bucket = self._current[dtype] = ReduceBucket(size, dtype, device, capacity)
+            if self.double_buffer and (device.type != "cpu" or self.double_on_host):
+                self._shadow[dtype] = ReduceBucket(size, dtype, device, capacity)
         return bucket
 
     def for_tensor(self, tensor: torch.Tensor) -> ReduceBucket:
@@ -93,6 +113,22 @@ class DoubleBufferedBuckets:
         if dtype in self._shadow:
             self._current[dtype], self._shadow[dtype] = self._shadow[dtype], self._current[dtype]
 
-    def clear(self) -> None:
+    def grow(self, dtype: torch.dtype, numel: int) -> None:
+        """Both buffers of ``dtype``'s pair hold at least ``numel`` elements from now on, also after a release. The
+        caller has waited for the reduce stream: a replaced buffer may have been read by a flush in flight."""
+        if numel > self._capacity.get(dtype, 0):
+            self._capacity[dtype] = numel
+        for bucket in (self._current.get(dtype), self._shadow.get(dtype)):
+            if bucket is not None and bucket.capacity < numel:
+                bucket.replace_buffer(numel)
+
+    def release(self) -> None:
+        """Free the buffers (the next flush allocates again, as the native runtime's ``release_reduce_buckets``);
+        the capacity they grew to is kept."""
         self._current.clear()
         self._shadow.clear()
+
+    def clear(self) -> None:
+        """Free the buffers and forget their growth (cleanup)."""
+        self.release()
+        self._capacity.clear()

@@ -8,9 +8,11 @@ algorithm the cost model chose for that flush. A bucket that is complete goes to
 way, placement to flush, never back.
 
 Note (owner-ordered buckets): a flush's layout spans at most the bucket plus its padding (a ReduceScatter's short
-regions, or the last of a hand-off's equal chunks), so the bucket grows by that much at most, once; no other
-buffer. A backward that leaves the recorded order flushes what it placed and continues in arrival order,
-identically on every rank (see ``schedule``), and the graph learns its schedule again.
+regions, or the last of a hand-off's equal chunks), so the bucket's buffer grows by that much at most, in the first
+step that needs it (both buffers of the pair at one wait, kept across releases: ``buckets`` Note (growth)); no
+other buffer. A
+backward that leaves the recorded order flushes what it placed and continues in arrival order, identically on every
+rank (see ``schedule``), and the graph learns its schedule again.
 
 Note (hot path): per scheduled gradient this costs one dictionary lookup, one schedule step and one copy per piece
 into a view of the bucket made once per (bucket, flush) and kept with the bucket (``ReduceBucket.views``); no
@@ -98,10 +100,9 @@ class GradPlacer:
         follow each other, and arrival-order gradients of this dtype were flushed when the schedule was left)."""
         bucket = self.buckets.for_tensor(grad)
         total = flush.layout.total
-        if total > bucket.size:  # at most the padding beyond a right-sized bucket
-            self._sync("bucket growth")  # the buffer being replaced may still be read by a flush
-            bucket.reserve(total)
-            self._flusher.buffers_replaced()
+        if total > bucket.capacity:  # at most the padding beyond a right-sized bucket, in the first step only
+            # Once for the whole schedule: room for its largest flush of this dtype (a follower is set here).
+            self._grow(dtype, max(f.layout.total for f in self._follower.schedule.flushes[dtype]))
         bucket.offset = total
         streams = self._streams_for(grad.device)
         streams.bucket_acquired(bucket)
@@ -120,9 +121,9 @@ class GradPlacer:
             self._flush(dtype)
             bucket = self.buckets.for_tensor(grad)
         if numel > bucket.size:
-            self._sync("bucket growth")  # the buffer being replaced may still be read by a flush in flight
+            if numel > bucket.capacity:
+                self._grow(dtype, numel)
             bucket.reserve(numel)
-            self._flusher.buffers_replaced()
         pending = self._pending.get(dtype)
         if pending is None:
             streams = self._streams_for(grad.device)
@@ -135,6 +136,13 @@ class GradPlacer:
         pending.ids.append(ds_id)
         pending.numels.append(numel)
         pending.count += 1
+
+    def _grow(self, dtype: torch.dtype, numel: int) -> None:
+        """Both buffers of ``dtype``'s pair to ``numel`` elements, kept across releases (``buckets`` Note (growth)):
+        only when a flush needs more than any before it, so never in a steady-state step."""
+        self._sync("bucket growth")  # a buffer being replaced may still be read by a flush in flight
+        self.buckets.grow(dtype, numel)
+        self._flusher.buffers_replaced()
 
     def _streams_for(self, device: torch.device) -> HostStreams | CudaStreams:
         streams = self.streams
@@ -215,8 +223,9 @@ class GradPlacer:
     # ---- lifetime ----------------------------------------------------------------------------------------
 
     def release_buckets(self) -> None:
-        """As deepcompile.cpp's end_backward with ``release_reduce_buckets``: the next flush allocates again."""
-        self.buckets.clear()
+        """As deepcompile.cpp's end_backward with ``release_reduce_buckets``: the next flush allocates again (at the
+        capacity the buckets grew to)."""
+        self.buckets.release()
         self._flusher.buffers_replaced()
 
     def clear(self) -> None:

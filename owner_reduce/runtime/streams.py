@@ -14,8 +14,10 @@ Note (reduce): at a flush the reduce stream waits for the current stream (every 
 pre-division, the collectives (issued under ``torch.cuda.stream(reduce)``, they run on it) and the copy-out run
 on the reduce stream.
 Note (bucket reuse): after a flush the bucket records a "free" event on the reduce stream; before the first copy
-into that bucket again, the current stream waits for it (once per bucket fill, not per gradient). A bucket that
-must grow first drains the reduce stream.
+into that bucket again, the current stream waits for it (once per bucket fill, not per gradient). A bucket whose
+buffer must grow first drains the reduce stream on the host, which frees the old buffer safely (the caching
+allocator hands a freed block to the next allocation on the stream it was allocated on, the current one); buffers
+grow only in the first step that needs it (``buckets`` Note (growth)).
 Note (priority): the reduce stream is high priority, as z1.cpp's ``getStreamFromPool(true)``: the reduction should
 not queue behind the backward kernels it overlaps.
 Note (optimizer): ``end_backward`` waits for the reduce stream, so the grad buffers are final before step().
@@ -23,7 +25,9 @@ Note (bounded waits): ``synchronize(wait)`` hands the reduce stream's ``query`` 
 ``wait_until``), which polls it within the deadline and aborts the communicator on failure; a plain
 ``synchronize()`` would hang forever on an NCCL kernel whose peer stalled.
 Note (seam): ``CudaStreams`` reaches CUDA only through its ``cuda`` argument (``torch.cuda`` by default) and copies
-only through ``copy``, so a CPU test counts what the hot path asks of CUDA (``tests/test_cuda_calls.py``).
+only through ``copy``, so a CPU test counts what the hot path asks of CUDA (``tests/test_cuda_calls.py``), and
+another proves the notes above by happens-before: every tensor access of the runtime stamped with its stream, the
+waits as vector clocks, any unordered pair of accesses a race (``tests/hb_cuda.py``, ``tests/test_stream_hb.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,336 @@
+"""The CUDA stream discipline, proven on CPU by happens-before (``hb_cuda``), not by call counts.
+
+The real runtime drives the real ``CudaStreams`` with a fake ``torch.cuda`` whose streams, events and host waits are
+vector clocks; every tensor access (the copies into buckets, padding, pre-division, the collectives, the hand-off,
+the copy-out, the optimizer reading and zeroing the grad buffers, the next backward's gradients) is stamped with the
+stream it runs on, and any two accesses to the same bytes that CUDA could run in either order are a race. The sweep
+covers every forced algorithm, stages 1 and 2, gradient accumulation 1 and 2, bucket release on and off, buckets
+that grow (padding and an oversized gradient), fp32 and bf16 together, and a backward that leaves its schedule.
+
+Negative controls: without the free-event wait (``bucket_acquired``), the reduce stream's wait for the current one
+(``reducing``), the end-of-backward wait, or the wait before a bucket's buffer is replaced, the checker reports races.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import pytest
+import torch
+from fakes import MirrorComm, flat_map
+from hb_cuda import HbCuda
+
+from owner_reduce.planning.flags import OwnerReduceFlags
+from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
+from owner_reduce.runtime.streams import CudaStreams
+
+GRAPH = 11
+WS, RANK = 3, 0
+# Model order, fp32 and bf16 interleaved; 40 bf16 elements are more than the 16-element bucket (it grows).
+PARAMS = [(6, torch.float32), (10, torch.bfloat16), (5, torch.float32), (4, torch.bfloat16), (7, torch.float32),
+          (6, torch.bfloat16), (4, torch.float32), (40, torch.bfloat16), (9, torch.float32), (5, torch.bfloat16),
+          (3, torch.float32), (8, torch.bfloat16), (8, torch.float32), (5, torch.float32)]
+BUCKET = 16  # 42 fp32 and 73 bf16 elements: each dtype flushes 3-5 times per backward, so a bucket is reused in it
+ARRIVAL = tuple(reversed(range(len(PARAMS))))
+LEFT = (ARRIVAL[1], ARRIVAL[0], *ARRIVAL[2:])  # a backward that leaves its schedule at its first gradient
+LATE = (*ARRIVAL[:6], ARRIVAL[8], ARRIVAL[7], ARRIVAL[6], *ARRIVAL[9:])  # ... or halfway (bf16's 3rd gradient)
+
+
+class HbComm(MirrorComm):
+    """The mirror communicator (identical data on every rank) whose send also shows as a read of its buffer: NCCL reads
+    it on the current stream; the other calls' reads and writes are the torch ops they run."""
+
+    def __init__(self, hb: HbCuda, rank: int, world_size: int) -> None:
+        super().__init__(rank=rank, world_size=world_size)
+        self._hb = hb
+
+    def send(self, buf: torch.Tensor, peer: int) -> None:
+        super().send(buf, peer)
+        self._hb.access(buf, write=False, op=f"nccl send(peer={peer})")
+
+
+def _runtime(hb, algo, stage, params=PARAMS, ws=WS, rank=RANK, bucket=BUCKET):
+    """A runtime of rank ``rank`` of ``ws`` on ``params`` with the fake CUDA streams, double-buffered as on a GPU; each
+    grad buffer is this rank's slice of its parameter, in the parameter's dtype, named for the reports."""
+    owner_map = flat_map([n for n, _ in params], ws)
+    comm = HbComm(hb, rank, ws)
+    rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, False), owner_map, flush_algo=algo),
+                            comm_factory=lambda group: comm)
+    rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
+    rt.record_collectives = True
+    weights = {}
+    for p in owner_map:
+        dtype = params[p.param_id][1]
+        mine = [s for s in p.slices if s.owner == rank and s.length]
+        buf, offset = (torch.zeros(mine[0].length, dtype=dtype), mine[0].offset) if mine else (
+            torch.empty(0, dtype=dtype), 0)
+        weights[p.param_id] = torch.zeros(buf.numel(), dtype=dtype)
+        hb.name(buf, f"the grad buffer of param {p.param_id}")
+        rt.register_param(p.param_id, (p.numel,), torch.zeros(p.numel, dtype=dtype), buf, offset)
+    (rt.register_graph_z2 if stage == 2 else rt.register_graph_z1)(GRAPH, [p.param_id for p in owner_map])
+    rt.placer.buckets.double_on_host = True  # two buffers per dtype, as on a GPU
+    rt.growth_waits = 0  # host waits before a bucket's buffer is replaced (the test counts them per step)
+    sync = rt.placer._sync
+
+    def counting_sync(call):
+        rt.growth_waits += call == "bucket growth"
+        sync(call)
+
+    rt.placer._sync = counting_sync
+    streams = rt.placer.streams = CudaStreams(torch.device("cpu"), cuda=hb)
+    hb.rename_stream(streams.reduce_stream, "reduce")
+    return rt, weights
+
+
+def _value(step, micro, pid):
+    return float(1 + (step + 2 * micro + pid) % 5)
+
+
+def _train(rt, weights, steps, ga, release, orders=(), params=PARAMS):
+    """``steps`` optimizer steps of ``ga`` backwards each; the backwards of step ``i`` feed their gradients in
+    ``orders[i]`` (else arrival order). Each gradient is made fresh on the compute stream and dropped after
+    ``reduce_grad`` (the allocator may reuse its memory); after each step but the last the optimizer reads every grad
+    buffer and zeroes it. Returns the grad buffers' expected values after the last step's backwards;
+    ``rt.growth_per_step`` counts each step's waits for bucket growth."""
+    expected = {}
+    rt.growth_per_step = []
+    for step in range(steps):
+        rt.growth_per_step.append(-rt.growth_waits)
+        order = orders[step] if step < len(orders) else ARRIVAL
+        for micro in range(ga):
+            update = micro == ga - 1
+            rt.start_backward(update)
+            for pid in order:
+                numel, dtype = params[pid]
+                rt.reduce_grad(torch.full((numel,), _value(step, micro, pid), dtype=dtype), GRAPH, pid)
+            rt.end_backward(GRAPH, release)
+        rt.growth_per_step[-1] += rt.growth_waits
+        if step == steps - 1:
+            expected = {pid: sum(_value(step, m, pid) for m in range(ga)) for pid in weights}
+            break
+        for pid, w in weights.items():  # the optimizer, on the compute stream
+            buf = rt._params[pid].grad_buffer
+            if buf.numel():
+                w.add_(buf, alpha=-0.1)
+                buf.zero_()
+    return expected
+
+
+def _check_values(rt, expected):
+    for pid, value in expected.items():
+        buf = rt._params[pid].grad_buffer
+        torch.testing.assert_close(buf.float(), torch.full((buf.numel(),), value), rtol=1e-2, atol=0,
+                                   msg=lambda m, pid=pid: f"param {pid}: {m}")
+
+
+# Learn, follow, leave at the first gradient, learn again, follow, leave halfway.
+ORDERS_LEAVING = (ARRIVAL, ARRIVAL, LEFT, ARRIVAL, ARRIVAL, LATE)
+
+
+def _run(algo, stage, ga, release, rank=RANK, steps=6, patches=(), false_queries=1):
+    """One training run under the checker; ``patches`` are (object, name, replacement) undone afterwards."""
+    hb = HbCuda(false_queries=false_queries)
+    with contextlib.ExitStack() as undo:
+        for obj, name, value in patches:
+            old = getattr(obj, name)
+            setattr(obj, name, value)
+            undo.callback(setattr, obj, name, old)
+        with hb:
+            rt, weights = _runtime(hb, algo, stage, rank=rank)
+            expected = _train(rt, weights, steps, ga, release, ORDERS_LEAVING)
+            hb.synchronize()
+    return hb, rt, expected
+
+
+@pytest.mark.parametrize("rank", [0, 2], ids=["rank0", "rank2"])
+@pytest.mark.parametrize("release", [False, True], ids=["kept", "released"])
+@pytest.mark.parametrize("ga", [1, 2], ids=["ga1", "ga2"])
+@pytest.mark.parametrize("stage", [1, 2], ids=["z1", "z2"])
+@pytest.mark.parametrize("algo", ["reduce", "allreduce", "handoff", "auto"])
+def test_no_race_in_the_stream_discipline(algo, stage, ga, release, rank):
+    hb, rt, expected = _run(algo, stage, ga, release, rank)
+    assert not hb.races, f"{len(hb.races)} distinct races:\n{hb.report()}"
+    # The run really went through the fake CUDA and the flushes it was meant to exercise.
+    s = rt.stats
+    assert hb.ops > 250 and s.flushes >= 30 and s.scheduled_flushes >= 10, (hb.ops, s)
+    assert s.schedule_fallbacks >= 2 and s.schedules_learned >= 2, s
+    assert {r.dtype for r in rt.flush_log} == {"float32", "bfloat16"}
+    assert max(rt.placer.buckets.size_for(d) for d in (torch.float32, torch.bfloat16)) == BUCKET
+    algos = {r.algo for r in rt.flush_log}
+    if algo == "handoff":
+        assert "reduce_scatter+handoff" in algos and s.sends and s.recvs, algos
+    elif algo != "auto":
+        assert algo in algos, algos
+    # Buckets grow in the first two steps, at most once per dtype and cause (an oversized bf16 gradient, each dtype's
+    # padding for its schedule), never after.
+    assert rt.growth_per_step[2:] == [0] * 4 and 1 <= sum(rt.growth_per_step) <= 3, rt.growth_per_step
+    _check_values(rt, expected)
+
+
+def _drop_free_event_wait():
+    return CudaStreams, "bucket_acquired", lambda self, bucket: None
+
+
+def _drop_wait_stream():
+    @contextlib.contextmanager
+    def reducing(self):
+        with self._cuda.stream(self.reduce_stream):
+            yield
+
+    return CudaStreams, "reducing", reducing
+
+
+def _drop_end_of_backward_wait():
+    sync = OwnerReduceRuntime._sync_streams
+
+    def no_end_of_backward_wait(self, call):
+        if call != "end_backward":
+            sync(self, call)
+
+    return OwnerReduceRuntime, "_sync_streams", no_end_of_backward_wait
+
+
+# Which accesses each missing wait leaves unordered (the report names the earlier access first).
+_BUCKET_REUSED = r"on reduce \([^)]*runtime/flush\.py[^)]*\) and write by aten\.copy_ on compute \([^)]*placement\.py"
+_BUCKET_READ_EARLY = r"write by aten\.copy_ on compute \([^)]*placement\.py[^)]*\) and \w+ by [^ ]+ on reduce"
+_OPTIMIZER_EARLY = r"race on the grad buffer of param \d+.* on reduce \([^)]*flush\.py[^)]*\) and .* on compute \(test_"
+_FREED_EARLY = r"freed on the host .* on reduce .*freed at runtime/buckets\.py.* release_buckets"
+
+
+@pytest.mark.parametrize("release", [False, True], ids=["kept", "released"])
+@pytest.mark.parametrize("drop,expect", [
+    (_drop_free_event_wait, [_BUCKET_REUSED]),
+    (_drop_wait_stream, [_BUCKET_READ_EARLY]),
+    (_drop_end_of_backward_wait, [_OPTIMIZER_EARLY]),
+], ids=["free-event-wait", "wait-stream", "end-of-backward-wait"])
+def test_each_wait_is_needed(drop, expect, release):
+    """Negative controls: dropping any one wait of the discipline is reported, naming the buffer and both ops.
+
+    Rank 0's grad buffers are written by the last flushes of a backward: on ranks whose buffers only earlier flushes
+    write, a later free-event wait of the same backward orders those copy-outs before the optimizer, so there the
+    end-of-backward wait is needed for released buckets only (their frees) - true of CUDA, not a gap of the checker.
+    """
+    import re
+
+    hb, _, _ = _run("handoff", 1, 1, release, rank=0, steps=4, patches=[drop()])
+    assert hb.races, "the checker did not see the missing wait"
+    for pattern in expect + ([_FREED_EARLY] if release and drop is _drop_end_of_backward_wait else []):
+        assert any(re.search(pattern, text) for text in hb.races), (pattern, hb.report(50))
+
+
+def test_a_buffer_replaced_while_a_flush_reads_it_is_reported():
+    """Negative control for frees: without the wait before a bucket's buffer is replaced, the old buffer is freed on
+    the host while the flush that reads it may still run; an oversized gradient arriving after two flushes of its
+    dtype grows the bucket whose flush is in flight."""
+    from owner_reduce.runtime.placement import GradPlacer
+
+    init = GradPlacer.__init__
+
+    def no_growth_wait(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        sync = self._sync
+        self._sync = lambda call: None if call == "bucket growth" else sync(call)
+
+    params = [(8, torch.float32)] * 4 + [(40, torch.float32)]
+    hb = HbCuda()
+    with hb:
+        rt, weights = _runtime(hb, "reduce", 1, params=params)
+        GradPlacer.__init__ = no_growth_wait
+        try:
+            rt2, weights2 = _runtime(hb, "reduce", 1, params=params)
+        finally:
+            GradPlacer.__init__ = init
+        order = (3, 2, 1, 0, 4)  # 16 | 16 | 40: the third flush's gradient grows the bucket of the first
+        _train(rt, weights, 2, 1, False, (order, order), params=params)
+        assert not hb.races, hb.report()
+        _train(rt2, weights2, 2, 1, False, (order, order), params=params)
+    assert any("freed on the host" in text and "on reduce" in text for text in hb.races), hb.report()
+
+
+# ---- the checker itself -------------------------------------------------------------------------------------
+
+
+def test_the_checker_orders_by_events_streams_and_host_waits():
+    hb = HbCuda()
+    side, compute = hb.Stream(), hb.current
+    with hb:
+        x = torch.zeros(8)
+        hb.name(x, "x")
+        with hb.stream(side):
+            x.add_(1)  # unordered with the zeros on compute
+        assert any("race on x" in r for r in hb.races)
+        hb.races.clear()
+        event = hb.Event()
+        event.record(side)
+        compute.wait_event(event)
+        x.mul_(2)  # after the add: ordered by the event
+        with hb.stream(side):
+            side.wait_stream(compute)
+            x.narrow(0, 0, 4).add_(1)  # after the mul
+        x.narrow(0, 4, 4).add_(1)  # other bytes: no race
+        assert not hb.races, hb.report()
+        x.narrow(0, 2, 4).add_(1)  # overlaps the side stream's write
+        assert len(hb.races) == 1 and "bytes [8, 16)" in next(iter(hb.races))
+        hb.races.clear()
+        side.synchronize()
+        hb.access(x, write=False, op="host read", on_host=True)  # ordered by the host wait
+        y = torch.ones(4)
+        with hb.stream(side):
+            y.add_(1)
+        hb.access(y, write=False, op="host read", on_host=True)  # not waited for
+        assert any("read by host read on host" in r for r in hb.races)
+        hb.races.clear()
+        with hb.stream(side):
+            z = torch.ones(4)  # allocated on the side stream, written on compute, freed without a wait
+        compute.wait_stream(side)
+        z.add_(1)
+        del z
+        assert any("freed on the host" in r and "on compute" in r for r in hb.races), hb.report()
+
+
+# ---- bucket growth: once per run, not per step ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("release", [False, True], ids=["kept", "released"])
+def test_bucket_growth_waits_once_per_run(release):
+    """Issue 23 (4): ws 7, forced hand-off, twelve equal 10-element gradients and a 60-element bucket: each flush holds
+    six gradients and spans 7 x 9 = 63 elements (the last chunk's padding), so both buffers of the pair must grow.
+    They grow together, at one host wait in the first scheduled step (not one per buffer, the second draining the
+    first flush mid-backward), and the grown capacity survives the buckets' release: no wait in any later step."""
+    params = [(10, torch.float32)] * 12
+    order = tuple(reversed(range(12)))
+    hb = HbCuda()
+    with hb:
+        rt, weights = _runtime(hb, "handoff", 1, params=params, ws=7, rank=3, bucket=60)
+        expected = _train(rt, weights, 6, 1, release, [order] * 6, params=params)
+        hb.synchronize()
+    assert not hb.races, hb.report()
+    assert rt.stats.handoff_rounds >= 10 and rt.stats.scheduled_flushes == 10, rt.stats
+    assert rt.growth_per_step == [0, 1, 0, 0, 0, 0], rt.growth_per_step
+    buckets = rt.placer.buckets
+    buckets.get(torch.float32, torch.device("cpu"))  # released: the pair the next step gets
+    for bucket in (buckets.current(torch.float32), buckets._shadow[torch.float32]):
+        assert (bucket.size, bucket.capacity, bucket.buffer.numel()) == (60, 63, 63)
+    _check_values(rt, expected)
+
+
+def test_growth_keeps_the_native_flush_boundaries():
+    """An oversized gradient raises the size of the bucket it lands in only (DeepCompile's arrival-order flushes),
+    although both buffers grow; after a release the sizes start over, the capacity does not."""
+    from owner_reduce.runtime.buckets import DoubleBufferedBuckets
+
+    buckets = DoubleBufferedBuckets(4, True)
+    buckets.double_on_host = True
+    first = buckets.get(torch.float32, torch.device("cpu"))
+    buckets.grow(torch.float32, 10)
+    first.reserve(10)
+    buckets.swap(torch.float32)
+    second = buckets.current(torch.float32)
+    assert (first.size, first.capacity, second.size, second.capacity) == (10, 10, 4, 10)
+    assert second.should_flush(3) is False and (second.allocate(3), second.should_flush(3))[1] is True
+    buckets.release()
+    again = buckets.get(torch.float32, torch.device("cpu"))
+    assert again is not first and (again.size, again.capacity) == (4, 10)
+    buckets.clear()
+    assert buckets.get(torch.float32, torch.device("cpu")).capacity == 4
