@@ -524,8 +524,9 @@ class FakeTdist:
     ReduceOp = types.SimpleNamespace(SUM="sum")
     group = types.SimpleNamespace(WORLD=None)
 
-    def __init__(self, complete: bool = True) -> None:
+    def __init__(self, complete: bool = True, coalesce: bool = False) -> None:
         self.complete = complete
+        self.coalesce = coalesce  # NCCL: batch_isend_irecv returns one work for the whole round
         self.works: list[Any] = []
 
     def get_rank(self, group):
@@ -560,7 +561,7 @@ class FakeTdist:
     isend = irecv = None
 
     def batch_isend_irecv(self, ops):
-        return [self._work(buf) for buf in ops]
+        return [self._work(ops[0])] if self.coalesce else [self._work(buf) for buf in ops]
 
 
 def _device_flush(comm, flush: int) -> None:
@@ -632,6 +633,22 @@ def test_torch_dist_on_nccl_sync_point_returns_when_the_works_complete_and_names
                                                    r"of flush #2: RuntimeError: NCCL error: remote process exited"):
         comm.wait_until(lambda: True, "end_backward")
     assert time.monotonic() - start < SHORT.seconds and group.aborts == 1
+
+
+def test_torch_dist_on_nccl_names_a_coalesced_send_recv_round():
+    """NCCL's batch_isend_irecv returns one work for the whole round (torch coalesces it): still one call, named."""
+    from owner_reduce.runtime.comm import TorchDistComm
+
+    tdist = FakeTdist(complete=False, coalesce=True)
+    comm = TorchDistComm(FakeGroup(), tdist=tdist)
+    comm.deadline = SHORT
+    with comm.group(flush=2):
+        comm.send(DeviceBuf(2), 1)
+        comm.recv(DeviceBuf(3), 1)
+    assert len(tdist.works) == 1 and tdist.works[0].stream_waits == 1 and tdist.works[0].host_waits == []
+    with pytest.raises(OwnerReduceCommError, match=r"rank 0, flush #2: end_backward, waiting for send/recv\(count=5, "
+                                                   r"dtype=float32\) timed out"):
+        comm.wait_until(lambda: True, "end_backward")
 
 
 def test_torch_dist_on_gloo_still_waits_on_the_host_within_the_deadline():

@@ -284,7 +284,8 @@ class TorchDistComm(ReduceComm):
 
     def _issue_p2p(self, p2p: list[tuple[Any, _Call]]) -> list[tuple[Any, _Call]]:
         """Issue a group's sends and receives together; a failure to issue (gloo: a pair its peer closed) is the one
-        error too, naming the round."""
+        error too, naming the round. gloo returns one work per operation; NCCL coalesces the round into one work,
+        named ``send/recv(count=<the round's elements>, ...)``."""
         try:
             issued = self._tdist.batch_isend_irecv([op for op, _ in p2p])
         except Exception as error:  # noqa: BLE001 - gloo and NCCL raise RuntimeError (or DistBackendError)
@@ -292,7 +293,11 @@ class TorchDistComm(ReduceComm):
                 rank=self.rank, flush=self.flush, call=f"send/recv round ({len(p2p)} operations, first "
                 f"{_call_name(p2p[0][1], 0, 1)})", waited_s=0.0, deadline=self.deadline,
                 reason=f"failed: {type(error).__name__}: {deadlines.first_line(error)}") from error
-        return list(zip(issued, (call for _, call in p2p), strict=True))
+        calls = [call for _, call in p2p]
+        if len(issued) != len(calls):  # one coalesced work for the whole round
+            first = calls[0]
+            calls = [first._replace(kind="send/recv", peer=None, count=sum(c.count for c in calls))] * len(issued)
+        return list(zip(issued, calls, strict=True))
 
     def send(self, buf: torch.Tensor, peer: int) -> None:
         self._point_to_point(self._tdist.isend, "send", buf, peer)
