@@ -32,12 +32,12 @@ Peers then see a connection error where NCCL's transport reports one (network), 
 
 Note (abort inside a group): never between ``ncclGroupStart`` and ``ncclGroupEnd``. A call enqueued in a group
 links the communicator into the thread's group; ``ncclCommAbort`` frees it (NCCL 2.21: at once; 2.28: as a job
-that ``ncclGroupEnd`` runs before it launches the group), so the group end would walk freed memory: a crash
-instead of this package's error. So a failure inside a group only asks for the abort (``_abort`` defers it while
-the group is open); the group is ended first (``ncclGroupEnd``; after a failed enqueue NCCL reports that error
-again there and launches nothing, which is only noted on the first error), then the communicator is aborted,
-once, and the first error is the one raised. ``ncclGroupStart`` only counts the nesting in NCCL; a failure to
-call it leaves no group open, so it aborts at once.
+that ``ncclGroupEnd`` runs before it launches the group, or drops when the group failed), so the group end would
+walk freed memory (a crash instead of this package's error) or never abort. So a failure inside a group only
+asks for the abort (``_abort`` defers it while the group is open); the group is ended first (``ncclGroupEnd``;
+after a failed enqueue NCCL reports that error again there and launches nothing, which is only noted on the
+first error), then the communicator is aborted, once, and the first error is the one raised. ``ncclGroupStart``
+only counts the nesting in NCCL; a failure to call it leaves no group open, so it aborts at once.
 
 Note (DLPack views): each buffer a collective is given a view of (in the flush: a bucket buffer) reaches cupy
 once, through DLPack; its device, dtype and NCCL dtype are checked and resolved then, and every later call on a
