@@ -795,3 +795,35 @@ def test_real_nccl_flush_fails_at_the_deadline_when_a_peer_never_joins():
     assert r0["error"] and "rank 0, flush #1: end_backward " in r0["error"] and r0["aborted"], r0
     assert 3.0 <= r0["elapsed"] < 15.0, r0
     assert r1["error"] and r1["aborted"] and r1["elapsed"] < 15.0, r1  # its peer aborted: it cannot finish either
+
+
+def _torch_nccl_stream_ordered(rank: int, world_size: int) -> dict:
+    """One rank on torch's NCCL process group: a flush's works are ordered on a side stream, the host never waits
+    for them, and the sync point's bounded wait sees them complete."""
+    import torch.distributed as dist
+
+    from owner_reduce.runtime.comm import TorchDistComm
+
+    comm = TorchDistComm(dist.group.WORLD)
+    buf = torch.arange(8, dtype=torch.float32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), comm.group(flush=1):
+        comm.all_reduce(buf[:4])
+        comm.reduce(buf[4:], 0)
+    out = {"in_flight": len(comm._in_flight)}
+    comm.wait_until(side.query, "end_backward")
+    out["after_wait"] = len(comm._in_flight)
+    torch.cuda.current_stream().wait_stream(side)
+    out["values"] = buf.cpu().tolist()
+    out["gathered"] = comm.all_gather_ints([3, 4])
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.timeout(120)
+def test_torch_nccl_flush_is_stream_ordered_and_waited_at_the_sync_point():
+    (out,) = run_ranks(_torch_nccl_stream_ordered, 1, timeout=100, dist_backend="nccl")
+    assert out["in_flight"] == 2 and out["after_wait"] == 0
+    assert out["values"] == [float(i) for i in range(8)] and out["gathered"] == [[3, 4]]
