@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import datetime
 import time
+import types
+from typing import Any
 
 import pytest
 import torch
@@ -176,7 +178,7 @@ def _cupy_comm(fake: FakeNccl, stream: FakeEvent, deadline: Deadline = SHORT) ->
     comm = nccl_comm.CupyNcclComm.__new__(nccl_comm.CupyNcclComm)
     ReduceComm.__init__(comm, 0, 2, deadline=deadline)
     comm.stream, comm.device, comm._calls_in_group, comm._comm, comm.aborted = stream, 0, 0, fake, False
-    comm._views = {}
+    comm._views, comm._group_open, comm._abort_pending = {}, False, False
     comm._wait_current = comm._current_waits_for = lambda stream: None
     return comm
 
@@ -241,6 +243,156 @@ def test_a_failed_nccl_call_aborts_the_communicator():
     with pytest.raises(RuntimeError, match="owner_reduce NCCL x failed on rank 0: RuntimeError: NCCL_ERROR_INVALID"):
         comm._call("x", lambda: fake.allReduce())
     assert fake.aborts == 1
+
+
+# ---- a failure inside an NCCL group: the group ends first, then the abort, and the first error is raised ---------
+
+
+class NcclGroupModel:
+    """cupy's ``nccl`` module and one ``NcclCommunicator`` together, with NCCL's group rules as src/group.cc and
+    init.cc have them: a call enqueued inside a group links the communicator into the thread's group;
+    ``ncclCommAbort`` frees it (2.21: at once; 2.28: as a job ``ncclGroupEnd`` runs before launching), so a group
+    end that still finds it linked walks freed memory (logged ``use after free``: a segfault on a GPU). A failed
+    enqueue sets the group's error, which ``ncclGroupEnd`` returns again (launching nothing). ``fail`` names the
+    calls that fail: ``"reduce#2"`` (the second reduce), ``"groupStart"``, ``"groupEnd"``, ``"abort"``."""
+
+    def __init__(self, *fail: str) -> None:
+        self.fail = set(fail)
+        self.log: list[str] = []
+        self.depth = 0
+        self.linked = self.freed = False
+        self.group_error: str | None = None
+        self.reduces = 0
+        self.aborts = self.destroys = 0
+
+    def _maybe_fail(self, what: str) -> None:
+        if what in self.fail:
+            self.log.append(f"{what} failed")
+            raise RuntimeError(f"NCCL_ERROR_REMOTE_ERROR in {what}")
+
+    def groupStart(self) -> None:  # noqa: N802 - cupy's name
+        self._maybe_fail("groupStart")
+        self.depth += 1
+        self.log.append("groupStart")
+
+    def groupEnd(self) -> None:  # noqa: N802 - cupy's name
+        self.log.append("groupEnd")
+        if self.depth == 0:
+            raise RuntimeError("NCCL_ERROR_INVALID_USAGE: ncclGroupEnd: not in a group call")
+        self.depth -= 1
+        if self.linked and self.freed:
+            self.log.append("use after free")
+        self.linked = False
+        error, self.group_error = self.group_error, None
+        if error is not None:
+            raise RuntimeError(error)
+        self._maybe_fail("groupEnd")
+
+    def reduce(self, *args) -> None:
+        self.reduces += 1
+        what = f"reduce#{self.reduces}"
+        if self.freed:
+            self.log.append("use after free")
+        if self.depth:
+            self.linked = True
+        try:
+            self._maybe_fail(what)
+        except RuntimeError as error:
+            if self.depth:
+                self.group_error = str(error)
+            raise
+        self.log.append(what)
+
+    def abort(self) -> None:
+        self.log.append("abort")
+        self.aborts += 1
+        self._maybe_fail("abort")
+        self.freed = True  # NCCL frees the communicator, linked into the open group or not
+
+    def destroy(self) -> None:
+        self.destroys += 1
+
+    def check_async_error(self) -> None:
+        pass
+
+
+class _FakeStream:
+    cuda_stream = 0
+
+    def query(self) -> bool:
+        return True
+
+
+def _grouped_comm(monkeypatch, model: NcclGroupModel) -> nccl_comm.CupyNcclComm:
+    """A CupyNcclComm whose NCCL (module and communicator) is ``model``, with one cached CPU buffer view, so that
+    ``reduce`` runs the real issue path (``_collective``, ``_call_lazy``) and the real group hooks."""
+    monkeypatch.setattr(nccl_comm, "_nccl", lambda: model)
+    comm = _cupy_comm(model, FakeEvent(1))
+    comm.stream, comm._sum = None, 0  # torch's current stream: no record_stream, no stream waits
+    comm._stream = _FakeStream
+    buf = torch.zeros(8)
+    comm._views[id(buf)] = nccl_comm._BufferView(buf, None, 4096, 4, 0, 7)
+    comm.buffer = buf
+    return comm
+
+
+def test_a_failed_call_inside_a_group_ends_the_group_then_aborts_and_raises_that_call(monkeypatch):
+    """A dead peer fails the second call of a flush: the group is ended before the abort (no use of a freed
+    communicator), the abort runs once, and the error raised names the failed call, not NCCL's group end."""
+    model = NcclGroupModel("reduce#2")
+    comm = _grouped_comm(monkeypatch, model)
+    with pytest.raises(RuntimeError) as caught, comm.group(flush=5):
+        comm.reduce(comm.buffer[:4], 0)
+        comm.reduce(comm.buffer[4:], 1)
+        raise AssertionError("not reached: the second reduce raises")
+    assert model.log == ["groupStart", "reduce#1", "reduce#2 failed", "groupEnd", "abort"]
+    assert model.aborts == 1 and model.destroys == 0 and comm.aborted and not comm._in_group
+    assert str(caught.value).startswith("owner_reduce NCCL reduce(root=1, count=4, dtype=float32) failed on rank 0: "
+                                        "RuntimeError: NCCL_ERROR_REMOTE_ERROR in reduce#2")
+    # NCCL's group end reported the failed enqueue again: kept as a note, never the error raised
+    assert any("closing the collective group afterwards failed too" in n for n in caught.value.__notes__)
+    with pytest.raises(RuntimeError, match="was aborted after an earlier failure"), comm.group(flush=6):
+        comm.reduce(comm.buffer[:4], 0)
+    assert model.aborts == 1 and "use after free" not in model.log and model.depth == 0
+
+
+def test_any_error_inside_a_group_ends_it_before_the_abort(monkeypatch):
+    model = NcclGroupModel()
+    comm = _grouped_comm(monkeypatch, model)
+    with pytest.raises(ValueError, match="not a collective"), comm.group(flush=2):
+        comm.reduce(comm.buffer[:4], 0)
+        raise ValueError("not a collective")
+    assert model.log == ["groupStart", "reduce#1", "groupEnd", "abort"] and model.aborts == 1
+
+
+def test_a_failing_group_end_aborts_after_it_once(monkeypatch):
+    model = NcclGroupModel("groupEnd")
+    comm = _grouped_comm(monkeypatch, model)
+    with pytest.raises(RuntimeError, match=r"owner_reduce NCCL groupEnd \(2 calls\) failed on rank 0"):
+        with comm.group(flush=3):
+            comm.reduce(comm.buffer[:4], 0)
+            comm.reduce(comm.buffer[4:], 1)
+    assert model.log == ["groupStart", "reduce#1", "reduce#2", "groupEnd", "groupEnd failed", "abort"]
+    assert model.aborts == 1 and not comm._in_group and "use after free" not in model.log
+
+
+def test_a_failing_group_start_opens_nothing_and_aborts_at_once(monkeypatch):
+    model = NcclGroupModel("groupStart")
+    comm = _grouped_comm(monkeypatch, model)
+    with pytest.raises(RuntimeError, match=r"owner_reduce NCCL groupStart failed on rank 0"), comm.group(flush=1):
+        raise AssertionError("not reached: the group never opened")
+    assert model.log == ["groupStart failed", "abort"] and model.aborts == 1 and not comm._in_group
+
+
+def test_a_failing_abort_after_a_failed_call_is_a_note_on_the_first_error(monkeypatch):
+    model = NcclGroupModel("reduce#1", "abort")
+    comm = _grouped_comm(monkeypatch, model)
+    with pytest.raises(RuntimeError, match=r"reduce\(root=0, count=4, dtype=float32\) failed") as caught:
+        with comm.group(flush=1):
+            comm.reduce(comm.buffer[:4], 0)
+    assert model.log == ["groupStart", "reduce#1 failed", "groupEnd", "abort", "abort failed"]
+    assert any("aborting the NCCL communicator failed too: RuntimeError: NCCL_ERROR_REMOTE_ERROR in abort" in n
+               for n in caught.value.__notes__)
 
 
 # ---- the handle hands its flush number and the call to the wait ------------------------------------------------
@@ -311,6 +463,205 @@ def test_wait_work_passes_the_remaining_time_and_names_failures():
     with pytest.raises(OwnerReduceCommError, match="timed out"):
         wait_work(late, deadline=Deadline(20, "t"), started=clock.now - 21, rank=0, flush=2, call="x", clock=clock)
     assert late.timeouts == []
+
+
+# ---- torch.distributed on NCCL (CUDA tensors): ordered on the stream, bounded at the next sync point ------------
+
+
+class DeviceWork:
+    """A ProcessGroupNCCL work: ``wait(timeout)`` would block the host until the collective ends (recorded, then
+    the collective is taken to have stalled); ``block_current_stream()`` returns at once."""
+
+    def __init__(self, completed: bool, error: BaseException | None = None) -> None:
+        self.completed, self.error = completed, error
+        self.host_waits: list[Any] = []
+        self.stream_waits = 0
+
+    def wait(self, timeout=None):
+        self.host_waits.append(timeout)
+        if not self.completed:
+            raise RuntimeError("Operation timed out!")
+        return True
+
+    def block_current_stream(self) -> None:
+        self.stream_waits += 1
+
+    def is_completed(self) -> bool:
+        return self.completed or self.error is not None
+
+    def exception(self):
+        return self.error
+
+
+class DeviceBuf:
+    """A CUDA tensor as TorchDistComm sees one (it only reads these), without a GPU."""
+
+    is_cuda = True
+    dtype = torch.float32
+
+    def __init__(self, numel: int) -> None:
+        self._numel = numel
+
+    def numel(self) -> int:
+        return self._numel
+
+    def narrow(self, dim: int, start: int, length: int) -> DeviceBuf:
+        return DeviceBuf(length)
+
+
+class FakeGroup:
+    def __init__(self) -> None:
+        self.aborts = 0
+
+    def abort(self) -> None:
+        self.aborts += 1
+
+
+class FakeTdist:
+    """The part of ``torch.distributed`` TorchDistComm uses, on an NCCL group of 2 ranks (this is rank 0); every
+    call returns a ``DeviceWork`` (or a ``FakeWork`` for a CPU tensor) that completes when ``complete`` says."""
+
+    ReduceOp = types.SimpleNamespace(SUM="sum")
+    group = types.SimpleNamespace(WORLD=None)
+
+    def __init__(self, complete: bool = True, coalesce: bool = False) -> None:
+        self.complete = complete
+        self.coalesce = coalesce  # NCCL: batch_isend_irecv returns one work for the whole round
+        self.works: list[Any] = []
+
+    def get_rank(self, group):
+        return 0
+
+    def get_world_size(self, group):
+        return 2
+
+    def get_global_rank(self, group, rank):
+        return rank
+
+    def get_backend(self, group):
+        return "nccl"
+
+    def _work(self, buf) -> Any:
+        work = DeviceWork(self.complete) if buf.is_cuda else FakeWork(completed=self.complete)
+        self.works.append(work)
+        return work
+
+    def reduce(self, buf, dst, op, group, async_op):
+        return self._work(buf)
+
+    def all_reduce(self, buf, op, group, async_op):
+        return self._work(buf)
+
+    def reduce_scatter_tensor(self, out, buf, op, group, async_op):
+        return self._work(buf)
+
+    def P2POp(self, fn, buf, peer, group):  # noqa: N802 - torch's name
+        return buf
+
+    isend = irecv = None
+
+    def batch_isend_irecv(self, ops):
+        return [self._work(ops[0])] if self.coalesce else [self._work(buf) for buf in ops]
+
+
+def _device_flush(comm, flush: int) -> None:
+    """A hand-off flush as the runtime issues it: ReduceScatter + AllReduce, then the send/recv round."""
+    with comm.group(flush=flush):
+        comm.reduce_scatter(DeviceBuf(8), 4)
+        comm.all_reduce(DeviceBuf(4))
+    with comm.group(flush=flush):
+        comm.send(DeviceBuf(2), 1)
+        comm.recv(DeviceBuf(2), 1)
+
+
+def test_torch_dist_on_nccl_never_blocks_the_host_per_flush():
+    from owner_reduce.runtime.comm import TorchDistComm
+
+    tdist = FakeTdist(complete=False)  # a peer stalls: nothing ever completes
+    comm = TorchDistComm(FakeGroup(), tdist=tdist)
+    comm.deadline = SHORT
+    start = time.monotonic()
+    _device_flush(comm, 3)
+    comm.reduce(DeviceBuf(4), 1)  # outside a group, too
+    assert time.monotonic() - start < SHORT.seconds  # the flushes returned at once
+    assert len(tdist.works) == 5
+    assert [w.host_waits for w in tdist.works] == [[]] * 5  # no Work.wait: the host never blocked
+    assert [w.stream_waits for w in tdist.works] == [1] * 5  # each ordered on the (reduce) stream instead
+
+
+def test_torch_dist_on_nccl_stall_fails_at_the_next_sync_point_within_the_deadline():
+    from owner_reduce.runtime.comm import TorchDistComm
+
+    group = FakeGroup()
+    comm = TorchDistComm(group, tdist=FakeTdist(complete=False))
+    comm.deadline = SHORT
+    _device_flush(comm, 3)
+    _device_flush(comm, 4)
+    start = time.monotonic()
+    with pytest.raises(OwnerReduceCommError) as caught:
+        comm.wait_until(lambda: True, "end_backward")  # the reduce stream itself reports done: the works do not
+    elapsed = time.monotonic() - start
+    assert SHORT.seconds <= elapsed < SHORT.seconds + 1.0
+    error = caught.value
+    assert (error.rank, error.flush, error.reason) == (0, 3, "timed out")
+    assert str(error).startswith("owner_reduce: rank 0, flush #3: end_backward, waiting for reduce_scatter(count=8, "
+                                 "dtype=float32) (call 1 of 2) timed out after waiting 0.2 s (deadline 0.2 s from "
+                                 "test)")
+    assert group.aborts == 1  # the process group is aborted (once), so no NCCL kernel keeps spinning
+    comm.wait_until(lambda: True, "cleanup")  # nothing in flight any more: returns
+    comm.close()
+    assert group.aborts == 1
+
+
+def test_torch_dist_on_nccl_sync_point_returns_when_the_works_complete_and_names_a_failed_one():
+    from owner_reduce.runtime.comm import TorchDistComm
+
+    tdist = FakeTdist(complete=False)
+    group = FakeGroup()
+    comm = TorchDistComm(group, tdist=tdist)
+    comm.deadline = SHORT
+    _device_flush(comm, 1)
+    for work in tdist.works:
+        work.completed = True
+    comm.wait_until(lambda: True, "end_backward")
+    assert comm._in_flight == [] and group.aborts == 0
+    _device_flush(comm, 2)
+    tdist.works[-3].error = RuntimeError("NCCL error: remote process exited or there was a network error\nmore")
+    start = time.monotonic()
+    with pytest.raises(OwnerReduceCommError, match=r"rank 0, flush #2: end_backward, waiting for reduce_scatter.* "
+                                                   r"failed: all_reduce\(count=4, dtype=float32\) \(call 2 of 2\) "
+                                                   r"of flush #2: RuntimeError: NCCL error: remote process exited"):
+        comm.wait_until(lambda: True, "end_backward")
+    assert time.monotonic() - start < SHORT.seconds and group.aborts == 1
+
+
+def test_torch_dist_on_nccl_names_a_coalesced_send_recv_round():
+    """NCCL's batch_isend_irecv returns one work for the whole round (torch coalesces it): still one call, named."""
+    from owner_reduce.runtime.comm import TorchDistComm
+
+    tdist = FakeTdist(complete=False, coalesce=True)
+    comm = TorchDistComm(FakeGroup(), tdist=tdist)
+    comm.deadline = SHORT
+    with comm.group(flush=2):
+        comm.send(DeviceBuf(2), 1)
+        comm.recv(DeviceBuf(3), 1)
+    assert len(tdist.works) == 1 and tdist.works[0].stream_waits == 1 and tdist.works[0].host_waits == []
+    with pytest.raises(OwnerReduceCommError, match=r"rank 0, flush #2: end_backward, waiting for send/recv\(count=5, "
+                                                   r"dtype=float32\) timed out"):
+        comm.wait_until(lambda: True, "end_backward")
+
+
+def test_torch_dist_on_gloo_still_waits_on_the_host_within_the_deadline():
+    from owner_reduce.runtime.comm import TorchDistComm
+
+    tdist = FakeTdist(complete=True)
+    comm = TorchDistComm(FakeGroup(), tdist=tdist)
+    comm.deadline = Deadline(20, "t")
+    with comm.group(flush=1):
+        comm.all_reduce(torch.ones(4))
+        comm.reduce(torch.ones(4), 1)
+    assert [len(w.timeouts) for w in tdist.works] == [1, 1] and comm._in_flight == []
+    assert all(0 < w.timeouts[0].total_seconds() <= 20 for w in tdist.works)
 
 
 def _gloo_stall(rank: int, world_size: int) -> dict:
@@ -444,3 +795,35 @@ def test_real_nccl_flush_fails_at_the_deadline_when_a_peer_never_joins():
     assert r0["error"] and "rank 0, flush #1: end_backward " in r0["error"] and r0["aborted"], r0
     assert 3.0 <= r0["elapsed"] < 15.0, r0
     assert r1["error"] and r1["aborted"] and r1["elapsed"] < 15.0, r1  # its peer aborted: it cannot finish either
+
+
+def _torch_nccl_stream_ordered(rank: int, world_size: int) -> dict:
+    """One rank on torch's NCCL process group: a flush's works are ordered on a side stream, the host never waits
+    for them, and the sync point's bounded wait sees them complete."""
+    import torch.distributed as dist
+
+    from owner_reduce.runtime.comm import TorchDistComm
+
+    comm = TorchDistComm(dist.group.WORLD)
+    buf = torch.arange(8, dtype=torch.float32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), comm.group(flush=1):
+        comm.all_reduce(buf[:4])
+        comm.reduce(buf[4:], 0)
+    out = {"in_flight": len(comm._in_flight)}
+    comm.wait_until(side.query, "end_backward")
+    out["after_wait"] = len(comm._in_flight)
+    torch.cuda.current_stream().wait_stream(side)
+    out["values"] = buf.cpu().tolist()
+    out["gathered"] = comm.all_gather_ints([3, 4])
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.timeout(120)
+def test_torch_nccl_flush_is_stream_ordered_and_waited_at_the_sync_point():
+    (out,) = run_ranks(_torch_nccl_stream_ordered, 1, timeout=100, dist_backend="nccl")
+    assert out["in_flight"] == 2 and out["after_wait"] == 0
+    assert out["values"] == [float(i) for i in range(8)] and out["gathered"] == [[3, 4]]

@@ -1,5 +1,7 @@
 """Engine lifecycle in one process: a second live owner engine is refused, so is uninstall() while one is live;
-destroy() hands everything back."""
+destroy() hands everything back, also when its bounded wait fails."""
+
+import types
 
 import pytest
 
@@ -70,3 +72,64 @@ def test_second_live_engine_refused_and_destroy_releases_everything():
     assert out["calls_after_refusal"] == 12
     assert out["second_error"] and "another DeepCompile engine with reduce_to_owner" in out["second_error"]
     assert out["after_destroy"] == (None, None, False, 0)
+
+
+# ---- in process: cleanup hands DeepCompile's handle back even when the communicator's bounded close fails --------
+
+
+def test_cleanup_hands_the_handle_back_when_the_close_wait_times_out(monkeypatch):
+    """The wiring of ``activation.wrap_init_z1_and_2`` around a runtime whose communicator's ``close()`` times out
+    (its stream never drains): DeepSpeed's one ``cleanup()`` raises that error, and DeepCompile's handle, the
+    active runtime and the dc schemas are handed back all the same, so the next engine starts."""
+    import deepspeed.compile.util as dc_util
+    from fakes import MirrorComm
+
+    from owner_reduce import OwnerReduceCommError
+    from owner_reduce.planning.flags import OwnerReduceFlags
+    from owner_reduce.planning.owner_map import OwnerMap
+    from owner_reduce.runtime.deadline import Deadline
+    from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
+    from owner_reduce.wiring import activation, ops
+
+    class StuckComm(MirrorComm):
+        def close(self):
+            self.wait_until(lambda: False, "close (work still in flight on the communicator's stream)")
+
+    comms = []
+
+    def build_runtime(engine, flags):
+        comms.append(StuckComm(rank=0, world_size=2))
+        comms[-1].deadline = Deadline(0.05, "test")
+        return OwnerReduceRuntime(RuntimeSettings(flags, OwnerMap.from_group_tables([], 2)),
+                                  comm_factory=lambda group: comms[-1])
+
+    released = []
+    monkeypatch.setattr(activation, "build_runtime", build_runtime)
+    monkeypatch.setattr(activation, "ensure_dc_schemas", lambda: True)
+    monkeypatch.setattr(activation, "release_dc_schemas", lambda: released.append(1))
+    monkeypatch.setattr(activation, "register_inductor_lowerings", lambda: None)
+    monkeypatch.setattr(activation.cpu_compat, "is_cpu_accelerator", lambda: False)
+    monkeypatch.setattr(dc_util, "dc_handle", "native handle")
+    monkeypatch.setattr(ops, "_runtime", None)
+
+    def deepcompile_init(engine, backend, compile_config, compile_kwargs, schedule, use_z2):
+        dc_util.dc_handle.init(None, compile_config, 64)  # as DeepSpeed's _initialize_deepcompile_native
+        return "backend"
+
+    init = activation.wrap_init_z1_and_2(deepcompile_init)
+    engine = types.SimpleNamespace(optimizer=types.SimpleNamespace(bit16_groups=[]))
+    config = types.SimpleNamespace(reduce_to_owner=True, reduce_probe=False, double_buffer=True)
+    assert activation.flags_of(config) == OwnerReduceFlags(True, False)
+    init(engine, "inductor", config, {}, None, False)
+    first = dc_util.dc_handle
+    assert isinstance(first, OwnerReduceRuntime) and ops.active_runtime_or_none() is first
+    with pytest.raises(OwnerReduceCommError, match=r"rank 0, outside a flush: close \(work still in flight on the "
+                                                   r"communicator's stream\) timed out after waiting \d+\.\d s"):
+        first.cleanup()  # engine.destroy(): DeepSpeed calls it once
+    assert dc_util.dc_handle == "native handle" and ops.active_runtime_or_none() is None and released == [1]
+    assert first.comm is None
+    init(engine, "inductor", config, {}, None, False)  # a later engine starts (it was refused before)
+    assert dc_util.dc_handle is not first and ops.active_runtime_or_none() is dc_util.dc_handle
+    comms[-1].close = lambda: None
+    dc_util.dc_handle.cleanup()
+    assert dc_util.dc_handle == "native handle" and ops.active_runtime_or_none() is None

@@ -12,6 +12,7 @@ import importlib.util
 import logging
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -410,6 +411,118 @@ def test_two_rank_reduce_scatter_in_place_then_handoff():
             assert tail.eq(3).all()
             torch.testing.assert_close(received, _scaled_arange(500 * other, 500 * other + 100, dtype), rtol=0,
                                        atol=0)
+
+
+# ---- DLPack views: made without any stream synchronization (torch's real __dlpack__, fake CUDA) -----------------
+
+
+class _CountingCuda:
+    """What torch's ``Tensor.__dlpack__`` asks of ``torch.cuda``, counted: a current stream (the reduce stream or
+    the default stream), events recorded and stream waits."""
+
+    def __init__(self, current: str) -> None:
+        self.streams = {name: _NamedStream(self, name) for name in ("default", "reduce")}
+        self.current = self.streams[current]
+        self.events: list[str] = []  # "recorded on <stream>"
+        self.waits: list[str] = []  # "<stream> waits"
+
+    def current_device(self) -> int:
+        return 0
+
+    def current_stream(self, device=None):
+        return self.current
+
+    def default_stream(self, device=None):
+        return self.streams["default"]
+
+    def ExternalStream(self, ptr, device=None):  # noqa: N802 - torch.cuda's name
+        return _NamedStream(self, f"external {ptr:#x}")
+
+    def Event(self):  # noqa: N802 - torch.cuda's name
+        cuda = self
+
+        class _Event:
+            def record(self, stream):
+                cuda.events.append(f"recorded on {stream.name}")
+
+        return _Event()
+
+
+class _NamedStream:
+    def __init__(self, cuda: _CountingCuda, name: str) -> None:
+        self._cuda, self.name = cuda, name
+
+    def wait_event(self, event) -> None:
+        self._cuda.waits.append(f"{self.name} waits")
+
+
+class _CudaBuffer:
+    """A CUDA bucket buffer as far as ``_view_of`` and torch's own ``Tensor.__dlpack__`` (the real function, bound
+    to this object) go: device, dtype, layout, sizes; ``__dlpack__`` runs torch 2.13's stream logic unchanged."""
+
+    __dlpack__ = torch.Tensor.__dlpack__
+    device = torch.device("cuda", 0)
+    dtype = torch.float32
+    layout = torch.strided
+    requires_grad = False
+
+    def is_conj(self) -> bool:
+        return False
+
+    def detach(self):
+        return self
+
+    def view(self, dtype):
+        return self
+
+    def element_size(self) -> int:
+        return 4
+
+    def storage_offset(self) -> int:
+        return 0
+
+    def __dlpack_device__(self):
+        return (2, 0)  # kDLCUDA, device 0
+
+
+class _Cupy14:
+    """cupy 14.2's ``from_dlpack`` as a consumer (cupy/_core/dlpack.pyx): given an object with ``__dlpack_device__``
+    it passes its current stream (the legacy default stream: 1, as cupy's current stream is 0 unless set); given a
+    capsule it takes it as is."""
+
+    def from_dlpack(self, array):
+        if hasattr(array, "__dlpack_device__"):
+            array.__dlpack__(stream=1, max_version=(1, 0), copy=None)
+        return types.SimpleNamespace(device=types.SimpleNamespace(id=0), data=types.SimpleNamespace(ptr=0x7000))
+
+
+@pytest.mark.parametrize("current", ["reduce", "default"])
+def test_dlpack_views_add_no_event_and_no_stream_wait(monkeypatch, current):
+    """Views are made again after every bucket release (every step of a one-graph model): making them must not make
+    the default stream (the backward's compute) wait for the reduce stream, whichever stream torch has current."""
+    cuda = _CountingCuda(current)
+    for name in ("current_device", "current_stream", "default_stream", "ExternalStream", "Event"):
+        monkeypatch.setattr(torch.cuda, name, getattr(cuda, name))
+    capsules = []
+    monkeypatch.setattr(torch._C, "_to_dlpack", lambda t, dl_device=None, copy=None: capsules.append(t) or object())
+    monkeypatch.setattr(torch._C, "_to_dlpack_versioned",
+                        lambda t, dl_device=None, copy=None: capsules.append(t) or object())
+    comm = object.__new__(nccl_comm.CupyNcclComm)
+    comm.rank, comm.device, comm._views = 0, 0, {}
+    comm._cupy = _Cupy14()
+    for _ in range(3):  # three steps, the buckets released (and the views dropped) after each
+        buffers = [_CudaBuffer(), _CudaBuffer()]
+        views = [comm._view_of(b, "reduce(root=1, count=4, dtype=float32)") for b in buffers]
+        assert [v.ptr for v in views] == [0x7000, 0x7000] and len(comm._views) == 2
+        comm.release_buffers()
+    assert len(capsules) == 6  # torch's __dlpack__ ran to its end for every view
+    assert cuda.events == [] and cuda.waits == []
+    # Negative control: handing cupy the tensor itself (cupy then passes its stream) is what the counters catch.
+    _Cupy14().from_dlpack(_CudaBuffer())
+    if current == "reduce":
+        assert cuda.events == ["recorded on reduce"] and cuda.waits == ["default waits"]
+    else:  # the default stream is current: torch sees the same stream and synchronizes nothing
+        assert cuda.events == [] and cuda.waits == []
 
 
 # ---- scripts/nccl_check.py: its layout, and its answer without a GPU ----------------------------------------------

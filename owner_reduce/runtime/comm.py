@@ -10,6 +10,10 @@ ranks.
 Note (bounded waits): every wait on a collective is bounded by ``self.deadline`` (see ``deadline``) and
 fails with ``OwnerReduceCommError`` naming the rank, the flush (``group(flush=n)`` sets it), the call and
 the seconds waited; ``wait_until`` is the one place that waits on the device.
+
+Note (failure inside a group): when anything raises inside ``group()``, the group is closed through
+``_group_failed`` (never ``_group_end``'s normal path: no more work is issued or waited for), and the error
+raised inside stays the one raised; a failure while closing is only added to it as a note.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import contextlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -39,19 +43,30 @@ class ReduceComm(ABC):
 
     @contextlib.contextmanager
     def group(self, flush: int | None = None) -> Iterator[None]:
-        """Batch the calls of one flush (number ``flush``, for errors); closed in ``finally`` so an error never
-        leaves a group open."""
+        """Batch the calls of one flush (number ``flush``, for errors). Always closed: normally by ``_group_end``;
+        when something raises inside, by ``_group_failed``, and that first error is the one raised (see Note
+        (failure inside a group))."""
         if self._in_group:
             raise RuntimeError(f"{self.name}: nested collective group on rank {self.rank}")
         if flush is not None:
             self.flush = flush
         self._in_group = True
-        self._group_start()
+        try:
+            self._group_start()
+        except BaseException:
+            self._in_group = False
+            raise
         try:
             yield
-        finally:
+        except BaseException as error:
             self._in_group = False
-            self._group_end()
+            try:
+                self._group_failed(error)
+            except Exception as close_error:  # noqa: BLE001 - the error raised inside the group is the one to report
+                deadlines.add_note(error, "closing the collective group afterwards failed too", close_error)
+            raise
+        self._in_group = False
+        self._group_end()
 
     def wait_until(self, done: Callable[[], bool], call: str, flush: int | None = None) -> None:
         """Poll ``done`` (a CUDA stream's or event's ``query``) within the deadline; on a timeout or an error
@@ -72,6 +87,11 @@ class ReduceComm(ABC):
 
     def _group_end(self) -> None:  # noqa: B027 - optional hook
         pass
+
+    def _group_failed(self, error: BaseException) -> None:
+        """Close the group after ``error`` was raised inside it (``error`` is re-raised afterwards whatever this
+        does; what this raises becomes a note on it). By default as ``_group_end``."""
+        self._group_end()
 
     @abstractmethod
     def reduce(self, buf: torch.Tensor, root: int) -> None:
@@ -116,6 +136,26 @@ class ReduceComm(ABC):
         """Release the communicator (at cleanup)."""
 
 
+class _Call(NamedTuple):
+    """One issued call, for its error message (formatted only on failure) and how it is waited for."""
+
+    kind: str
+    peer: int | None  # the root of a reduce, the peer of a send/recv
+    count: int
+    dtype: torch.dtype
+    on_device: bool  # a CUDA tensor (NCCL): ordered on the stream, never waited for on the host per flush
+
+
+class _InFlight(NamedTuple):
+    """A device call ordered on a stream whose completion no sync point has seen yet."""
+
+    work: Any
+    call: _Call
+    index: int  # its place in its group, for the error message
+    calls: int
+    flush: int | None
+
+
 class TorchDistComm(ReduceComm):
     """Through torch.distributed on DeepSpeed's data-parallel process group: gloo on CPU, NCCL on GPU.
 
@@ -128,9 +168,17 @@ class TorchDistComm(ReduceComm):
     go to ``torch.distributed`` directly (the process group is DeepSpeed's; ``deepspeed.comm``'s wrappers add
     about 14 µs per call, and the flush issues one call per owner run).
 
-    Note (bounded waits): every call is issued with async_op=True and waited with Work.wait(timeout): in a
-    group, all of the flush's calls at its end against one deadline; outside a group, at once. A flush
-    therefore fails within the deadline when a peer stalls, instead of DeepSpeed's group timeout.
+    Note (bounded waits): every call is issued with async_op=True. On the host (gloo, CPU tensors) it is waited
+    with Work.wait(timeout): in a group, all of the flush's calls at its end against one deadline; outside a
+    group, at once. A flush therefore fails within the deadline when a peer stalls, instead of DeepSpeed's group
+    timeout. On the device (NCCL, CUDA tensors) ``Work.wait(timeout)`` would block the host until the collective
+    ends, so the autograd thread would stop issuing the backward's kernels and communication would no longer
+    overlap compute: there each work is ordered on the current stream instead (``Work.block_current_stream()``:
+    the stream waits for it, the host never does, whatever ``TORCH_NCCL_BLOCKING_WAIT`` says) and kept in flight;
+    the deadline is enforced where the runtime already waits for the reduce stream (end of backward, bucket
+    growth, cleanup: ``wait_until``), which also polls every work in flight (``is_completed()``, ``exception()``).
+    A stall there fails naming the first unfinished call and its flush, and aborts the process group
+    (``ProcessGroup.abort()``, once) so that no NCCL kernel is left spinning.
 
     Note (send/recv): a group's sends and receives are issued together at its end with ``batch_isend_irecv`` (on
     NCCL one grouped launch, so that two ranks sending to each other cannot block each other; on gloo each is
@@ -139,19 +187,23 @@ class TorchDistComm(ReduceComm):
 
     name = "torch.distributed"
 
-    def __init__(self, process_group: Any) -> None:
-        import deepspeed.comm as dist
-        import torch.distributed as tdist
-
+    def __init__(self, process_group: Any, tdist: Any = None) -> None:
+        """``tdist`` is ``torch.distributed`` (tests pass a fake with the same functions)."""
+        if tdist is None:
+            import torch.distributed as tdist
         self._tdist = tdist
         self._group = process_group
-        super().__init__(dist.get_rank(group=process_group), dist.get_world_size(group=process_group))
-        self._global_rank = [dist.get_global_rank(process_group, r) for r in range(self.world_size)]
+        group = tdist.group.WORLD if process_group is None else process_group
+        world_size = tdist.get_world_size(group=group)
+        super().__init__(tdist.get_rank(group=group), world_size)
+        self._global_rank = [tdist.get_global_rank(group, r) for r in range(world_size)]
         self._sum = tdist.ReduceOp.SUM
         self._no_dispatcher: Any = None
-        self._native_scatter = str(tdist.get_backend(process_group)).lower() != "gloo"  # see reduce_scatter
-        self._works: list[tuple[Any, tuple[str, int | None, int, torch.dtype]]] = []  # issued, not yet waited for
-        self._p2p: list[tuple[Any, tuple[str, int | None, int, torch.dtype]]] = []  # P2POps, issued at group end
+        self._native_scatter = str(tdist.get_backend(group)).lower() != "gloo"  # see reduce_scatter
+        self._works: list[tuple[Any, _Call]] = []  # issued in the open group, not yet waited for or ordered
+        self._p2p: list[tuple[Any, _Call]] = []  # P2POps, issued at group end
+        self._in_flight: list[_InFlight] = []  # device works ordered on a stream, not yet seen complete
+        self.aborted = False
 
     def _group_start(self) -> None:
         self._no_dispatcher = _no_python_dispatcher()
@@ -164,30 +216,47 @@ class TorchDistComm(ReduceComm):
         try:
             if p2p:
                 works += self._issue_p2p(p2p)
-            self._wait(works, flush=self.flush)
+            self._settle(works, flush=self.flush)
+        finally:
+            if context is not None:
+                context.__exit__(None, None, None)
+
+    def _group_failed(self, error: BaseException) -> None:
+        """Nothing more is issued (the hand-off's operations are dropped) or waited for: the job cannot go on, and
+        the error raised inside the group is the one to report. Device works already issued stay in flight, so
+        the next sync point still bounds them (and aborts the group on a timeout)."""
+        works, self._works = self._works, []
+        self._p2p = []
+        context, self._no_dispatcher = self._no_dispatcher, None
+        try:
+            self._in_flight += [_InFlight(work, call, i, len(works), self.flush)
+                                for i, (work, call) in enumerate(works) if work is not None and call.on_device]
+            del works  # gloo's works are released with the Python dispatcher still off (see Note (Python dispatcher))
         finally:
             if context is not None:
                 context.__exit__(None, None, None)
 
     def reduce(self, buf: torch.Tensor, root: int) -> None:
+        call = _Call("reduce", root, buf.numel(), buf.dtype, buf.is_cuda)
         if self._in_group:
             work = self._tdist.reduce(buf, dst=self._global_rank[root], op=self._sum, group=self._group,
                                       async_op=True)
-            self._works.append((work, ("reduce", root, buf.numel(), buf.dtype)))
+            self._works.append((work, call))
             return
         with _no_python_dispatcher():
             work = self._tdist.reduce(buf, dst=self._global_rank[root], op=self._sum, group=self._group,
                                       async_op=True)
-            self._wait([(work, ("reduce", root, buf.numel(), buf.dtype))], flush=self.flush)
+            self._settle([(work, call)], flush=self.flush)
 
     def all_reduce(self, buf: torch.Tensor) -> None:
+        call = _Call("all_reduce", None, buf.numel(), buf.dtype, buf.is_cuda)
         if self._in_group:
             work = self._tdist.all_reduce(buf, op=self._sum, group=self._group, async_op=True)
-            self._works.append((work, ("all_reduce", None, buf.numel(), buf.dtype)))
+            self._works.append((work, call))
             return
         with _no_python_dispatcher():
             work = self._tdist.all_reduce(buf, op=self._sum, group=self._group, async_op=True)
-            self._wait([(work, ("all_reduce", None, buf.numel(), buf.dtype))], flush=self.flush)
+            self._settle([(work, call)], flush=self.flush)
 
     def reduce_scatter(self, buf: torch.Tensor, per_rank: int) -> None:
         """One ``reduce_scatter_tensor``, in place: the output is this rank's own block of the input, as
@@ -204,18 +273,19 @@ class TorchDistComm(ReduceComm):
             return
         self._check_scatter(buf, per_rank)
         out = buf.narrow(0, self.rank * per_rank, per_rank)
-        call = ("reduce_scatter", None, buf.numel(), buf.dtype)
+        call = _Call("reduce_scatter", None, buf.numel(), buf.dtype, buf.is_cuda)
         if self._in_group:
             work = self._tdist.reduce_scatter_tensor(out, buf, op=self._sum, group=self._group, async_op=True)
             self._works.append((work, call))
             return
         with _no_python_dispatcher():
             work = self._tdist.reduce_scatter_tensor(out, buf, op=self._sum, group=self._group, async_op=True)
-            self._wait([(work, call)], flush=self.flush)
+            self._settle([(work, call)], flush=self.flush)
 
-    def _issue_p2p(self, p2p: list[tuple[Any, tuple[str, int | None, int, torch.dtype]]]) -> list[Any]:
+    def _issue_p2p(self, p2p: list[tuple[Any, _Call]]) -> list[tuple[Any, _Call]]:
         """Issue a group's sends and receives together; a failure to issue (gloo: a pair its peer closed) is the one
-        error too, naming the round."""
+        error too, naming the round. gloo returns one work per operation; NCCL coalesces the round into one work,
+        named ``send/recv(count=<the round's elements>, ...)``."""
         try:
             issued = self._tdist.batch_isend_irecv([op for op, _ in p2p])
         except Exception as error:  # noqa: BLE001 - gloo and NCCL raise RuntimeError (or DistBackendError)
@@ -223,7 +293,11 @@ class TorchDistComm(ReduceComm):
                 rank=self.rank, flush=self.flush, call=f"send/recv round ({len(p2p)} operations, first "
                 f"{_call_name(p2p[0][1], 0, 1)})", waited_s=0.0, deadline=self.deadline,
                 reason=f"failed: {type(error).__name__}: {deadlines.first_line(error)}") from error
-        return list(zip(issued, (call for _, call in p2p), strict=True))
+        calls = [call for _, call in p2p]
+        if len(issued) != len(calls):  # one coalesced work for the whole round
+            first = calls[0]
+            calls = [first._replace(kind="send/recv", peer=None, count=sum(c.count for c in calls))] * len(issued)
+        return list(zip(issued, calls, strict=True))
 
     def send(self, buf: torch.Tensor, peer: int) -> None:
         self._point_to_point(self._tdist.isend, "send", buf, peer)
@@ -233,12 +307,12 @@ class TorchDistComm(ReduceComm):
 
     def _point_to_point(self, fn: Any, name: str, buf: torch.Tensor, peer: int) -> None:
         op = self._tdist.P2POp(fn, buf, self._global_rank[peer], group=self._group)
-        call = (name, peer, buf.numel(), buf.dtype)
+        call = _Call(name, peer, buf.numel(), buf.dtype, buf.is_cuda)
         if self._in_group:
             self._p2p.append((op, call))
             return
         with _no_python_dispatcher():
-            self._wait(self._issue_p2p([(op, call)]), flush=self.flush)
+            self._settle(self._issue_p2p([(op, call)]), flush=self.flush)
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         from deepspeed.accelerator import get_accelerator
@@ -247,22 +321,91 @@ class TorchDistComm(ReduceComm):
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
         with _no_python_dispatcher():
             work = self._tdist.all_gather(gathered, local, group=self._group, async_op=True)
-            self._wait([(work, ("all_gather", None, local.numel(), local.dtype))], flush=None)
+            self._settle([(work, _Call("all_gather", None, local.numel(), local.dtype, local.is_cuda))], flush=None)
+        if local.is_cuda:  # the values are read on the host next: wait for them, within the deadline
+            self.wait_until(lambda: True, "all_gather_ints", flush=None)
         return [g.tolist() for g in gathered]
 
-    def _wait(self, works: list[tuple[Any, tuple[str, int | None, int, torch.dtype]]], flush: int | None) -> None:
-        """Wait for ``works`` in issue order, all within one deadline from now (Python dispatcher already off)."""
+    def close(self) -> None:
+        """The runtime's cleanup has waited for the reduce stream (and so for every work in flight) already."""
+        self._in_flight.clear()
+
+    # ---- waiting --------------------------------------------------------------------------------------------
+
+    def _settle(self, works: list[tuple[Any, _Call]], flush: int | None) -> None:
+        """Host works (gloo): wait for them in issue order, all within one deadline from now. Device works (NCCL):
+        order them on the current stream and keep them in flight; see Note (bounded waits). The Python
+        dispatcher is already off."""
         started = time.monotonic()
         for i, (work, call) in enumerate(works):
             if work is None:  # a rank outside the group (not ours: every rank of the group calls)
                 continue
+            if call.on_device:
+                work.block_current_stream()  # returns at once: the stream waits, not the host
+                self._in_flight.append(_InFlight(work, call, i, len(works), flush))
+                continue
             deadlines.wait_work(work, deadline=self.deadline, started=started, rank=self.rank, flush=flush,
                                 call=lambda call=call, i=i: _call_name(call, i, len(works)))
 
+    def wait_until(self, done: Callable[[], bool], call: str, flush: int | None = None) -> None:
+        """As ``ReduceComm.wait_until``, and also until every device work in flight has completed: the error then
+        names the flush and the call still unfinished (``end_backward, waiting for all_reduce(...)``)."""
+        in_flight = self._in_flight
+        if not in_flight:
+            super().wait_until(done, call, flush)
+            return
+        reported = in_flight[0].flush if flush is None else flush  # the oldest flush still in flight
+        deadlines.poll_until_done(lambda: self._works_done() and done(), deadline=self.deadline, rank=self.rank,
+                                  flush=reported, call=lambda: self._waiting_for(call, reported),
+                                  check_error=self._async_error, abort=self._abort)
 
-def _call_name(call: tuple[str, int | None, int, torch.dtype], index: int, calls: int) -> str:
+    def _works_done(self) -> bool:
+        """Forget the works in flight that completed (in issue order); True when none is left. A work that failed
+        stays, for ``_async_error`` to report."""
+        in_flight = self._in_flight
+        done = 0
+        for entry in in_flight:
+            if not entry.work.is_completed() or entry.work.exception() is not None:
+                break
+            done += 1
+        del in_flight[:done]
+        return not in_flight
+
+    def _async_error(self) -> str | None:
+        """A device work in flight that completed with an error (NCCL's, as torch reports it), named."""
+        for entry in self._in_flight:
+            if entry.work.is_completed():
+                error = entry.work.exception()
+                if error is not None:
+                    return (f"{_in_flight_name(entry, None)}: {type(error).__name__}: "
+                            f"{deadlines.first_line(error)}")
+        return None
+
+    def _waiting_for(self, call: str, flush: int | None) -> str:
+        """``end_backward, waiting for all_reduce(count=8, dtype=float32) (call 2 of 3)``: formatted on failure."""
+        pending = next((e for e in self._in_flight if not e.work.is_completed()), None)
+        return call if pending is None else f"{call}, waiting for {_in_flight_name(pending, flush)}"
+
+    def _abort(self) -> None:
+        """After a failed wait on device works: abort the process group (once), so that its NCCL kernels stop."""
+        self._in_flight.clear()
+        if self.aborted:
+            return
+        self.aborted = True
+        abort = getattr(self._group if self._group is not None else self._tdist.group.WORLD, "abort", None)
+        if abort is not None:
+            abort()
+
+
+def _in_flight_name(entry: _InFlight, reported_flush: int | None) -> str:
+    """The call's name, and its flush where the error names another one (or none)."""
+    name = _call_name(entry.call, entry.index, entry.calls)
+    return name if entry.flush is None or entry.flush == reported_flush else f"{name} of flush #{entry.flush}"
+
+
+def _call_name(call: _Call, index: int, calls: int) -> str:
     """``reduce(root=1, count=143, dtype=float32) (call 1 of 4)``: formatted only for an error."""
-    kind, root, count, dtype = call
+    kind, root, count, dtype, _ = call
     who = "" if root is None else f"{'peer' if kind in ('send', 'recv') else 'root'}={root}, "
     name = f"{kind}({who}count={count}, dtype={str(dtype).removeprefix('torch.')})"
     return name if calls == 1 else f"{name} (call {index + 1} of {calls})"

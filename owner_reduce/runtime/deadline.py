@@ -101,14 +101,15 @@ def from_environment(environ: Mapping[str, str] | None = None) -> Deadline:
     return resolve(env.get(ENV_VAR), default_group_timeout_s())
 
 
-def poll_until_done(done: Callable[[], bool], *, deadline: Deadline, rank: int, flush: int | None, call: str,
-                    check_error: Callable[[], str | None] = lambda: None, abort: Callable[[], None] = lambda: None,
-                    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> float:
+def poll_until_done(done: Callable[[], bool], *, deadline: Deadline, rank: int, flush: int | None,
+                    call: str | Callable[[], str], check_error: Callable[[], str | None] = lambda: None,
+                    abort: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic,
+                    sleep: Callable[[float], None] = time.sleep) -> float:
     """Poll ``done`` (a CUDA event's or stream's ``query``) until it is true; return the seconds waited.
 
     Between polls ``check_error`` (``ncclCommGetAsyncError``) may report an error. On an error or when the
-    deadline passes, ``abort`` runs (once, here) and ``OwnerReduceCommError`` is raised. Already done costs
-    one call of ``done``.
+    deadline passes, ``abort`` runs (once, here) and ``OwnerReduceCommError`` is raised, naming ``call`` (a
+    function: the name is formatted then, before the abort). Already done costs one call of ``done``.
     """
     if done():
         return 0.0
@@ -120,11 +121,12 @@ def poll_until_done(done: Callable[[], bool], *, deadline: Deadline, rank: int, 
         waited = clock() - start
         if error is not None or waited >= deadline.seconds:
             reason = "timed out" if error is None else f"failed: {error}"
+            name = call() if callable(call) else call
             try:
                 abort()
             except Exception as abort_error:  # noqa: BLE001 - the wait's failure is the one to report
                 reason += f" (and aborting the communicator failed: {type(abort_error).__name__}: {abort_error})"
-            raise OwnerReduceCommError(rank=rank, flush=flush, call=call, waited_s=waited, deadline=deadline,
+            raise OwnerReduceCommError(rank=rank, flush=flush, call=name, waited_s=waited, deadline=deadline,
                                        reason=reason)
         polls += 1
         if polls > _SPINS:
@@ -138,6 +140,12 @@ def first_line(error: BaseException) -> str:
     """What an error says, in one line (its first), or its type's name when it says nothing."""
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def add_note(error: BaseException, what: str, cause: BaseException) -> None:
+    """Record on ``error`` (the one being raised) that ``what`` failed too, with ``cause``'s first line: a later
+    failure on the error path never replaces the first error."""
+    error.add_note(f"owner_reduce: {what}: {type(cause).__name__}: {first_line(cause)}")
 
 
 def wait_work(work: Any, *, deadline: Deadline, started: float, rank: int, flush: int | None,

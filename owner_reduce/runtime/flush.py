@@ -8,7 +8,8 @@ cost model's choice for that flush (``planning.flush_choice``): for an owner-ord
 Note (two groups for a hand-off): a hand-off moves pieces of the ReduceScatter's output, so it must start after
 the ReduceScatter has finished writing them, and its receives must not land in a buffer the ReduceScatter still
 reads. NCCL may run the operations of one group concurrently; the hand-off is therefore a second group, issued
-after the first on the same stream (cupy: stream order; torch.distributed: the first group's works are waited).
+after the first on the same stream (on the GPU: stream order, torch.distributed's works being ordered on the
+stream too; on gloo: the first group's works are waited).
 
 Note (flush plan cache): a graph's buckets hold the same gradients in the same order every step, so the plan and
 the copy-out list are computed once per distinct bucket content and reused: for an owner-ordered flush, the

@@ -27,6 +27,7 @@ from ..planning.wording import count_noun
 from .accumulate import Accumulator
 from .buckets import DoubleBufferedBuckets
 from .comm import ReduceComm
+from .deadline import add_note
 from .flush import Flusher, Param
 from .placement import GradPlacer
 from .schedule import Schedule
@@ -157,10 +158,21 @@ class OwnerReduceRuntime:
         self._graphs.clear()
 
     def cleanup(self) -> None:
+        """Wait for the reduce stream (bounded), then release everything and hand DeepCompile's handle back.
+
+        Note (cleanup always releases): DeepSpeed calls this once (``engine.destroy()``); whatever fails here, the
+        release still runs to its end, ``on_cleanup`` included, so that a later engine in this process can start,
+        and the first error (the bounded wait's, typically) is the one raised; a later one is a note on it.
+        """
         try:
             self._sync_streams("cleanup")  # nothing in flight may still read the buckets or the communicator
-        finally:
-            self._release()
+        except BaseException as error:
+            try:
+                self._release()
+            except Exception as release_error:  # noqa: BLE001 - the wait's error is the one to report
+                add_note(error, "releasing the runtime failed too", release_error)
+            raise
+        self._release()
 
     def __getattr__(self, name: str) -> Any:
         # Called only for names not defined above: a handle method this runtime does not provide.
@@ -284,6 +296,10 @@ class OwnerReduceRuntime:
         emit(line)
 
     def _release(self) -> None:
+        """Drop every reference, close the communicator, hand the handle back (``on_cleanup``). ``comm.close()``
+        waits within the deadline and may raise: the handle is handed back all the same, and that error is the one
+        raised (see Note (cleanup always releases))."""
+        comm, self.comm, self.flusher.comm = self.comm, None, None
         self.reset()
         self._accumulator.clear()
         self._params.clear()
@@ -292,11 +308,19 @@ class OwnerReduceRuntime:
         self.flusher.forget_plans()
         if self.placer is not None:
             self.placer.clear()
-        if self.comm is not None:
-            self.comm.close()
-            self.comm = None
-            self.flusher.comm = None
         self._profiling = False
+        try:
+            if comm is not None:
+                comm.close()
+        except BaseException as error:
+            try:
+                self._hand_back()
+            except Exception as hand_back_error:  # noqa: BLE001 - the close's error is the one to report
+                add_note(error, "handing DeepCompile's handle back failed too", hand_back_error)
+            raise
+        self._hand_back()
+
+    def _hand_back(self) -> None:
         if self.on_cleanup is not None:
             self.on_cleanup()
 

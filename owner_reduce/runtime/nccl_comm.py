@@ -30,11 +30,26 @@ failed NCCL call or a call that raises inside a group, this rank aborts the comm
 (``ncclCommAbort``, at most once; never ``ncclCommDestroy``, which waits for work the peers never finish).
 Peers then see a connection error where NCCL's transport reports one (network), or reach their own deadline.
 
+Note (abort inside a group): never between ``ncclGroupStart`` and ``ncclGroupEnd``. A call enqueued in a group
+links the communicator into the thread's group; ``ncclCommAbort`` frees it (NCCL 2.21: at once; 2.28: as a job
+that ``ncclGroupEnd`` runs before it launches the group, or drops when the group failed), so the group end would
+walk freed memory (a crash instead of this package's error) or never abort. So a failure inside a group only
+asks for the abort (``_abort`` defers it while the group is open); the group is ended first (``ncclGroupEnd``;
+after a failed enqueue NCCL reports that error again there and launches nothing, which is only noted on the
+first error), then the communicator is aborted, once, and the first error is the one raised. ``ncclGroupStart``
+only counts the nesting in NCCL; a failure to call it leaves no group open, so it aborts at once.
+
 Note (DLPack views): each buffer a collective is given a view of (in the flush: a bucket buffer) reaches cupy
-once, through DLPack (``cupy.from_dlpack``); its device, dtype and NCCL dtype are checked and resolved then,
-and every later call on a view of it only adds the view's element offset to the cached pointer. The cache
-holds the buffer alive until ``release_buffers()`` (the runtime calls it when it releases its buckets) or
-``close()``.
+once, through DLPack; its device, dtype and NCCL dtype are checked and resolved then, and every later call on a
+view of it only adds the view's element offset to the cached pointer. The cache holds the buffer alive until
+``release_buffers()`` (the runtime calls it when it releases its buckets) or ``close()``. The capsule is made
+with ``__dlpack__(stream=-1)``, "no synchronization", and handed to ``cupy.from_dlpack`` as is: given the
+tensor, cupy would pass its current stream (the legacy default stream) and torch would record an event on its
+own current stream (the reduce stream, in a flush) and make the default stream wait for it, so the backward's
+compute would wait for the previous flush's collectives whenever views are made (every step where the buckets
+are released). None is needed: cupy never touches the memory on a stream of its own, every collective on it
+is issued on a torch stream ordered after the current stream at call time (Note (stream)), and a view is reused
+by every later flush, so a synchronization when it is made could order only its first use anyway.
 
 Note (init can block): ``ncclCommInitRank`` waits for every rank. ``comm_select`` agrees on every local
 precondition before any rank calls it, so a rank that cannot even try never leaves the others waiting.
@@ -49,6 +64,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import deadline as deadlines
 from .comm import ReduceComm
 
 UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId)
@@ -205,6 +221,8 @@ class CupyNcclComm(ReduceComm):
             raise ValueError(f"owner_reduce: rank {rank} outside 0..{world_size - 1}")
         self.stream = stream
         self._calls_in_group = 0
+        self._group_open = False  # between ncclGroupStart and ncclGroupEnd
+        self._abort_pending = False  # asked for inside the open group: see Note (abort inside a group)
         self._comm: Any = None
         self.aborted = False
         self._views: dict[int, _BufferView] = {}  # id(buffer) -> its DLPack view (the view keeps it alive)
@@ -316,13 +334,14 @@ class CupyNcclComm(ReduceComm):
 
     @contextlib.contextmanager
     def group(self, flush: int | None = None) -> Iterator[None]:
-        """As ``ReduceComm.group``; when anything raises inside it, this rank aborts the communicator, so it
-        never leaves its peers inside a half-issued group."""
+        """As ``ReduceComm.group``; when anything raises inside it, the group is ended, then this rank aborts the
+        communicator, so it never leaves its peers inside a half-issued group, and the first error is the one
+        raised (see Note (abort inside a group))."""
         try:
             with super().group(flush):
                 yield
-        except BaseException:
-            self._abort()
+        except BaseException as error:
+            self._abort_noting(error)  # the base class has ended the group by now
             raise
 
     def _async_error(self) -> str | None:
@@ -336,26 +355,47 @@ class CupyNcclComm(ReduceComm):
         return None
 
     def _abort(self) -> None:
+        """ncclCommAbort, at most once; inside an open group only asked for, done when the group has ended."""
+        if self._group_open:
+            self._abort_pending = True
+            return
         comm, self._comm = self._comm, None
         if comm is not None:
             self.aborted = True
             comm.abort()  # ncclCommAbort: returns without waiting for peers; cupy forgets the handle
 
+    def _abort_noting(self, error: BaseException) -> None:
+        """Abort on the way out of ``error``; if the abort fails too, that is a note on ``error``, not the error."""
+        try:
+            self._abort()
+        except Exception as abort_error:  # noqa: BLE001 - the first error is the one to report
+            deadlines.add_note(error, "aborting the NCCL communicator failed too", abort_error)
+
     # ---- group hooks ---------------------------------------------------------------------------------------
 
     def _group_start(self) -> None:
         self._calls_in_group = 0
-        try:
-            self._wait_current(self._stream())
-            self._call("groupStart", _nccl().groupStart)
-        except BaseException:
-            self._in_group = False  # the base class opens its try only after this hook returns
-            raise
+        self._wait_current(self._stream())
+        self._call("groupStart", _nccl().groupStart)  # no group is open if it fails: that aborts at once
+        self._group_open = True
 
     def _group_end(self) -> None:
         calls, self._calls_in_group = self._calls_in_group, 0
-        self._call(f"groupEnd ({calls} calls)", _nccl().groupEnd)
+        self._group_open = False
+        pending, self._abort_pending = self._abort_pending, False
+        self._call(f"groupEnd ({calls} calls)", _nccl().groupEnd)  # a failure aborts: the group is ended by then
+        if pending:  # a call failed inside the group and its error was swallowed there: abort now
+            self._abort()
         self._current_waits_for(self._stream())
+
+    def _group_failed(self, error: BaseException) -> None:
+        """End the NCCL group after a failure inside it; ``group()`` aborts next. A failing ``ncclGroupEnd`` (NCCL
+        reports a failed enqueue again there) raises here and becomes a note on ``error``."""
+        self._calls_in_group = 0
+        self._abort_pending = False  # group() aborts anyway
+        if self._group_open:
+            self._group_open = False
+            _nccl().groupEnd()
 
     # ---- helpers -------------------------------------------------------------------------------------------
 
@@ -385,8 +425,9 @@ class CupyNcclComm(ReduceComm):
             raise ValueError(f"owner_reduce NCCL {what}: buffer on {base.device}, communicator on cuda:{self.device}")
         dtype = nccl_dtype(base.dtype)
         try:
-            # As bytes: cupy has no bfloat16, and NCCL takes its data type from the torch dtype anyway.
-            array = self._cupy.from_dlpack(base.detach().view(torch.uint8))
+            # As bytes: cupy has no bfloat16, and NCCL takes its data type from the torch dtype anyway. The capsule
+            # asks for no stream synchronization: see Note (DLPack views).
+            array = self._cupy.from_dlpack(base.detach().view(torch.uint8).__dlpack__(stream=-1))
         except Exception as error:  # noqa: BLE001 - named with the call and rank
             raise failure(f"{what}: DLPack view of the buffer", self.rank, error) from error
         if array.device.id != self.device:
@@ -433,12 +474,14 @@ class CupyNcclComm(ReduceComm):
         try:
             return fn()
         except Exception as error:  # noqa: BLE001 - NcclError, CUDARuntimeError: re-raised with rank and call
-            self._abort()  # a failed NCCL call leaves the peers waiting in it: stop this rank's side
-            raise failure(f"{name}({args}count={count}, dtype={_dtype_name(dtype)})", self.rank, error) from error
+            raised = failure(f"{name}({args}count={count}, dtype={_dtype_name(dtype)})", self.rank, error)
+            self._abort_noting(raised)  # peers wait in the failed call: stop this rank's side (after the group)
+            raise raised from error
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
         except Exception as error:  # noqa: BLE001 - NcclError, CUDARuntimeError: re-raised with rank and call
-            self._abort()  # a failed NCCL call leaves the peers waiting in it: stop this rank's side
-            raise failure(what, self.rank, error) from error
+            raised = failure(what, self.rank, error)
+            self._abort_noting(raised)  # peers wait in the failed call: stop this rank's side (after the group)
+            raise raised from error
