@@ -52,6 +52,7 @@ class TrainSpec:
     # Load checkpoint_dir after engine.compile() and before the first forward, as a user resuming does, then train
     # from the checkpoint's step to ``steps`` on the batches an uninterrupted run would see; losses start there.
     resume: bool = False
+    reuse_graph_ids: bool = False  # rank 0 reuses its graph ids after a recompile, other ranks never (graph_ids.py)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -181,6 +182,10 @@ def train(rank: int, world_size: int, spec: TrainSpec,
         from .faults import inject
 
         inject(spec.inject_fault, world_size)
+    if spec.reuse_graph_ids:
+        from .graph_ids import reuse_graph_ids
+
+        reuse_graph_ids(rank)
     if spec.flush_algo is not None:
         os.environ["OWNER_REDUCE_FLUSH_ALGO"] = spec.flush_algo
     model, batch = _model_and_batches(spec, rank)
