@@ -168,7 +168,7 @@ class ExchangeWorld:
 
     Timeouts: a rank waits at most ``timeout_s`` for its peers, and not at all for a peer that already finished
     without joining: ``ExchangeTimeout`` names the missing rank(s) and the call, so a divergent test fails in
-    seconds instead of hanging.
+    seconds instead of hanging. After a failed ``run`` the world is spent: make a new one.
     """
 
     def __init__(self, world_size: int, timeout_s: float = 10.0) -> None:
@@ -259,7 +259,7 @@ class ExchangeWorld:
         with self._cond:
             slot = self._slots.setdefault(seq, _Slot())
             slot.posts[rank] = (call, payload)
-            if len(slot.posts) == self.world_size:
+            if len(slot.posts) == self.world_size and slot.error is None:  # else a rank gave up on it already
                 try:
                     slot.done = True
                     self._compute(seq, slot)

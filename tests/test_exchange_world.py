@@ -157,3 +157,58 @@ def test_receive_and_send_of_different_sizes_and_an_unreceived_send_are_mismatch
     world = ExchangeWorld(2, timeout_s=5)
     with pytest.raises(ExchangeMismatch, match=r"never received: rank 0's send #1 to rank 1 \(4 elements of float32\)"):
         world.run(lambda rank: world.comm(0).send(_data(0, 4), 1) if rank == 0 else None)
+
+
+# ---- the runtime over an ExchangeWorld: a hand-off with different data per rank -------------------------------------
+
+NUMELS_3 = [7, 5, 9, 4, 6, 3]  # flat over 3 partitions of 12; a bucket of 12 cuts flushes across partitions
+
+
+def _handoff_steps(world, steps=3):
+    """Three ranks, the hand-off forced, each rank its own gradients; returns the runtimes after ``steps`` backwards
+    and whether every kept grad buffer held the true reduced gradient after every step."""
+    from fakes import exchange_runtimes, flat_map
+
+    ids = [11, 22, 33]
+    runtimes = exchange_runtimes(world, flat_map(NUMELS_3, 3), ids, algo="handoff", bucket=12)
+    exact = True
+    for step in range(steps):
+        def grads(rank, step=step):
+            return {pid: torch.arange(n, dtype=torch.float32) * (rank + 1) + 10 * pid + 100 * step
+                    for pid, n in enumerate(NUMELS_3)}
+
+        def backward(rank):
+            rt, g = runtimes[rank], grads(rank)
+            rt.start_backward(True)
+            for pid in reversed(range(len(NUMELS_3))):
+                rt.reduce_grad(g[pid], ids[rank], pid)
+            rt.end_backward(ids[rank], False)
+
+        world.run(backward)
+        for rt in runtimes:
+            for pid, p in rt._params.items():
+                kept = p.grad_buffer
+                if kept.numel():
+                    true = sum(grads(q)[pid] / 3 for q in range(3))[p.offset:p.offset + kept.numel()]
+                    exact &= bool(torch.allclose(kept, true))
+    return runtimes, exact
+
+
+def test_a_forced_handoff_between_three_exchanging_ranks_gives_every_keeper_the_true_sum():
+    world = ExchangeWorld(3, timeout_s=10)
+    runtimes, exact = _handoff_steps(world)
+    assert exact
+    assert all(rt.stats.handoff_rounds > 0 and rt.stats.sends + rt.stats.recvs > 0 for rt in runtimes)
+
+
+def test_negative_control_a_handoff_piece_sent_to_the_wrong_rank_shows_as_wrong_gradients(monkeypatch):
+    """Every rank agrees on the misrouted transfer (it is in the shared layout), so the calls match; the true owner
+    never receives that piece and keeps its ReduceScatter's NaN there."""
+    import owner_reduce.runtime.placement as placement
+    from owner_reduce.harness.faults import break_layout
+
+    original = placement.plan_owner_layout
+    monkeypatch.setattr(placement, "plan_owner_layout",
+                        lambda *a, **k: break_layout(original(*a, **k), "handoff_wrong_owner", 3))
+    runtimes, exact = _handoff_steps(ExchangeWorld(3, timeout_s=10))
+    assert runtimes[0].stats.handoff_rounds > 0 and not exact

@@ -163,7 +163,8 @@ class OwnerReduceRuntime:
         made for them) is therefore forgotten here, on every rank alike, so that every rank starts over and learns its
         schedules from the same arrival-order backward; otherwise a rank whose new graph reused an address would follow
         the old graph's schedule while another records in arrival order: other collectives, or the same collectives
-        over differently laid out buckets. Registering a graph forgets the same for its id (``_register_graph``).
+        over differently laid out buckets. Registering a graph forgets its id's schedule and number
+        (``_register_graph``); cached plans are keyed by the schedule objects they were made for, never by a graph id.
         Buckets and accumulation are kept, as the native runtime keeps its buckets: they are not per graph.
         """
         self.stats.resets += 1
@@ -278,7 +279,7 @@ class OwnerReduceRuntime:
         """Rank 0, the first time a graph learns its schedule: what each flush will run, and what the cost model
         says it saves against the native runtime's one AllReduce per gradient; e.g. ``[dc-schedule][r0] graph #1:
         3 flushes per backward: reduce_scatter+handoff x2, allreduce x1; modelled 0.41x the native reduction
-        (...)``. Graphs are numbered in the order they first learn a schedule."""
+        (...)``. Graphs are numbered in the order they first learn a schedule, from 1 again after a reset."""
         if self.comm is None or self.comm.rank != 0 or schedule.graph_id in self._learned_graphs:
             return
         self._graph_numbers += 1
