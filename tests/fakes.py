@@ -1,8 +1,18 @@
-"""In-process stand-ins for the communicator seam (no processes): unit tests of the runtime's bookkeeping."""
+"""In-process stand-ins for the communicator seam (no processes): unit tests of the runtime's bookkeeping.
+
+``MirrorComm``: one rank of a world whose ranks all hold the same data (cheap, one runtime, cannot see ranks diverge).
+``ExchangeWorld``: n ranks in one process, each on its own thread, whose collectives really exchange data and are
+checked call by call across ranks: for anything where ranks may differ (graph ids, schedules, hand-off, timings).
+"""
 
 from __future__ import annotations
 
+import threading
+import time
 import types
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -85,6 +95,339 @@ class MirrorComm(ReduceComm):
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         return self.gathered_rows if self.gathered_rows is not None else [list(values)] * self.world_size
+
+
+# ---- n ranks that really exchange data ----------------------------------------------------------------------------
+
+class ExchangeMismatch(AssertionError):
+    """Ranks disagreed on a collective (kind, count, dtype, root, per-rank block) or on a send/recv pair (count,
+    dtype), or a send was never received: what NCCL would hang on or silently compute garbage from."""
+
+
+class ExchangeTimeout(AssertionError):
+    """A rank did not join a call within the world's timeout, or finished (returned or raised) without joining it.
+    ``peer_failed``: the wait ended because a peer raised first (a consequence, not the cause)."""
+
+    def __init__(self, message: str, peer_failed: bool = False) -> None:
+        super().__init__(message)
+        self.peer_failed = peer_failed
+
+
+class ExchangeCall(NamedTuple):
+    """One rank's side of a call: what must agree across ranks (``root``: reduce's root, reduce_scatter's block
+    size, send/recv's peer)."""
+
+    kind: str
+    count: int
+    dtype: Any
+    root: int | None = None
+
+    def __str__(self) -> str:
+        who = "" if self.root is None else {"reduce": "root", "reduce_scatter": "per_rank"}.get(self.kind, "peer")
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{self.kind}({'' if not who else f'{who}={self.root}, '}count={self.count}, dtype={dtype})"
+
+
+class _Slot:
+    """The calls of every rank at one sequence number."""
+
+    __slots__ = ("posts", "error", "done", "taken")
+
+    def __init__(self) -> None:
+        self.posts: dict[int, tuple[ExchangeCall, Any]] = {}
+        self.error: BaseException | None = None
+        self.done = False
+        self.taken = 0
+
+
+class ExchangeWorld:
+    """``world_size`` ranks in this process whose collectives really exchange data, so that ranks that diverge
+    (different graph ids, schedules, hand-offs, measured choices) show as a mismatch or as wrong numbers.
+
+    Use::
+
+        world = ExchangeWorld(2)
+        runtimes = world.run(lambda rank: make_runtime(rank, comm=world.comm(rank)))  # init's all_gather exchanges
+        world.run(lambda rank: backward(runtimes[rank], grads[rank]))
+
+    ``run(fn)`` calls ``fn(rank)`` for every rank, each on its own thread, and returns the results by rank; it
+    raises the first failure (a cause rather than a peer's consequence; the other ranks' errors are attached as
+    notes). ``comm(rank)`` is rank ``rank``'s ``ExchangeComm`` (a ``ReduceComm``; ``calls`` records
+    ``(kind, root or peer, count)`` as ``MirrorComm`` does).
+
+    Matching: the n-th collective of every rank (reduce, all_reduce, reduce_scatter, all_gather_ints) is one call and
+    must agree in kind, count, dtype and root (reduce) or block size (reduce_scatter); else every rank raises
+    ``ExchangeMismatch`` naming the call number and each rank's call. Sends and receives are matched per (sender,
+    receiver) pair in order, and must agree in count and dtype; inside a group a rank's sends are posted at the
+    group's end, before its receives wait (NCCL's grouped launch lets two ranks exchange). A send never received is
+    a mismatch when ``run`` ends.
+
+    Results, computed for real in rank order (every rank gets the same bits): all_reduce sums; reduce sums into the
+    root, other ranks' buffers become NaN (undefined in NCCL); reduce_scatter sums each rank's block into that rank's
+    buffer, the rest becomes NaN; recv copies what the peer sent.
+
+    Timeouts: a rank waits at most ``timeout_s`` for its peers, and not at all for a peer that already finished
+    without joining: ``ExchangeTimeout`` names the missing rank(s) and the call, so a divergent test fails in
+    seconds instead of hanging. After a failed ``run`` the world is spent: make a new one.
+    """
+
+    def __init__(self, world_size: int, timeout_s: float = 10.0) -> None:
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._slots: dict[int, _Slot] = {}
+        self._mail: dict[tuple[int, int], deque[tuple[int, torch.Tensor]]] = {}  # (src, dst) -> (send number, data)
+        self._finished: dict[int, str] = {}  # rank -> "returned" or "raised ..." (during run)
+        self._comms = [ExchangeComm(self, r) for r in range(world_size)]
+
+    def comm(self, rank: int) -> ExchangeComm:
+        return self._comms[rank]
+
+    @property
+    def comms(self) -> list[ExchangeComm]:
+        return list(self._comms)
+
+    # ---- running ranks ---------------------------------------------------------------------------------------
+
+    def run(self, fn: Callable[[int], Any], timeout_s: float | None = None) -> list[Any]:
+        """``fn(rank)`` on one thread per rank; the results by rank, or the first failure raised."""
+        results: list[Any] = [None] * self.world_size
+        errors: dict[int, BaseException] = {}
+        with self._cond:
+            self._finished = {}
+
+        def main(rank: int) -> None:
+            try:
+                results[rank] = fn(rank)
+                outcome = "returned"
+            except BaseException as error:  # noqa: BLE001 - reported by run()
+                errors[rank] = error
+                outcome = f"raised {type(error).__name__}"
+            with self._cond:
+                self._finished[rank] = outcome
+                self._cond.notify_all()
+
+        threads = [threading.Thread(target=main, args=(r,), name=f"exchange-rank-{r}", daemon=True)
+                   for r in range(self.world_size)]
+        for t in threads:
+            t.start()
+        limit = time.monotonic() + (timeout_s if timeout_s is not None else 6 * self.timeout_s)
+        for r, t in enumerate(threads):
+            t.join(max(0.0, limit - time.monotonic()))
+            if t.is_alive():
+                raise ExchangeTimeout(f"ExchangeWorld.run: rank {r} still running after "
+                                      f"{timeout_s if timeout_s is not None else 6 * self.timeout_s:g} s")
+        if errors:
+            causes = [r for r in sorted(errors) if not getattr(errors[r], "peer_failed", False)] or sorted(errors)
+            first = errors[causes[0]]
+            first.add_note(f"(ExchangeWorld: raised on rank {causes[0]})")
+            for r in sorted(errors):
+                if r != causes[0]:
+                    first.add_note(f"rank {r}: {type(errors[r]).__name__}: {errors[r]}")
+            raise first
+        self._check_mail_drained()
+        return results
+
+    def _check_mail_drained(self) -> None:
+        with self._cond:
+            left = [(src, dst, n, t) for (src, dst), q in self._mail.items() for n, t in q]
+            self._mail.clear()
+        if left:
+            raise ExchangeMismatch("sends never received: " + "; ".join(
+                f"rank {src}'s send #{n} to rank {dst} ({t.numel()} elements of {str(t.dtype).removeprefix('torch.')})"
+                for src, dst, n, t in left))
+
+    # ---- waiting -----------------------------------------------------------------------------------------
+
+    def _wait(self, ready: Callable[[], bool], missing: Callable[[], list[int]], rank: int, what: str) -> None:
+        """Wait (holding the condition) until ``ready()``; fail fast on a peer that finished, else at the timeout."""
+        limit = time.monotonic() + self.timeout_s
+        while not ready():
+            gone = {r: self._finished[r] for r in missing() if r in self._finished}
+            if gone:
+                raise ExchangeTimeout(f"rank {rank}, {what}: " + ", ".join(f"rank {r} {how}" for r, how in gone.items())
+                                      + " without joining it", peer_failed=any(h != "returned" for h in gone.values()))
+            remaining = limit - time.monotonic()
+            if remaining <= 0:
+                raise ExchangeTimeout(f"rank {rank}, {what}: rank(s) {missing()} did not join within "
+                                      f"{self.timeout_s:g} s")
+            self._cond.wait(min(remaining, 0.05))
+
+    # ---- collectives -------------------------------------------------------------------------------------
+
+    def _collective(self, rank: int, seq: int, call: ExchangeCall, payload: Any) -> Any:
+        with self._cond:
+            slot = self._slots.setdefault(seq, _Slot())
+            slot.posts[rank] = (call, payload)
+            if len(slot.posts) == self.world_size and slot.error is None:  # else a rank gave up on it already
+                try:
+                    slot.done = True
+                    self._compute(seq, slot)
+                except BaseException as error:  # noqa: BLE001 - every rank raises it
+                    slot.error = error
+                self._cond.notify_all()
+            try:
+                if slot.error is None:
+                    self._wait(lambda: slot.done or slot.error is not None,
+                               lambda: sorted(set(range(self.world_size)) - set(slot.posts)), rank,
+                               f"call #{seq + 1} {call}")
+            except ExchangeTimeout as error:
+                slot.error = error  # ranks that arrive later raise it too
+                self._cond.notify_all()
+                raise
+            finally:
+                slot.taken += 1
+                if slot.taken == self.world_size:
+                    del self._slots[seq]
+            if slot.error is not None:
+                _raise_copy(slot.error, rank)
+            return slot.posts[rank][1]
+
+    def _compute(self, seq: int, slot: _Slot) -> None:
+        calls = {r: c for r, (c, _) in sorted(slot.posts.items())}
+        if len(set(calls.values())) > 1:
+            raise ExchangeMismatch(f"call #{seq + 1} differs across ranks: "
+                                   + "; ".join(f"rank {r}: {c}" for r, c in calls.items()))
+        kind = calls[0].kind
+        data = [slot.posts[r][1] for r in range(self.world_size)]
+        if kind == "all_gather_ints":
+            rows = [list(values) for values in data]
+            for r in range(self.world_size):
+                slot.posts[r] = (calls[r], [list(row) for row in rows])
+            return
+        total = data[0].clone()
+        for buf in data[1:]:
+            total += buf
+        if kind == "all_reduce":
+            for buf in data:
+                buf.copy_(total)
+        elif kind == "reduce":
+            root = calls[0].root
+            for r, buf in enumerate(data):
+                if r == root:
+                    buf.copy_(total)
+                else:
+                    buf.fill_(float("nan"))
+        elif kind == "reduce_scatter":
+            per_rank = calls[0].root
+            for r, buf in enumerate(data):
+                block = total[r * per_rank:(r + 1) * per_rank].clone()
+                buf.fill_(float("nan"))
+                buf[r * per_rank:(r + 1) * per_rank] = block
+        else:
+            raise ValueError(f"ExchangeWorld: unknown collective {kind}")
+
+    # ---- sends and receives ------------------------------------------------------------------------------
+
+    def _send(self, src: int, dst: int, number: int, buf: torch.Tensor) -> None:
+        with self._cond:
+            self._mail.setdefault((src, dst), deque()).append((number, buf.detach().clone()))
+            self._cond.notify_all()
+
+    def _recv(self, dst: int, src: int, number: int, buf: torch.Tensor) -> None:
+        mine = ExchangeCall("recv", buf.numel(), buf.dtype, src)
+        with self._cond:
+            box = self._mail.setdefault((src, dst), deque())
+            self._wait(lambda: bool(box), lambda: [src], dst, f"recv #{number} {mine}")
+            sent_number, data = box.popleft()
+        if data.numel() != buf.numel() or data.dtype != buf.dtype:
+            raise ExchangeMismatch(f"rank {dst}'s recv #{number} {mine} met rank {src}'s send #{sent_number} "
+                                   f"{ExchangeCall('send', data.numel(), data.dtype, dst)}")
+        buf.copy_(data)
+
+
+def _raise_copy(error: BaseException, rank: int) -> None:
+    """Raise ``error`` (recorded once for a call) on ``rank`` as an exception of its own: one instance is never raised
+    on several threads at once."""
+    if isinstance(error, ExchangeTimeout):
+        raise ExchangeTimeout(str(error), error.peer_failed)
+    if isinstance(error, ExchangeMismatch):
+        raise ExchangeMismatch(str(error))
+    raise RuntimeError(f"rank {rank}: ExchangeWorld failed to compute a call: {type(error).__name__}: {error}")
+
+
+class ExchangeComm(ReduceComm):
+    """Rank ``rank`` of an ``ExchangeWorld`` (see there): a communicator whose calls really meet the other ranks'."""
+
+    name = "exchange"
+
+    def __init__(self, world: ExchangeWorld, rank: int) -> None:
+        super().__init__(rank, world.world_size)
+        self.world = world
+        self.calls: list[tuple[str, int | None, int]] = []
+        self.groups = 0
+        self.open_groups = 0
+        self.buffer_releases = 0
+        self._seq = 0  # collectives issued
+        self._sent: dict[int, int] = {}  # peer -> sends issued to it
+        self._received: dict[int, int] = {}
+        self._p2p: list[tuple[bool, torch.Tensor, int]] = []  # (send, buf, peer) deferred to the group's end
+
+    def _collective(self, call: ExchangeCall, payload: Any) -> Any:
+        seq, self._seq = self._seq, self._seq + 1
+        return self.world._collective(self.rank, seq, call, payload)
+
+    def _group_start(self) -> None:
+        self.groups += 1
+        self.open_groups += 1
+
+    def _group_end(self) -> None:
+        self.open_groups -= 1
+        ops, self._p2p = self._p2p, []
+        for send, buf, peer in ops:  # sends first: two ranks exchanging must not wait on each other's receive
+            if send:
+                self._post_send(buf, peer)
+        for send, buf, peer in ops:
+            if not send:
+                self._do_recv(buf, peer)
+
+    def reduce(self, buf: torch.Tensor, root: int) -> None:
+        self.calls.append(("reduce", root, buf.numel()))
+        self._collective(ExchangeCall("reduce", buf.numel(), buf.dtype, root), buf)
+
+    def all_reduce(self, buf: torch.Tensor) -> None:
+        self.calls.append(("all_reduce", None, buf.numel()))
+        self._collective(ExchangeCall("all_reduce", buf.numel(), buf.dtype), buf)
+
+    def reduce_scatter(self, buf: torch.Tensor, per_rank: int) -> None:
+        self._check_scatter(buf, per_rank)
+        self.calls.append(("reduce_scatter", None, buf.numel()))
+        self._collective(ExchangeCall("reduce_scatter", buf.numel(), buf.dtype, per_rank), buf)
+
+    def send(self, buf: torch.Tensor, peer: int) -> None:
+        self.calls.append(("send", peer, buf.numel()))
+        if self._in_group:
+            self._p2p.append((True, buf, peer))
+        else:
+            self._post_send(buf, peer)
+
+    def recv(self, buf: torch.Tensor, peer: int) -> None:
+        self.calls.append(("recv", peer, buf.numel()))
+        if self._in_group:
+            self._p2p.append((False, buf, peer))
+        else:
+            self._do_recv(buf, peer)
+
+    def _post_send(self, buf: torch.Tensor, peer: int) -> None:
+        number = self._sent[peer] = self._sent.get(peer, 0) + 1
+        self.world._send(self.rank, peer, number, buf)
+
+    def _do_recv(self, buf: torch.Tensor, peer: int) -> None:
+        number = self._received[peer] = self._received.get(peer, 0) + 1
+        self.world._recv(self.rank, peer, number, buf)
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        return self._collective(ExchangeCall("all_gather_ints", len(values), "int64"), list(values))
+
+    def release_buffers(self) -> None:
+        self.buffer_releases += 1
+
+
+def exchange_runtimes(world: ExchangeWorld, owner_map: OwnerMap, graph_ids: Sequence[int], **kwargs: Any) -> list:
+    """One runtime per rank of ``world`` on ``owner_map`` (``mirror_runtime``'s registration, ``kwargs`` as there),
+    rank r's graph registered as ``graph_ids[r]``; their ``init`` runs the real all_gather agreement."""
+    return world.run(lambda rank: mirror_runtime(owner_map, rank=rank, graph_id=graph_ids[rank],
+                                                 comm=world.comm(rank), **kwargs)[0])
 
 
 # ws=2, partition_size 8: a(6) -> r0, b(5) straddles [0:2]->r0 [2:5]->r1, c(5) -> r1

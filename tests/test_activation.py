@@ -3,10 +3,17 @@
 import types
 
 import deepspeed.compile.util as dc_util
+import pytest
 import torch
 
 from owner_reduce.wiring import activation, cpu_compat
-from owner_reduce.wiring.compile_pass import add_owner_z1_reduce, add_owner_z2_reduce, owner_schedule
+from owner_reduce.wiring.compile_pass import (
+    add_owner_z1_reduce,
+    add_owner_z2_reduce,
+    owner_schedule,
+    schedule_from,
+    start_at_first_step,
+)
 
 
 def _spy():
@@ -45,6 +52,60 @@ def test_owner_schedule_replaces_only_the_reduce_passes():
         [(0, [add_owner_z1_reduce, other]), (5, [other])]
 
 
+def test_schedule_from_launches_what_is_in_force_at_the_first_step():
+    a, b, c = ["a"], ["b"], ["c"]
+    schedule = [(0, a), (5, b), (9, c)]
+    assert schedule_from(schedule, 0) == schedule  # a fresh run: unchanged
+    assert schedule_from(schedule, 3) == [(3, a), (5, b), (9, c)]  # resumed before the recompile: it still comes
+    assert schedule_from(schedule, 5) == [(5, b), (9, c)]
+    assert schedule_from(schedule, 7) == [(7, b), (9, c)]  # resumed after it: what it compiled, at once
+    assert schedule_from(schedule, 12) == [(12, c)]
+    assert schedule_from([(4, a), (6, b)], 0) == [(0, a), (6, b)]  # nothing due yet: the first entry, at once
+    assert schedule_from([], 3) == []
+
+
+def test_start_at_first_step_rebases_once_then_hands_back_deepcompiles_launcher():
+    """The engine's first launch (at the step load_checkpoint resumed, 3) finds the schedule rebased to 3 in
+    DeepCompile's own queue; later launches go straight to DeepCompile's launcher."""
+    from deepspeed.compile import backend as dc_backend
+
+    seen = []
+
+    def native(global_steps):
+        seen.append((global_steps, list(dc_backend.remaining_schedule)))
+
+    engine = types.SimpleNamespace(launch_compile_passes=native)
+    schedule = [(0, ["a"]), (5, ["b"])]
+    saved = dc_backend.remaining_schedule
+    try:
+        dc_backend.init_schedule(schedule)
+        start_at_first_step(engine, schedule)
+        engine.launch_compile_passes(3)
+        assert engine.launch_compile_passes is native
+        engine.launch_compile_passes(4)
+    finally:
+        dc_backend.remaining_schedule = saved
+    assert seen == [(3, [(3, ["a"]), (5, ["b"])]), (4, [(3, ["a"]), (5, ["b"])])]  # (native pops; this fake does not)
+
+
+def test_start_at_first_step_refuses_an_engine_deepcompile_did_not_wire():
+    with pytest.raises(RuntimeError, match="no longer sets engine.launch_compile_passes"):
+        start_at_first_step(types.SimpleNamespace(), [(0, ["a"])])
+
+
+def test_the_surface_check_names_a_moved_compile_schedule(monkeypatch):
+    from deepspeed.compile import backend as dc_backend
+
+    from owner_reduce.wiring.surface import surface_problems
+
+    assert surface_problems() == []
+    monkeypatch.setattr(dc_backend, "launch_compile_passes", lambda global_steps: None)
+    assert surface_problems() == ["deepspeed.compile.backend.launch_compile_passes('global_steps',) is not "
+                                  "launch_compile_passes('global_steps', 'owned_frames')"]
+    monkeypatch.delattr(dc_backend, "init_schedule")
+    assert surface_problems() == ["deepspeed.compile.backend.init_schedule is missing"]
+
+
 def test_parameters_outside_zero_groups_reach_deepcompile_as_plain_inputs():
     from owner_reduce.wiring.unreduced_params import hide_unoptimized_params, optimized_param_ids
 
@@ -67,7 +128,6 @@ def test_parameters_outside_zero_groups_reach_deepcompile_as_plain_inputs():
 
 
 def test_forced_flush_algorithm_is_read_checked_and_never_silent(monkeypatch):
-    import pytest
     from deepspeed.utils import logger
 
     from owner_reduce.planning.flags import OwnerReduceFlags

@@ -114,6 +114,7 @@ def test_cleanup_hands_the_handle_back_when_the_close_wait_times_out(monkeypatch
 
     def deepcompile_init(engine, backend, compile_config, compile_kwargs, schedule, use_z2):
         dc_util.dc_handle.init(None, compile_config, 64)  # as DeepSpeed's _initialize_deepcompile_native
+        engine.launch_compile_passes = lambda global_steps: None  # as init_z1_and_2 sets it
         return "backend"
 
     init = activation.wrap_init_z1_and_2(deepcompile_init)

@@ -44,10 +44,32 @@ class TrainSpec:
     # "SGD" for negative controls: Adam's update is nearly invariant to a gradient scaled by a constant, which is
     # what an element that missed its reduction holds with identical data on every rank (its own share).
     optimizer: str = "Adam"
+    # DeepCompile's compile schedule: the steps at which its reduce pass is launched (each launch after the first
+    # recompiles every graph: torch._dynamo.reset() and the handle's reset()); () is DeepCompile's default (step 0).
+    compile_steps: tuple[int, ...] = ()
+    checkpoint_dir: str | None = None  # where save_at saves and resume loads (engine.save/load_checkpoint)
+    save_at: int | None = None  # save a checkpoint after this many optimizer steps (the run goes on to ``steps``)
+    # Load checkpoint_dir after engine.compile() and before the first forward, as a user resuming does, then train
+    # from the checkpoint's step to ``steps`` on the batches an uninterrupted run would see; losses start there.
+    resume: bool = False
+    reuse_graph_ids: bool = False  # rank 0 reuses its graph ids after a recompile, other ranks never (graph_ids.py)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"TrainSpec.mode must be one of {MODES}, got {self.mode!r}")
+        if (self.save_at is not None or self.resume) and self.checkpoint_dir is None:
+            raise ValueError("TrainSpec.save_at and TrainSpec.resume need TrainSpec.checkpoint_dir")
+
+
+def _compile_schedule(spec: TrainSpec) -> list | None:
+    """``spec.compile_steps`` as DeepCompile's schedule: its own stage-1/2 reduce pass at each step, as a user writes
+    it (owner_reduce swaps in its own pass when a flag is on)."""
+    if not spec.compile_steps or spec.mode not in ("owner", "native"):
+        return None
+    from deepspeed.compile.passes import zero_1_and_2_compile
+
+    reduce_pass = zero_1_and_2_compile.add_z2_reduce if spec.zero_stage == 2 else zero_1_and_2_compile.add_z1_reduce
+    return [(step, [reduce_pass]) for step in spec.compile_steps]
 
 
 def _model_and_batches(spec: TrainSpec, rank: int) -> tuple[Any, Any]:
@@ -160,6 +182,10 @@ def train(rank: int, world_size: int, spec: TrainSpec,
         from .faults import inject
 
         inject(spec.inject_fault, world_size)
+    if spec.reuse_graph_ids:
+        from .graph_ids import reuse_graph_ids
+
+        reuse_graph_ids(rank)
     if spec.flush_algo is not None:
         os.environ["OWNER_REDUCE_FLUSH_ALGO"] = spec.flush_algo
     model, batch = _model_and_batches(spec, rank)
@@ -194,16 +220,25 @@ def train(rank: int, world_size: int, spec: TrainSpec,
     compile_start = time.perf_counter()
     if spec.mode != "plain":
         phase("engine.compile (DeepCompile init: the owner runtime builds its communicator)")
-        engine.compile(backend=spec.backend)
+        engine.compile(backend=spec.backend, schedule=_compile_schedule(spec))
+    first_step = 0
+    if spec.resume:
+        phase(f"engine.load_checkpoint({spec.checkpoint_dir})")
+        path, _ = engine.load_checkpoint(spec.checkpoint_dir)
+        if path is None:
+            raise RuntimeError(f"no checkpoint found in {spec.checkpoint_dir}")
+        first_step = engine.global_steps
+        for _ in range(first_step * spec.grad_accum):  # the batches the checkpointed run already trained on
+            batch()
     runtime = None
     timings: dict[str, list[int]] = {}
     losses: list[float] = []
     step_times: list[float] = []
-    for step in range(spec.steps):
+    for step in range(first_step, spec.steps):
         start = time.perf_counter()
         for micro in range(spec.grad_accum):
-            first = step == 0 and micro == 0
-            phase("step 1 forward (DeepCompile compiles and profiles the forward graph)" if first and
+            first = step == first_step and micro == 0
+            phase(f"step {step + 1} forward (DeepCompile compiles and profiles the forward graph)" if first and
                   spec.mode != "plain" else f"step {step + 1} forward")
             loss = engine(*(t.to(engine.device) for t in batch()))
             if runtime is None and spec.mode == "owner":
@@ -215,8 +250,8 @@ def train(rank: int, world_size: int, spec: TrainSpec,
                     timings = _time_runtime(runtime)
                 if on_phase is not None:
                     _first_flush_phases(runtime, on_phase)
-            phase("step 1 backward (DeepCompile compiles and profiles the backward graph, then reduces)" if first
-                  and spec.mode != "plain" else f"step {step + 1} backward")
+            phase(f"step {step + 1} backward (DeepCompile compiles and profiles the backward graph, then reduces)"
+                  if first and spec.mode != "plain" else f"step {step + 1} backward")
             engine.backward(loss)
             phase(f"step {step + 1} optimizer")
             engine.step()
@@ -225,8 +260,11 @@ def train(rank: int, world_size: int, spec: TrainSpec,
         step_times.append(time.perf_counter() - start)
         if spec.progress and rank == 0:
             _progress(step + 1, spec.steps, losses[-1])
-        if step == 0:
+        if step == first_step:
             first_step_s = time.perf_counter() - compile_start
+        if spec.save_at == step + 1:
+            phase(f"engine.save_checkpoint({spec.checkpoint_dir}) after step {step + 1}")
+            engine.save_checkpoint(spec.checkpoint_dir)
     phase("final barrier")
     dist.barrier()
     phase("done")
@@ -239,6 +277,8 @@ def train(rank: int, world_size: int, spec: TrainSpec,
         "flush_log": None if runtime is None else list(runtime.flush_log),
         "step_times": step_times,
         "first_step_s": first_step_s,
+        "first_step": first_step,  # 0, or the step load_checkpoint resumed at
+        "global_steps": engine.global_steps,
         "summary": None if runtime is None else runtime.settings.owner_map.summary(),
         "timings": timings,
     }

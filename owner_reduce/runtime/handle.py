@@ -72,6 +72,7 @@ class OwnerReduceRuntime:
                                FlushCost(None, force=settings.flush_algo))
         self.placer: GradPlacer | None = None  # made at init (needs the bucket size and the agreed cost model)
         self._learned_graphs: dict[int, int] = {}  # graph_id -> its number in the schedule lines (1, 2, ...)
+        self._graph_numbers = 0  # schedule lines printed since the last reset (numbers are never reused before it)
         self._update = False
         self._profiling = False
         self.on_cleanup: Any = None  # set by activation: hands get_deepcompile_handle() back
@@ -155,7 +156,20 @@ class OwnerReduceRuntime:
         """ZeRO-3 state; stages 1 and 2 have none."""
 
     def reset(self) -> None:
-        self._graphs.clear()
+        """DeepCompile recompiles (``launch_compile_passes``: the next step of its compile schedule).
+
+        Note (graph ids): DeepCompile names a graph ``id(gm.graph)``, a memory address: it differs from rank to rank,
+        and a graph compiled after the reset may get an old graph's address on one rank and a fresh one on another.
+        Anything learned under a graph id (the owner-ordered schedules, the schedule lines' numbering, the flush plans
+        made for them) is therefore forgotten here, on every rank alike, so that every rank starts over and learns its
+        schedules from the same arrival-order backward; otherwise a rank whose new graph reused an address would follow
+        the old graph's schedule while another records in arrival order: other collectives, or the same collectives
+        over differently laid out buckets. Registering a graph forgets its id's schedule and number
+        (``_register_graph``); cached plans are keyed by the schedule objects they were made for, never by a graph id.
+        Buckets and accumulation are kept, as the native runtime keeps its buckets: they are not per graph.
+        """
+        self.stats.resets += 1
+        self._forget_graphs()
 
     def cleanup(self) -> None:
         """Wait for the reduce stream (bounded), then release everything and hand DeepCompile's handle back.
@@ -225,6 +239,11 @@ class OwnerReduceRuntime:
                                f"earlier graphs for stage {self._stage}")
         self._stage = stage
         self.flusher.stage = stage
+        # A registration starts a graph: whatever was learned under its id belonged to another graph whose address
+        # this one reuses (see Note (graph ids) in ``reset``), or to this one before DeepCompile compiled it again.
+        self._learned_graphs.pop(graph_id, None)
+        if self.placer is not None:
+            self.placer.forget_schedules(graph_id)
         self._graphs[graph_id] = tuple(int(i) for i in ds_ids)
 
     def _bucket_limits(self, dtype: torch.dtype) -> int | None:
@@ -272,10 +291,11 @@ class OwnerReduceRuntime:
         """Rank 0, the first time a graph learns its schedule: what each flush will run, and what the cost model
         says it saves against the native runtime's one AllReduce per gradient; e.g. ``[dc-schedule][r0] graph #1:
         3 flushes per backward: reduce_scatter+handoff x2, allreduce x1; modelled 0.41x the native reduction
-        (...)``. Graphs are numbered in the order they first learn a schedule."""
+        (...)``. Graphs are numbered in the order they first learn a schedule, from 1 again after a reset."""
         if self.comm is None or self.comm.rank != 0 or schedule.graph_id in self._learned_graphs:
             return
-        number = self._learned_graphs[schedule.graph_id] = len(self._learned_graphs) + 1
+        self._graph_numbers += 1
+        number = self._learned_graphs[schedule.graph_id] = self._graph_numbers
         cost = self.flusher.cost
         flushes = [f for per_dtype in schedule.flushes.values() for f in per_dtype]
         choices: dict[str, int] = {}
@@ -295,12 +315,21 @@ class OwnerReduceRuntime:
         self.stats.schedule_lines.append(line)
         emit(line)
 
+    def _forget_graphs(self) -> None:
+        """Everything keyed by a graph id (see Note (graph ids) in ``reset``)."""
+        self._graphs.clear()
+        self._learned_graphs.clear()
+        self._graph_numbers = 0
+        self.flusher.forget_plans()
+        if self.placer is not None:
+            self.placer.forget_schedules()
+
     def _release(self) -> None:
         """Drop every reference, close the communicator, hand the handle back (``on_cleanup``). ``comm.close()``
         waits within the deadline and may raise: the handle is handed back all the same, and that error is the one
         raised (see Note (cleanup always releases))."""
         comm, self.comm, self.flusher.comm = self.comm, None, None
-        self.reset()
+        self._forget_graphs()
         self._accumulator.clear()
         self._params.clear()
         self._registered_elems.clear()

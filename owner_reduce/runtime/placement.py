@@ -228,6 +228,14 @@ class GradPlacer:
         self.buckets.release()
         self._flusher.buffers_replaced()
 
+    def forget_schedules(self, graph_id: int | None = None) -> None:
+        """Forget the schedule learned for ``graph_id`` (None: for every graph): the id names another graph now
+        (the handle's Note (graph ids)); that graph learns its own from its next backward."""
+        if graph_id is None:
+            self._schedules.clear()
+        else:
+            self._schedules.pop(graph_id, None)
+
     def clear(self) -> None:
         self._pending.clear()
         self._schedules.clear()

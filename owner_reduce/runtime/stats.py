@@ -50,6 +50,7 @@ class RuntimeStats:
     scheduled_flushes: int = 0  # flushes laid out in owner order (a learned schedule)
     schedules_learned: int = 0
     schedule_fallbacks: int = 0  # backwards that left their schedule and finished in arrival order
+    resets: int = 0  # DeepCompile's reset() (each step of its compile schedule): every graph learned again
     reduced_elems: int = 0
     owner_elems: int = 0
     kept_elems: int = 0

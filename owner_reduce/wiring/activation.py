@@ -16,7 +16,7 @@ from ..planning.flush_choice import AUTO, FORCE_ENV_VAR, parse_force
 from ..runtime.comm import ReduceComm
 from ..runtime.handle import OwnerReduceRuntime, RuntimeSettings
 from . import cpu_compat
-from .compile_pass import owner_schedule
+from .compile_pass import owner_schedule, start_at_first_step
 from .ops import ensure_dc_schemas, register_inductor_lowerings, release_dc_schemas, set_active_runtime
 from .unreduced_params import hide_unoptimized_params, optimized_param_ids
 
@@ -94,9 +94,10 @@ def wrap_init_z1_and_2(original: Any) -> Any:
         dc_util.dc_handle = runtime
         set_active_runtime(runtime)
         added_hooks: list[Any] = []
+        passes = owner_schedule(schedule, use_z2)
         try:
-            backend_fn = original(engine, backend, compile_config, compile_kwargs, owner_schedule(schedule, use_z2),
-                                  use_z2)
+            backend_fn = original(engine, backend, compile_config, compile_kwargs, passes, use_z2)
+            start_at_first_step(engine, passes)  # a run resumed from a checkpoint starts at its step, not at 0
         except BaseException:
             added_hooks[:] = [h for h in dc_util.pre_backward_hooks if h not in hooks_before]
             if runtime.comm is None:  # init never completed, so DeepSpeed will not call cleanup(): release here

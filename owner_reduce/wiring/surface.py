@@ -18,7 +18,8 @@ REQUIRED_NAMES: dict[str, tuple[str, ...]] = {
     "deepspeed.compile.init_z1_and_2": ("init_z1_and_2",),
     "deepspeed.compile.passes.zero_1_and_2_compile": ("add_z1_reduce",),
     "deepspeed.compile.fx": ("add_end_backward", "replace_reduce_outputs_with_none"),
-    "deepspeed.compile.backend": ("run_opt_passes", "get_accelerator", "make_backend"),
+    "deepspeed.compile.backend": ("run_opt_passes", "get_accelerator", "make_backend", "init_schedule",
+                                  "launch_compile_passes"),
     "deepspeed.compile.profilers.graph_profile": ("get_accelerator",),
     "deepspeed.runtime.engine": ("DeepSpeedEngine",),
 }
@@ -28,6 +29,8 @@ CONFIG_METHODS = ("_do_warning_check",)  # wrapped to warn about flags that cann
 INIT_Z1_PARAMS = ("engine", "backend", "compile_config", "compile_kwargs", "schedule", "use_z2")
 PASS_PARAMS = ("gm", "graph_id", "graph_order", "profiling_results", "create_inputs_fn", "mem_budget",
                "param_manager", "bwd")
+# The compile schedule (compile_pass.start_at_first_step): init_schedule replaces what launch_compile_passes pops.
+SCHEDULE_PARAMS = {"init_schedule": ("schedule",), "launch_compile_passes": ("global_steps", "owned_frames")}
 
 
 def _params(fn: Any) -> tuple[str, ...]:
@@ -54,6 +57,10 @@ def surface_problems() -> list[str]:
     pass_fn = modules["deepspeed.compile.passes.zero_1_and_2_compile"].add_z1_reduce
     if _params(pass_fn) != PASS_PARAMS:
         problems.append(f"add_z1_reduce{_params(pass_fn)} is not add_z1_reduce{PASS_PARAMS}")
+    backend = modules["deepspeed.compile.backend"]
+    for name, params in SCHEDULE_PARAMS.items():
+        if _params(getattr(backend, name)) != params:
+            problems.append(f"deepspeed.compile.backend.{name}{_params(getattr(backend, name))} is not {name}{params}")
     config_cls = modules["deepspeed.runtime.config"].DeepSpeedConfig
     problems += [f"DeepSpeedConfig.{m} is missing" for m in CONFIG_METHODS if m not in vars(config_cls)]
     engine_cls = modules["deepspeed.runtime.engine"].DeepSpeedEngine
