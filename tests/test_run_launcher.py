@@ -112,7 +112,7 @@ def test_a_module_runs_as_main(tmp_path, clean_process, monkeypatch):
     out = tmp_path / "out.json"
     launcher.main(["-m", "userpkg.train", "--out", str(out), "a"])
     r = _recorded(out)
-    assert r["argv"] == [str(pkg / "train.py"), "--out", str(out), "a"], "argv[0] is the module's file, as `python -m` sets it"
+    assert r["argv"] == [str(pkg / "train.py"), "--out", str(out), "a"], "argv[0]: the module's file, as `python -m`"
     assert r["name"] == "__main__" and r["main_is_me"] and r["installed"]
 
 
