@@ -109,11 +109,20 @@ def finish(engine, grad_accum: int, args: argparse.Namespace) -> dict:  # noqa: 
     return {"losses": losses, "params": params, **report}
 
 
+def _accepts(config_class, config: dict) -> bool:  # noqa: ANN001
+    """Whether DeepSpeed's config parsing takes this config (with the two keys: only after owner_reduce.install())."""
+    try:
+        config_class(config_variant(config, 1, 1, compiled=True))
+    except ValueError:
+        return False
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--api", choices=("deepspeed", "accelerate"), required=True)
     parser.add_argument("--deepspeed_config", help="--api deepspeed: the DeepSpeed config (JSON)")
-    parser.add_argument("--variants", default="1:1", help="stage:grad_accum,...")
+    parser.add_argument("--variants", default="1:1", help="stage:grad_accum,... ('' trains nothing)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--backend", default="eager")
     parser.add_argument("--out", required=True)
@@ -133,10 +142,12 @@ def main() -> None:
             config = json.load(f)
         run = run_accelerate
     import deepspeed.comm as dist
+    from deepspeed.runtime.config import DeepSpeedConfig
 
     results = {"argv": sys.argv, "local_rank_arg": args.local_rank, "env_local_rank": os.environ.get("LOCAL_RANK"),
-               "world_size": None, "runs": {}}
-    for variant in args.variants.split(","):
+               "world_size": None, "runs": {},
+               "keys_accepted": _accepts(DeepSpeedConfig, config) if args.api == "deepspeed" else None}
+    for variant in filter(None, args.variants.split(",")):
         stage, grad_accum = (int(x) for x in variant.split(":"))
         for compiled in (True, False):
             results["runs"][f"{variant}:{'dc' if compiled else 'plain'}"] = run(config, stage, grad_accum, compiled,

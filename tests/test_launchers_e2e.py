@@ -1,7 +1,8 @@
 """``python -m owner_reduce.run`` under the launchers users have, on 2 gloo ranks, with training scripts that never
 import owner_reduce (``launched_train.py``, ``launched_trainer.py``): ``accelerate launch`` with a DeepSpeed config
-file (ZeRO 1 and 2, gradient accumulation 1 and 2, one launch), ``torchrun`` with the transformers Trainer, and
-DeepSpeed's own launcher (``--module``, which puts ``--local_rank=N`` before the script).
+file (ZeRO-1 with gradient accumulation 1 and 2, ZeRO-2 with 1, one launch), ``torchrun`` with the transformers
+Trainer (ZeRO-2, gradient accumulation 2), and DeepSpeed's own launcher (``--module``, which puts ``--local_rank=N``
+before the script).
 
 The reference ("flags off") is plain DeepSpeed ZeRO of the same stage on the same model and data, in the same process
 group right after the owner run: DeepCompile's native runtime is the other flags-off run, but it needs its C++/CUDA
@@ -103,13 +104,13 @@ def test_the_comparison_fails_on_one_ulp_or_a_runtime_that_did_not_run():
 def test_accelerate_launch_with_a_deepspeed_config_file_zero_1_2_gradient_accumulation_1_2(tmp_path):
     """``accelerate launch --config_file acc.yaml -m owner_reduce.run --accelerate-backend gloo launched_train.py``:
     the config file accelerate names carries the two keys (and ``train_batch_size: auto``, which accelerate fills
-    from its own process count: wrong without the backend on CPU). Four variants, one launch."""
+    from its own process count: wrong without the backend on CPU). Three variants, one launch."""
     ds = _write(tmp_path / "ds_config.json", {**DS_CONFIG, "train_batch_size": "auto"})
     acc = _write(tmp_path / "accelerate.yaml", "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\n"
                  f"deepspeed_config:\n  deepspeed_config_file: {ds}\nnum_machines: 1\nnum_processes: 2\n"
                  "machine_rank: 0\nmain_training_function: main\nuse_cpu: false\n")
     out = tmp_path / "out"
-    variants = [(1, 1), (1, 2), (2, 1), (2, 2)]
+    variants = [(1, 1), (1, 2), (2, 1)]  # ZeRO-2 with GA 2: the Trainer test below
     log, results = _launch([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(acc),
                             "--main_process_port", str(free_port()), "-m", "owner_reduce.run",
                             "--accelerate-backend", "gloo", str(TESTS / "launched_train.py"), "--api", "accelerate",
@@ -131,11 +132,11 @@ def test_torchrun_with_the_transformers_trainer(tmp_path):
     --torch_compile_backend eager --accelerator_config '{"use_configured_state": true}'``: the Trainer's torch-compile
     option makes accelerate call ``engine.compile()``, which runs DeepCompile with owner_reduce's runtime. On CPU the
     Trainer passes no backend to accelerate with DeepSpeed, so it keeps the state the launcher made (see the guide)."""
+    out, stage, grad_accum = tmp_path / "out", 2, 2
     ds = _write(tmp_path / "ds_config.json", {
         "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto", "zero_optimization": {"stage": 1},
+        "gradient_clipping": "auto", "zero_optimization": {"stage": stage},
         "compile": {"deepcompile": True, "reduce_to_owner": True, "reduce_probe": True}})
-    out, grad_accum = tmp_path / "out", 2
     log, results = _launch([
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
         "-m", "owner_reduce.run", "--accelerate-backend", "gloo", str(TESTS / "launched_trainer.py"),
@@ -148,7 +149,7 @@ def test_torchrun_with_the_transformers_trainer(tmp_path):
         assert r["world_size"] == r["trainer_world_size"] == 2, "the Trainer counts the world"
         dc, plain = r["runs"]["dc"], r["runs"]["plain"]
         assert dc["compiled"] and not plain["compiled"]
-        assert_owner_run_equals_plain(dc, plain, rank, STEPS, grad_accum, 1)
+        assert_owner_run_equals_plain(dc, plain, rank, STEPS, grad_accum, stage)
     _assert_lines(log, engines=1)
 
 
@@ -156,16 +157,18 @@ def test_torchrun_with_the_transformers_trainer(tmp_path):
 def test_deepspeed_launcher_module_mode_hands_local_rank_to_the_script(tmp_path):
     """``deepspeed --num_gpus 2 --module owner_reduce.run launched_train.py --api deepspeed``: DeepSpeed's launcher
     runs ``python -u -m owner_reduce.run --local_rank=N launched_train.py ...``; the script gets ``--local_rank=N``
-    right after its name, as if the launcher had started it, and trains with ``deepspeed.initialize``."""
+    right after its name, as if the launcher had started it, and DeepSpeed's config parsing there accepts the two
+    keys (install() ran in that process). It trains nothing: what this launcher changes is the command line and the
+    environment; training under a launcher is the two tests above, and ``deepspeed.initialize`` + ``engine.compile()``
+    the rest of the suite (test_runtime_e2e.py and others), so the suite pays this launcher's start-up only."""
     ds = _write(tmp_path / "ds_config.json", DS_CONFIG)
     out = tmp_path / "out"
     script = str(TESTS / "launched_train.py")
-    log, results = _launch([
+    _, results = _launch([
         str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
         "--module", "owner_reduce.run", script, "--api", "deepspeed", "--deepspeed_config", str(ds),
-        "--variants", "1:2", "--steps", str(STEPS), "--out", str(out)], out)
+        "--variants", "", "--out", str(out)], out)
     for rank, r in enumerate(results):
         assert r["argv"][:2] == [script, f"--local_rank={rank}"] and r["local_rank_arg"] == rank
         assert r["env_local_rank"] == str(rank) and r["world_size"] == 2
-        assert_owner_run_equals_plain(r["runs"]["1:2:dc"], r["runs"]["1:2:plain"], rank, STEPS, 2, 1)
-    _assert_lines(log, engines=1)
+        assert r["keys_accepted"], f"rank {rank}: DeepSpeed rejected compile.reduce_to_owner: install() did not run"
