@@ -55,12 +55,15 @@ def test_parse_refuses_what_names_no_target(argv, message):
 
 @pytest.fixture
 def clean_process():
-    """main() installs and rewrites sys.argv / sys.path[0]: undo all three."""
-    argv, path0 = list(sys.argv), sys.path[0]
+    """main() installs and rewrites sys.argv / sys.path[0]: start uninstalled, then put all three back."""
+    argv, path0, was_installed = list(sys.argv), sys.path[0], owner_reduce.is_installed()
+    owner_reduce.uninstall()
     yield
     sys.argv[:] = argv
     sys.path[0] = path0
     owner_reduce.uninstall()
+    if was_installed:
+        owner_reduce.install()
 
 
 RECORDER = textwrap.dedent("""
@@ -132,12 +135,17 @@ def test_exit_codes_and_exceptions_pass_through(tmp_path, clean_process):
     ([], 2, "err", "no script or -m module"),
     (["-h"], 0, "out", "usage: python -m owner_reduce.run"),
 ])
-def test_usage_errors_exit_before_installing(capsys, argv, code, stream, says):
+def test_usage_errors_exit_before_installing(capsys, monkeypatch, argv, code, stream, says):
+    import owner_reduce.wiring.install as install_module
+
+    def refuse() -> None:
+        raise AssertionError("install() was called")
+
+    monkeypatch.setattr(install_module, "install", refuse)
     with pytest.raises(SystemExit) as e:
         launcher.main(argv)
     assert e.value.code == code
     assert says in getattr(capsys.readouterr(), stream)
-    assert not owner_reduce.is_installed()
 
 
 @pytest.mark.timeout(120)
