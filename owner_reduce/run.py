@@ -19,10 +19,12 @@ train.py ...`` (it puts ``--local_rank=N`` right after the module, unless ``--no
 the script right after its name, where it would be had the launcher started the script itself.
 
 Note (--accelerate-backend): accelerate's ``PartialState`` picks no process-group backend on a machine without an
-accelerator, so under ``accelerate launch`` with DeepSpeed it lets DeepSpeed initialize the world (ws ranks) yet
-counts one process itself, and DeepSpeed then refuses accelerate's batch sizes. ``--accelerate-backend gloo`` creates
-``PartialState(backend="gloo")`` before the script runs (the script's ``Accelerator`` then shares that state), which
-is what a script would get from ``InitProcessGroupKwargs(backend="gloo")``. CPU runs only; CUDA picks nccl itself.
+accelerator, so under DeepSpeed it lets DeepSpeed initialize the world (ws ranks) yet counts one process itself, and
+DeepSpeed then refuses the batch sizes accelerate fills in. ``--accelerate-backend gloo`` creates a DeepSpeed
+``PartialState(backend="gloo")`` before the script runs; the script's ``Accelerator`` shares that state, and so
+does the transformers Trainer when told
+``--accelerator_config '{"use_configured_state": true}'`` (with DeepSpeed it passes accelerate no backend of its
+own). For CPU runs; with CUDA accelerate picks nccl itself.
 """
 
 from __future__ import annotations
