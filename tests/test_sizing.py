@@ -269,17 +269,29 @@ def test_alpha_beta_model_reproduces_nccl_formulas():
     assert ct.latency_us(ct.REDUCE, node, ct.SIMPLE) == pytest.approx(8.4 + 8 * 4.0)
     same = dataclasses.replace(node, same_channels=True)
     assert ct.latency_us(ct.REDUCE, same, ct.SIMPLE) == pytest.approx(8.4 + 3.4)
-    # Large messages: bandwidth terms in the ring ratios 2(n-1)/n : 1 : (n-1)/n of S / busBw.
+    # Large messages: bandwidth terms in the ring ratios 2(n-1)/n : 1 : (n-1)/n of S / busBw (no NVLS here, so
+    # the ring is what NCCL picks for a ReduceScatter).
+    ring_only = dataclasses.replace(node, nvls=False)
     big = 2_000_000_000
     s_over_b = big / (1000 * node.bus_bw)
     lat = {kind: ct.latency_us(kind, node, ct.SIMPLE) for kind in (ct.REDUCE_SCATTER, ct.REDUCE)}
-    assert ct.call_time_us(ct.REDUCE_SCATTER, big, node) == pytest.approx(lat[ct.REDUCE_SCATTER] + 7 / 8 * s_over_b)
+    assert ct.call_time_us(ct.REDUCE_SCATTER, big, ring_only) == pytest.approx(
+        lat[ct.REDUCE_SCATTER] + 7 / 8 * s_over_b)
     assert ct.call_time_us(ct.REDUCE, big, node) == pytest.approx(lat[ct.REDUCE] + s_over_b)
     assert ct.call_time_us(ct.ALLREDUCE, big, node) <= ct.latency_us(ct.ALLREDUCE, node, ct.SIMPLE) + 14 / 8 * s_over_b
-    # Small messages are latency: one 2 KB call costs ~ 10 us; 100 of them cost 100x one.
+    # NVLS is costed for a ReduceScatter inside a node (tuning.cc 300-312), not across nodes (534-545).
+    assert (ct.NVLS, ct.SIMPLE) in ct.table(ct.REDUCE_SCATTER, node)
+    assert not any(a in (ct.NVLS, ct.NVLS_TREE) for a, _ in ct.table(ct.REDUCE_SCATTER, ct.topology_for(64)))
+    # Small messages are latency: one 2 KB call costs ~ 10 us. 100 of them in one group are one aggregate
+    # (enqueue.cc: same bin, under 4x the first) costed on 200 KB with ceil(100 / 24 channels) = 5 pipelined ops.
     small = ct.call_time_us(ct.REDUCE, 2048, node)
     assert 5 < small < 20
-    assert ct.flush_time_us([(ct.REDUCE, 2048)] * 100, node) == pytest.approx(100 * small)
+    (agg,) = ct.aggregates([(ct.REDUCE, 2048)] * 100)
+    assert (agg.kind, agg.tasks, agg.nbytes) == (ct.REDUCE, 100, 204800)
+    grouped = ct.flush_time_us([(ct.REDUCE, 2048)] * 100, node)
+    assert grouped == pytest.approx(min(ct.algo_time_us(ct.REDUCE, ct.RING, p, 204800, node, pipe_ops=5)
+                                        for p in (ct.LL, ct.LL128, ct.SIMPLE)))
+    assert grouped < 100 * small / 4
     net = ct.topology_for(64)
     assert (net.nodes, net.gpus_per_node, net.bus_bw) == (8, 8, 8 * 48.0)
     # Across nodes the Simple ring pays the network hops: 2(nodes-1) of its 2(n-1) steps at 14 us.

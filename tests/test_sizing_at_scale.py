@@ -215,7 +215,7 @@ def test_command_lists_llama_presets_and_refuses_overrides_on_a_factory() -> Non
     assert refused.returncode == 2 and "not allowed with" in refused.stderr
 
 
-# ---- issue 16's bar, on DeepSpeed's own partitioning: never slower than native, half of it at the default bucket -
+# ---- issue 20's bar, on DeepSpeed's own partitioning: never modelled slower than NCCL-grouped native -----------
 
 
 def _size_models(names: list[str], world_size: int) -> list:
@@ -227,7 +227,10 @@ def _size_models(names: list[str], world_size: int) -> list:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world_size", [64, 512, 1024])
-def test_no_flush_slower_than_native_and_at_most_0_6x_at_the_default_bucket(world_size):
+def test_no_flush_slower_than_grouped_native_and_the_win_at_64_ranks(world_size):
+    """Against native as NCCL plans it (one group per flush, aggregated, NVLS_TREE on Hopper) no flush and no step
+    is modelled slower; the 0.6x of the per-call baseline is gone (issue 20): what is left at the default bucket is
+    0.63-0.66x at ws 64 and 0.78-0.98x at 512-1024 (docs/reduce_to_owner.md, scale table)."""
     names = ["1b", "llama-7b"]
     with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
         reports = pool.submit(_size_models, names, world_size).result()
@@ -237,6 +240,8 @@ def test_no_flush_slower_than_native_and_at_most_0_6x_at_the_default_bucket(worl
             worst = b.worst_flush()
             assert worst.layout_over_native <= 1.0 + 1e-9, (name, world_size, b.bucket_size, worst)
             assert b.us_ratio("layout") <= 1.0
-        assert default.us_ratio("layout") <= 0.6, (name, world_size, default.us_ratio("layout"), default.choices())
+            assert "NVLS_TREE" in b.topology
+        if world_size == 64:
+            assert default.us_ratio("layout") <= 0.7, (name, default.us_ratio("layout"), default.choices())
         # Before the per-flush choice the same layout cost more wherever a flush held part of the model.
         assert default.us_ratio("previous") >= default.us_ratio("layout")

@@ -16,6 +16,7 @@ REDUCE_SCATTER = "reduce_scatter"
 HANDOFF = "handoff"
 REDUCE = "reduce"
 ALLREDUCE = "allreduce"
+NATIVE = "native"  # a flush's choice (not a call kind): one AllReduce per gradient in one group, as z1.cpp issues
 KINDS = (REDUCE_SCATTER, HANDOFF, REDUCE, ALLREDUCE)  # the order algo_of names them in
 
 

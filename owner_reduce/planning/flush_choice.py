@@ -27,15 +27,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
-from .collective_time import Topology, flush_time_us, p2p_round_us, topology_of
-from .collectives import ALLREDUCE, HANDOFF, REDUCE, REDUCE_SCATTER, Collective, collectives_of
-from .flush_plan import ALL, FlushPlan, FlushRange
+from .collective_time import Topology, aggregates, group_time_us, p2p_load, p2p_round_us, topology_of
+from .collectives import ALLREDUCE, HANDOFF, NATIVE, REDUCE, REDUCE_SCATTER, Collective, Transfer, collectives_of
+from .flush_plan import ALL, FlushPlan, FlushRange, merge_ranges
 
 AUTO = "auto"
-CANDIDATES = (REDUCE_SCATTER, REDUCE, ALLREDUCE, HANDOFF)  # in the order ties go (fewest calls first)
+CANDIDATES = (REDUCE_SCATTER, REDUCE, ALLREDUCE, HANDOFF, NATIVE)  # in the order ties go (fewest calls first)
 FORCE_ENV_VAR = "OWNER_REDUCE_FLUSH_ALGO"
-FORCE_VALUES = (AUTO, REDUCE, ALLREDUCE, HANDOFF)  # reduce_scatter cannot be forced: it needs every owner present
+FORCE_VALUES = (AUTO, REDUCE, ALLREDUCE, HANDOFF, NATIVE)  # reduce_scatter cannot be forced: needs every owner present
 
 
 def parse_force(value: str | None) -> str:
@@ -48,14 +49,25 @@ def parse_force(value: str | None) -> str:
     return text
 
 
+class CallTimes(Protocol):
+    """Measured times in place of NCCL's tables (``planning.calibration.Calibration``)."""
+
+    def call_us(self, kind: str, nbytes: int) -> float: ...
+
+    def p2p_round_us(self, peers: int, max_bytes: int) -> float: ...
+
+
 @dataclass(frozen=True)
 class FlushCost:
     """What the choice needs besides the layout: the topology (None: one rank, nothing to cost), bytes per element,
-    and a forced candidate (``auto``: the cheapest)."""
+    a forced candidate (``auto``: the cheapest), the hand-off's bandwidth scale (the docs' sensitivity rows), and a
+    cluster's measured call times (``calibration``: used in place of NCCL's tables where given)."""
 
     topology: Topology | None
     dtype_bytes: int = 2
     force: str = AUTO
+    p2p_bw_scale: float = 1.0
+    calibration: CallTimes | None = None
 
     def __post_init__(self) -> None:
         if self.force not in FORCE_VALUES:
@@ -63,19 +75,34 @@ class FlushCost:
                              f"got {self.force!r}")
         if self.dtype_bytes < 1:
             raise ValueError(f"owner_reduce: dtype_bytes must be positive, got {self.dtype_bytes}")
+        if not 0 < self.p2p_bw_scale <= 1:
+            raise ValueError(f"owner_reduce: p2p_bw_scale must be in (0, 1], got {self.p2p_bw_scale}")
 
     def calls_us(self, calls: Iterable[tuple[str, int]]) -> float:
-        """Modelled time of grouped calls given as (kind, elements)."""
+        """Modelled time of one group of calls given as (kind, elements): NCCL's planner on its tables
+        (``collective_time.group_time_us``), or the same aggregates timed by the calibration."""
         if self.topology is None:
             return 0.0
         b = self.dtype_bytes
-        return flush_time_us(((kind, count * b) for kind, count in calls), self.topology)
+        in_bytes = [(kind, count * b) for kind, count in calls]
+        if self.calibration is not None:
+            return sum(self.calibration.call_us(a.kind, a.nbytes) for a in aggregates(in_bytes))
+        return group_time_us(in_bytes, self.topology)
 
-    def handoff_us(self, peers: int, max_elems: int) -> float:
-        """Modelled time of a send/recv round: the busiest rank has ``peers`` peers and moves ``max_elems``."""
-        if self.topology is None:
+    def native_us(self, numels: Iterable[int]) -> float:
+        """What DeepCompile's runtime sends for this flush: one AllReduce per gradient, in one group."""
+        return self.calls_us((ALLREDUCE, n) for n in numels if n)
+
+    def handoff_us(self, transfers: Sequence[Transfer]) -> float:
+        """Modelled time of the send/recv round that moves ``transfers`` (the busiest sender or receiver)."""
+        if self.topology is None or not transfers:
             return 0.0
-        return p2p_round_us(peers, max_elems * self.dtype_bytes, self.topology)
+        b = self.dtype_bytes
+        load = p2p_load([(t.src, t.dst, t.count * b) for t in transfers], self.topology.gpus_per_node,
+                        self.topology.ranks)
+        if self.calibration is not None:
+            return self.calibration.p2p_round_us(load.peers, max(load.remote_bytes, load.local_bytes))
+        return p2p_round_us(load, self.topology, self.p2p_bw_scale)
 
     def for_dtype_bytes(self, dtype_bytes: int) -> FlushCost:
         return self if dtype_bytes == self.dtype_bytes else replace(self, dtype_bytes=dtype_bytes)
@@ -84,7 +111,11 @@ class FlushCost:
 def agreed_topology(world_size: int, ranks_per_node: Sequence[int], sm_majors: Sequence[int]) -> Topology | None:
     """The topology every rank models, from every rank's facts (the same lists everywhere, so the same result):
     ranks per node the largest any rank reported (0: unknown; all unknown: one node), Ampere constants when every
-    GPU is sm_8x, Hopper's otherwise (also on CPU). None for one rank: nothing to cost."""
+    GPU is sm_8x, Hopper's otherwise (also on CPU). None for one rank: nothing to cost.
+
+    Hopper is modelled with NVSwitch multicast (NVLS / NVLS_TREE for native's AllReduces): the faster native is
+    assumed, so the model picks the owner path only where it beats the strongest baseline; a cluster without
+    NVLS only loses some of the win, and the measured guard checks the choice on the cluster itself."""
     if world_size <= 1:
         return None
     known = [r for r in ranks_per_node if r > 0]
@@ -106,7 +137,7 @@ class ArrivalChoice:
 
     plan: FlushPlan  # counters and ranges of what actually runs (all on ALL when AllReduce won)
     collectives: tuple[Collective, ...]
-    choice: str  # reduce (the plan's runs) or allreduce
+    choice: str  # reduce (the plan's runs), allreduce (the span) or native (each run of pieces present)
 
 
 def all_reduced(plan: FlushPlan, offset: int, span: int) -> FlushPlan:
@@ -115,19 +146,27 @@ def all_reduced(plan: FlushPlan, offset: int, span: int) -> FlushPlan:
     return replace(plan, ranges=ranges, owner_tasks=0, owner_elems=0)
 
 
-def choose_arrival(plan: FlushPlan, cost: FlushCost) -> ArrivalChoice:
-    """Between the plan's own calls (one per run of owners, AllReduce for the rest) and one AllReduce over the span
-    of its ranges, the cheaper. ``handoff`` cannot apply to an arrival-order bucket (owners interleave), so forcing
-    it leaves the choice to the model here."""
+def choose_arrival(plan: FlushPlan, cost: FlushCost, native: Sequence[FlushRange] | None = None) -> ArrivalChoice:
+    """An arrival-order flush (or the pieces of a flush that left its schedule, holes between them): the cheapest
+    of the plan's own calls (one per run of owners, AllReduce for the rest), one AllReduce over the span of its
+    ranges (holes included, so only when they are small), and ``native``: one AllReduce per range of ``native``
+    (an arrival-order flush passes its gradients: exactly what z1.cpp issues) or, by default, per run of pieces
+    present (never the holes). ``handoff`` cannot apply (owners interleave): forcing it leaves the choice to the
+    model."""
     per_run = collectives_of(plan.ranges)
-    runs_us = cost.calls_us((c.kind, c.count) for c in per_run)
     if all(c.kind == ALLREDUCE for c in per_run) and len(per_run) <= 1:
         return ArrivalChoice(plan, per_run, ALLREDUCE if per_run else "none")
     offset = min(r.offset for r in plan.ranges)
-    span = max(r.offset + r.count for r in plan.ranges) - offset  # holes (a flush that left its schedule) included
-    costs = {REDUCE: runs_us, ALLREDUCE: cost.calls_us([(ALLREDUCE, span)])}
+    span = max(r.offset + r.count for r in plan.ranges) - offset
+    present = merge_ranges(replace(r, root=ALL) for r in plan.ranges) if native is None else tuple(native)
+    costs = {REDUCE: cost.calls_us((c.kind, c.count) for c in per_run),
+             ALLREDUCE: cost.calls_us([(ALLREDUCE, span)]),
+             NATIVE: cost.calls_us((ALLREDUCE, r.count) for r in present)}
     choice = choose(costs, cost.force)
     if choice == ALLREDUCE:
         whole = all_reduced(plan, offset, span)
         return ArrivalChoice(whole, collectives_of(whole.ranges), ALLREDUCE)
+    if choice == NATIVE:
+        pieces = replace(plan, ranges=tuple(present), owner_tasks=0, owner_elems=0)
+        return ArrivalChoice(pieces, collectives_of(pieces.ranges), NATIVE)
     return ArrivalChoice(plan, per_run, REDUCE)

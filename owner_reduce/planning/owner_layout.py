@@ -22,12 +22,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from .collective_time import named_topology
-from .collectives import ALLREDUCE, HANDOFF, REDUCE, REDUCE_SCATTER, Collective, Transfer, algo_of, collectives_of
+from .collectives import (
+    ALLREDUCE,
+    HANDOFF,
+    NATIVE,
+    REDUCE,
+    REDUCE_SCATTER,
+    Collective,
+    Transfer,
+    algo_of,
+    collectives_of,
+)
 from .flush_choice import FlushCost, choose
 from .flush_plan import ALL, BucketEntry, FlushPlan, FlushRange, merge_ranges, plan_flush
 from .owner_map import OwnerMap, Placement
 
-__all__ = ["ALLREDUCE", "HANDOFF", "REDUCE", "REDUCE_SCATTER", "Collective", "OwnerLayout", "PlacedGrad",
+__all__ = ["ALLREDUCE", "HANDOFF", "NATIVE", "REDUCE", "REDUCE_SCATTER", "Collective", "OwnerLayout", "PlacedGrad",
            "PlacedPiece", "Transfer", "algo_of", "collectives_of", "default_cost", "handoff_load", "map_order",
            "plan_owner_layout", "plan_placed"]
 
@@ -168,20 +178,22 @@ def plan_owner_layout(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, red
     packed_span = n * chunk if n > 1 else owner_elems
     per_rank = max(sizes, default=0)
     everyone_call = [(ALLREDUCE, all_elems)] if all_elems else []
-    costs: dict[str, float] = {ALLREDUCE: cost.calls_us([(ALLREDUCE, owner_elems + all_elems)])}
+    costs: dict[str, float] = {ALLREDUCE: cost.calls_us([(ALLREDUCE, owner_elems + all_elems)]),
+                               NATIVE: cost.native_us(e.numel for e in entries)}
     transfers: tuple[Transfer, ...] = ()
     if owner_elems:
         costs[REDUCE] = cost.calls_us([(REDUCE, s) for s in sizes if s] + everyone_call)
         if n > 1:
             transfers = _packed_transfers(sizes, chunk)
-            peers, moved = handoff_load(transfers, n)
-            costs[HANDOFF] = cost.calls_us([(REDUCE_SCATTER, packed_span)] + everyone_call) + cost.handoff_us(peers,
-                                                                                                             moved)
+            costs[HANDOFF] = (cost.calls_us([(REDUCE_SCATTER, packed_span)] + everyone_call)
+                              + cost.handoff_us(transfers))
             pad = n * per_rank - owner_elems
             fits = capacity is None or n * per_rank + all_elems <= capacity
             if all(sizes) and fits and pad <= max_padding_share * counted.reduced_elems:
                 costs[REDUCE_SCATTER] = cost.calls_us([(REDUCE_SCATTER, n * per_rank)] + everyone_call)
     choice = choose(costs, cost.force)
+    if choice == NATIVE:
+        return _native_layout(entries, counted, costs)
 
     placed: dict[int, list[PlacedPiece]] = {e.param_id: [] for e in entries}
     ranges: list[FlushRange] = []
@@ -228,6 +240,22 @@ def plan_owner_layout(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, red
     return OwnerLayout(grads=out, plan=plan, collectives=tuple(collectives), padding=tuple(padding), total=offset,
                        transfers=transfers if choice == HANDOFF else (), choice=choice,
                        modelled_us=costs[choice], costs=tuple(sorted(costs.items())))
+
+
+def _native_layout(entries: Sequence[BucketEntry], counted: FlushPlan, costs: dict[str, float]) -> OwnerLayout:
+    """What DeepCompile's own runtime sends (z1.cpp / z2.cpp): every gradient whole, in arrival order, one
+    AllReduce each, in one group; every rank receives everything and keeps its share."""
+    grads, collectives, offset = [], [], 0
+    for e in entries:
+        pieces = (PlacedPiece(e.param_id, 0, e.numel, offset, ALL),) if e.numel else ()
+        grads.append(PlacedGrad(e.param_id, e.numel, pieces))
+        if e.numel:
+            collectives.append(Collective(ALLREDUCE, offset, e.numel))
+        offset += e.numel
+    ranges = (FlushRange(0, offset, ALL),) if offset else ()
+    plan = replace(counted, ranges=ranges, owner_tasks=0, owner_elems=0)
+    return OwnerLayout(grads=tuple(grads), plan=plan, collectives=tuple(collectives), padding=(), total=offset,
+                       choice=NATIVE, modelled_us=costs[NATIVE], costs=tuple(sorted(costs.items())))
 
 
 def default_cost(world_size: int, dtype_bytes: int = 2) -> FlushCost:

@@ -42,6 +42,17 @@ class ReduceBucket:
         self.offset = 0
         self.free_event: object | None = None  # CUDA: recorded on the reduce stream when a flush released it
         self.views: dict[int, tuple[Any, Any]] = {}  # id(flush or plan) -> (it, its views): see Note (views)
+        self.staging: torch.Tensor | None = None  # see Note (staging) in flush.py
+
+    def staging_for(self, numel: int) -> tuple[torch.Tensor, bool]:
+        """A buffer of at least ``numel`` elements beside this bucket's, kept with it (and whether it is new: the
+        views of an old one are dropped). Written and read on the reduce stream only, under the bucket's own
+        lifetime rule (Note (buffer lifetime)), so replacing it never races a flush of this bucket."""
+        if self.staging is not None and self.staging.numel() >= numel:
+            return self.staging, False
+        self.staging = torch.empty(numel, dtype=self.dtype, device=self.device)
+        self.views.clear()
+        return self.staging, True
 
     def should_flush(self, numel: int) -> bool:
         return self.offset > 0 and self.offset + numel > self.size
@@ -63,6 +74,7 @@ class ReduceBucket:
         self.buffer = torch.empty(capacity, dtype=self.dtype, device=self.device)
         self.capacity = capacity
         self.views.clear()
+        self.staging = None
 
     def allocate(self, numel: int) -> tuple[int, torch.Tensor]:
         if self.offset + numel > self.size:

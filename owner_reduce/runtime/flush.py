@@ -11,6 +11,12 @@ reads. NCCL may run the operations of one group concurrently; the hand-off is th
 after the first on the same stream (on the GPU: stream order, torch.distributed's works being ordered on the
 stream too; on gloo: the first group's works are waited).
 
+Note (staging): a flush that left its schedule holds only some of its gradients, at the layout's offsets, a
+straddler's slices in several owner regions, holes between. When the model prefers native's calls for it, the
+pieces present are first copied, each gradient whole and in arrival order, into the bucket's staging buffer, and
+the AllReduces run there, one per gradient as z1.cpp issues them: the flush then costs native's calls plus one
+device copy, never an AllReduce over the holes or one call per scattered piece (issue 23 item 7).
+
 Note (flush plan cache): a graph's buckets hold the same gradients in the same order every step, so the plan and
 the copy-out list are computed once per distinct bucket content and reused: for an owner-ordered flush, the
 scheduled flush itself (held by the entry, so its id is never reused while cached) and how many of its gradients
@@ -27,7 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..planning.collectives import ALLREDUCE, HANDOFF, REDUCE, REDUCE_SCATTER, Collective, algo_of
+from ..planning.collectives import ALLREDUCE, HANDOFF, NATIVE, REDUCE, REDUCE_SCATTER, Collective, algo_of
 from ..planning.flags import OwnerReduceFlags
 from ..planning.flush_choice import FlushCost, choose_arrival
 from ..planning.flush_plan import BucketEntry, FlushPlan, FlushRange, plan_flush
@@ -103,6 +109,7 @@ class _CachedFlush:
     reduce_calls: int
     all_reduce_calls: int
     reduce_scatter_calls: int
+    staged: tuple[tuple[int, int, int], ...] = ()  # (bucket offset, staging offset, elements): Note (staging)
 
 
 class Flusher:
@@ -146,6 +153,8 @@ class Flusher:
         cached = self._scheduled(pending) if pending.scheduled is not None else self._arrival(pending, buffer.dtype)
         index = self._stats.flushes + 1
         with streams.reducing():
+            if cached.staged:
+                buffer = self._staged(cached, bucket)
             used = buffer.narrow(0, 0, cached.span)
             for pad in cached.padding:
                 buffer.narrow(0, pad.offset, pad.count).zero_()
@@ -171,6 +180,17 @@ class Flusher:
             self._copy_out(cached, self._sources(cached, bucket, used))
             streams.bucket_released(bucket)
         self._count(cached, buffer, pending.scheduled is not None)
+
+    def _staged(self, cached: _CachedFlush, bucket: Any) -> torch.Tensor:
+        """Copy the pieces present into the bucket's staging buffer (see Note (staging)); return that buffer."""
+        staging, new = bucket.staging_for(cached.span)
+        if new:
+            self.buffers_replaced()
+        buffer = bucket.buffer
+        for src, dst, count in cached.staged:
+            staging.narrow(0, dst, count).copy_(buffer.narrow(0, src, count))
+        self._stats.staged_flushes += 1
+        return staging
 
     @staticmethod
     def _sources(cached: _CachedFlush, bucket: Any, used: torch.Tensor) -> Sequence[torch.Tensor]:
@@ -215,15 +235,29 @@ class Flusher:
             return cached
         layout = flush.layout
         grads = layout.grads[:present]
+        span, staged = layout.total, ()
+        locate = {g.param_id: g.locate for g in grads}
         if present == len(flush.ids):
             plan, collectives, padding, transfers = layout.plan, layout.collectives, layout.padding, layout.transfers
         else:
+            packed, at = [], 0  # native's layout of what is present: each gradient whole, in arrival order
+            for g in grads:
+                if g.numel:
+                    packed.append(FlushRange(at, g.numel, None))
+                at += g.numel
             choice = choose_arrival(plan_placed(grads, self._owner_map, self._owner),
-                                    self.cost.for_dtype_bytes(pending.bucket.buffer.element_size()))
+                                    self.cost.for_dtype_bytes(pending.bucket.buffer.element_size()), packed)
             plan, collectives, padding, transfers = choice.plan, choice.collectives, (), ()
-        copy_out = self._copy_outs((g.param_id, g.locate) for g in grads)
+            if choice.choice == NATIVE:
+                span, at, moves = at, 0, []
+                for g in grads:
+                    moves += [(p.bucket_offset, at + p.src_offset, p.length) for p in g.pieces]
+                    locate[g.param_id] = lambda offset, _, at=at: at + offset
+                    at += g.numel
+                staged = tuple(moves)
+        copy_out = self._copy_outs((g.param_id, locate[g.param_id]) for g in grads)
         cached = self._make(flush, list(flush.numels[:present]), plan, copy_out, collectives, padding, transfers,
-                            layout.total)
+                            span, staged)
         self._remember(key, cached)
         return cached
 
@@ -239,7 +273,8 @@ class Flusher:
             offset += numel
         # Looked up in this module at call time: the harness's fault injection replaces plan_flush here.
         choice = choose_arrival(plan_flush(entries, self._owner_map, self._owner),
-                                self.cost.for_dtype_bytes(pending.bucket.buffer.element_size()))
+                                self.cost.for_dtype_bytes(pending.bucket.buffer.element_size()),
+                                [FlushRange(e.offset, e.numel, None) for e in entries if e.numel])
         copy_out = self._copy_outs((e.param_id, lambda at, _, e=e: e.offset + at) for e in entries)
         cached = self._make(None, list(pending.numels), choice.plan, copy_out, choice.collectives, (), (), offset)
         self._remember(key, cached)
@@ -259,7 +294,7 @@ class Flusher:
 
     def _make(self, source: Any, numels: list[int], plan: FlushPlan, copy_out: list[_CopyOut],
               collectives: tuple[Collective, ...], padding: tuple[FlushRange, ...], transfers: tuple[Any, ...],
-              span: int) -> _CachedFlush:
+              span: int, staged: tuple[tuple[int, int, int], ...] = ()) -> _CachedFlush:
         self.plans_computed += 1
         rank = self.comm.rank if self.comm is not None else 0
         copy_out.sort(key=lambda c: c.src_offset)
@@ -276,7 +311,7 @@ class Flusher:
                             calls=tuple(c for c in collectives if c.kind != HANDOFF), p2p=p2p,
                             collectives=collectives, padding=padding, span=span, algo=algo_of(kinds),
                             reduce_calls=kinds.count(REDUCE), all_reduce_calls=kinds.count(ALLREDUCE),
-                            reduce_scatter_calls=kinds.count(REDUCE_SCATTER))
+                            reduce_scatter_calls=kinds.count(REDUCE_SCATTER), staged=staged)
 
     def _remember(self, key: tuple[Any, ...], cached: _CachedFlush) -> None:
         if len(self._cache) >= _FLUSH_CACHE_LIMIT:

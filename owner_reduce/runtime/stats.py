@@ -45,6 +45,7 @@ class RuntimeStats:
     all_reduce_calls: int = 0
     reduce_scatter_calls: int = 0
     handoff_rounds: int = 0  # grouped send/recv rounds after a ReduceScatter
+    staged_flushes: int = 0  # off-schedule flushes run as native from the staging buffer (flush.py Note (staging))
     sends: int = 0  # this rank's sends in those rounds
     recvs: int = 0
     scheduled_flushes: int = 0  # flushes laid out in owner order (a learned schedule)
