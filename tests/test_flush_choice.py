@@ -3,8 +3,6 @@ candidate wins (or the forced one), identical inputs give identical choices, and
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from fakes import flat_map
 
@@ -84,7 +82,8 @@ def test_no_flush_is_modelled_slower_than_native_on_schedule_or_off(nvls):
         for bucket in (int(2e7), int(5e7), int(5e8), int(1e9)):
             for entries in simulate_flushes(m, backward_order(order), bucket):
                 grads = [(e.param_id, e.numel) for e in entries]
-                layout = plan_owner_layout(grads, m, order=mo, cost=cost, capacity=max([bucket] + [n for _, n in grads]))
+                capacity = max([bucket] + [n for _, n in grads])
+                layout = plan_owner_layout(grads, m, order=mo, cost=cost, capacity=capacity)
                 native = cost.native_us(n for _, n in grads)
                 assert layout.modelled_us <= native * (1 + 1e-12), (ws, bucket, layout.choice)
                 assert layout.modelled_us == min(dict(layout.costs).values())
