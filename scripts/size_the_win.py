@@ -8,16 +8,23 @@ the share of elements on the owner path, bytes delivered per rank per step, coll
 and the ring-model time ratio. Examples::
 
     python scripts/size_the_win.py --model gpt2-124m --world-size 8 64
-    python scripts/size_the_win.py --model 1b --world-size 8 --json
+    python scripts/size_the_win.py --model 1b --world-size 8 --report-json
+    python scripts/size_the_win.py --model llama-7b --world-size 512 --bucket-size 5e8 --json out/plan.json
+    python scripts/size_the_win.py --model llama-13b --world-size 64 512 1024 --summary --handoff-sensitivity
+    python scripts/size_the_win.py --model llama-7b --world-size 64 --no-nvls --gpu-generation ampere
+    python scripts/size_the_win.py --model gpt2-124m --world-size 4 --calibration out/calibration.json
     python scripts/size_the_win.py --model llama-70b --world-size 1024
     python scripts/size_the_win.py --model llama-7b --vocab 128256 --param-groups decay --world-size 64
     python scripts/size_the_win.py --model mypkg.models:make_model --world-size 16
     python scripts/size_the_win.py --world-size 8 64 512 --check-published
 
-Time estimates: calls per flush today (arrival order), with the owner-ordered bucket, and natively, each
-timed with NCCL's alpha-beta tuning model (owner_reduce/planning/collective_time.py) on a named topology:
-one 8-GPU NVLink node up to ws 8, nodes of 8 GPUs over a network above. ``--check-published`` also models
-the one published measurement (8x A800 NVLink, 806 MB bf16, one collective per parameter).
+Time estimates: calls per flush today (arrival order), with the owner-ordered bucket, and natively (one
+AllReduce per gradient in one NCCL group, as DeepCompile issues them), each costed the way NCCL 2.30 plans a
+group (owner_reduce/planning/collective_time.py) on the cluster the options describe: by default nodes of 8
+Hopper GPUs on NVSwitch with NVLS, one 400 Gb/s NIC per GPU (one NVLink node when the world fits in one);
+``--calibration FILE`` replaces NCCL's tables with times measured on your cluster (scripts/calibrate.py).
+``--check-published`` also models the one published measurement (8x A800 NVLink, 806 MB bf16, one collective
+per parameter).
 
 Why one process per world size when several are given: the fake process group is process-global.
 """
@@ -46,11 +53,14 @@ from owner_reduce.offline_sizing.model_spec import GROUPINGS, PRESETS, ModelSpec
 from owner_reduce.planning.sizing import (  # noqa: E402
     DEFAULT_BUCKET_SIZE,
     DTYPE_BYTES,
-    SUMMARY_HEADER,
+    HANDOFF_SENSITIVITY,
+    Cluster,
     format_published_check,
     format_report,
     format_summary_rows,
+    plan_to_dicts,
     report_to_dict,
+    summary_header,
 )
 
 
@@ -99,7 +109,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--exact-engine", action="store_true",
                         help="build a real ZeRO-1 engine (uninitialized bf16 weights) instead of the meta layout: "
                              "the reference, far slower and larger")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of the text report")
+    cluster = parser.add_argument_group("the cluster modelled (default: 8 Hopper GPUs per node on NVSwitch, NVLS)")
+    cluster.add_argument("--ranks-per-node", type=int, default=8, help="GPUs (ranks) per node (default 8)")
+    cluster.add_argument("--gpu-generation", choices=("hopper", "ampere"), default="hopper",
+                         help="NCCL's tuning constants for this generation (default hopper)")
+    cluster.add_argument("--no-nvls", dest="nvls", action="store_false",
+                         help="no NVSwitch multicast: native's AllReduce without NVLS / NVLS_TREE (any Ampere "
+                              "cluster; Hopper without NVLS)")
+    cluster.add_argument("--calibration", metavar="FILE", default=None,
+                         help="call times measured on your cluster by scripts/calibrate.py, in place of NCCL's "
+                              "tables")
+    cluster.add_argument("--handoff-sensitivity", action="store_true",
+                         help="also size every bucket with the hand-off at 0.5x and 0.25x its modelled network "
+                              "bandwidth (how much each row depends on it)")
+    parser.add_argument("--json", metavar="FILE", default=None,
+                        help="write the plan per flush (what native and reduce_to_owner issue, in NCCL groups, and "
+                             "their modelled times) to FILE ('-': stdout); one JSON object per world size and "
+                             "bucket, a list when there are several")
+    parser.add_argument("--report-json", action="store_true",
+                        help="print the whole report as JSON instead of the text report")
     parser.add_argument("--summary", action="store_true",
                         help="print one markdown row per world size and bucket (step time against native before and "
                              "after the per-flush choice, the worst flush) instead of the text report")
@@ -109,6 +137,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.world_size):
         parser.error("--world-size must be at least 1")
+    if args.ranks_per_node < 1:
+        parser.error("--ranks-per-node must be at least 1")
+    if args.gpu_generation != "hopper" and args.nvls:
+        args.nvls = False  # NVLS exists from Hopper on (search.cc): Ampere has none to turn off
     tied = True if args.tied_head else False if args.untied_head else None
     if args.model not in PRESETS and (args.vocab is not None or tied is not None):
         parser.error(f"--vocab, --untied-head and --tied-head apply to presets ({', '.join(PRESETS)}) only, "
@@ -126,23 +158,45 @@ def main(argv: list[str] | None = None) -> int:
         for name, config in PRESETS.items():
             print(f"{name:10} {describe_preset(config)}")
         return 0
+    calibration = None
+    if args.calibration:
+        from owner_reduce.planning.calibration import load_calibration
+
+        try:
+            calibration = load_calibration(args.calibration)
+        except (OSError, ValueError) as exc:
+            print(f"size_the_win.py: error: --calibration {args.calibration}: {exc}", file=sys.stderr)
+            return 2
+    cluster = Cluster(args.ranks_per_node, args.gpu_generation, args.nvls, calibration=calibration)
+    sensitivity = HANDOFF_SENSITIVITY if args.handoff_sensitivity else ()
     sizer = size_model if len(args.world_size) == 1 else size_in_subprocess
     with _stdout_to_stderr():
-        reports = [sizer(args.spec, ws, args.bucket_size, args.dtype, args.exact_engine) for ws in args.world_size]
+        reports = [sizer(args.spec, ws, args.bucket_size, args.dtype, args.exact_engine, cluster, sensitivity)
+                   for ws in args.world_size]
         published = (check_published_in_subprocess(exact_engine=args.exact_engine) if args.check_published
                      else None)
     wall = time.perf_counter() - _START
     if args.json:
+        plans = [plan for r in reports for plan in plan_to_dicts(r)]
+        text = json.dumps(plans[0] if len(plans) == 1 else plans, indent=1)
+        if args.json == "-":
+            print(text)
+            return 0
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+        print(f"plan of {len(plans)} world size / bucket pair(s) written to {args.json}", file=sys.stderr)
+    if args.report_json:
         data: dict = {"reports": [report_to_dict(r) for r in reports], "wall_seconds": wall}
         if published is not None:
             data["published_check"] = {"model": published[0], "variants": [
                 dict(dataclasses.asdict(c), ratio=c.ratio, measured_ratio=c.measured_ratio) for c in published[1]]}
         print(json.dumps(data, indent=2))
     elif args.summary:
-        print(SUMMARY_HEADER)
+        print(summary_header(sensitivity))
         for report in reports:
             print("\n".join(format_summary_rows(report, args.model)))
-        print(f"\n(alpha-beta model; ratios against native DeepCompile's one AllReduce per gradient; wall time "
+        print("\n(alpha-beta model, NCCL 2.30 group planning; ratios against native DeepCompile: one AllReduce per "
+              f"gradient in one group per flush; wall time "
               f"{wall:.1f} s)")
     else:
         print("\n\n".join(format_report(r) for r in reports))

@@ -204,3 +204,28 @@ def test_p2p_round_costs_latency_per_wave_and_the_busiest_ranks_bytes():
     # The receiver's incast: eight senders into one rank count on that rank.
     incast = ct.p2p_load([(s, 0, 1000) for s in range(8, 16)], ranks_per_node=8, world_size=16)
     assert (incast.peers, incast.remote_bytes, incast.local_bytes) == (8, 8000, 0)
+
+
+def test_the_json_plan_lists_a_handoffs_reduce_scatter_then_every_ranks_sends():
+    """``size_the_win.py --json``: the hand-off flush above is two NCCL groups, the ReduceScatter (NCCL's count:
+    the per-rank chunk) then the send/recv round with every rank's sends; the sends move exactly what each owner
+    keeps and no rank sends to itself."""
+    from owner_reduce.planning.sizing import issued_groups
+
+    m = flat_map([4096 * 11008] * 148, 1024)
+    grads = [(pid, m.placement(pid).numel) for pid in range(147, 147 - 11, -1)]
+    layout = plan_owner_layout(grads, m, cost=FlushCost(ct.topology_of(1024, 8, nvls=False)))
+    collective, sends = issued_groups(layout, 1024)
+    (rs,) = collective
+    assert (rs.kind, rs.elements, rs.comm, rs.comm_size) == (REDUCE_SCATTER, layout.collectives[0].per_rank,
+                                                              "world", 1024)
+    assert len(sends) == len(layout.transfers) > 0
+    assert all(s.kind == "send" and s.rank != s.peer and s.elements > 0 for s in sends)
+    received: dict[int, int] = {}
+    for s in sends:
+        received[s.peer] = received.get(s.peer, 0) + s.elements
+    kept = {r.root: r.count for r in layout.plan.ranges}
+    assert all(received[dst] <= kept[dst] for dst in received)  # what arrives is part of what the owner keeps
+    native = plan_owner_layout(grads, m, cost=FlushCost(ct.topology_of(1024, 8), force=NATIVE))
+    (group,) = issued_groups(native, 1024)
+    assert [(c.kind, c.elements) for c in group] == [(ALLREDUCE, n) for _, n in grads]

@@ -207,7 +207,7 @@ def _run(*args: str, timeout: int) -> subprocess.CompletedProcess[str]:
 @pytest.mark.timeout(240)
 def test_command_on_tiny_preset_json_two_world_sizes():
     # Two world sizes: each is sized in its own spawned process (the fake group is process-global).
-    result = _run("--model", "tiny", "--world-size", "2", "4", "--bucket-size", "20000", "5e8", "--json",
+    result = _run("--model", "tiny", "--world-size", "2", "4", "--bucket-size", "20000", "5e8", "--report-json",
                   timeout=200)
     data = json.loads(result.stdout)  # stdout is the JSON alone; DeepSpeed's chatter went to stderr
     assert [r["world_size"] for r in data["reports"]] == [2, 4]
@@ -229,6 +229,39 @@ def test_command_on_tiny_preset_json_two_world_sizes():
                 assert f["owner_calls"] <= f["native_calls"]
                 assert f["owner_time"] <= f["native_time"] + 1e-9
             assert 0 < b["owner_time_ratio"] <= 1.0
+
+
+@pytest.mark.timeout(180)
+def test_command_writes_the_plan_per_flush_and_sizes_a_world_of_100(tmp_path):
+    """Issue 20 item 6's schema, and issue 23 item 8: a world size that is not whole nodes of 8 gets a table."""
+    plan_file = tmp_path / "plan.json"
+    result = _run("--model", "tiny", "--world-size", "100", "--bucket-size", "20000", "--summary",
+                  "--handoff-sensitivity", "--json", str(plan_file), timeout=150)
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| tiny | 100 |")]
+    assert len(rows) == 1 and "hand-off at 0.25x bw" in result.stdout and "**" in rows[0], result.stdout
+    plan = json.loads(plan_file.read_text())
+    assert {"model", "world_size", "ranks_per_node", "gpu_generation", "dtype_bytes", "bucket_elems",
+            "flushes"} <= set(plan)
+    assert (plan["world_size"], plan["ranks_per_node"], plan["gpu_generation"], plan["dtype_bytes"],
+            plan["bucket_elems"]) == (100, 8, "hopper", 2, 20000)
+    assert "last node partly filled" in plan["topology"]
+    assert sum(len(f["gradients"]) for f in plan["flushes"]) == 2 + 2 * 12 + 2
+    for f in plan["flushes"]:
+        assert {"index", "gradients", "groups", "algo", "modelled_us", "native_modelled_us"} <= set(f)
+        assert 0 < f["modelled_us"] <= f["native_modelled_us"] * (1 + 1e-12)
+        for group in f["groups"]:
+            for call in group:
+                assert set(call) == {"kind", "elements", "root", "peer", "rank", "comm", "comm_size"}
+                assert call["kind"] in {"allreduce", "reduce", "reduce_scatter", "send", "recv"}
+                assert call["comm"] == "world" and call["comm_size"] == 100 and call["elements"] > 0
+                assert (call["root"] is not None) == (call["kind"] == "reduce")
+                assert (call["peer"] is not None) == (call["rank"] is not None) == (call["kind"] == "send")
+        if f["choice"] == "native":
+            (group,) = f["groups"]
+            assert [c["elements"] for c in group] == [n for n in f["gradients"] if n]
+        reduced = sum(c["elements"] * (100 if c["kind"] == "reduce_scatter" else 1)
+                      for c in f["groups"][0])
+        assert reduced >= sum(f["gradients"])  # every element reduced at least once (padding may add)
 
 
 @pytest.mark.timeout(180)

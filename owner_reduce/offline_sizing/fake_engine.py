@@ -29,7 +29,14 @@ from multiprocessing import get_context
 import torch
 from torch import nn
 
-from ..planning.sizing import DEFAULT_BUCKET_SIZE, PublishedCheck, SizingReport, published_check, size_the_win
+from ..planning.sizing import (
+    DEFAULT_BUCKET_SIZE,
+    Cluster,
+    PublishedCheck,
+    SizingReport,
+    published_check,
+    size_the_win,
+)
 from .fake_world import BuiltLayout, grad_order_of, init_fake_world, zero1_sizing_config
 from .gpt_presets import build_uninitialized
 from .meta_layout import build_meta_layout
@@ -89,14 +96,15 @@ def build_layout(spec: ModelSpec, world_size: int, exact_engine: bool = False) -
 
 
 def size_model(spec: ModelSpec, world_size: int, bucket_sizes: Sequence[int] = (), dtype: str = "bf16",
-               exact_engine: bool = False) -> SizingReport:
+               exact_engine: bool = False, cluster: Cluster | None = None,
+               sensitivity: Sequence[float] = ()) -> SizingReport:
     """Build the layout in this process and size it; the first bucket size is the engine's own when none given."""
     layout = build_layout(spec, world_size, exact_engine=exact_engine)
     sizes = tuple(bucket_sizes) or (layout.reduce_bucket_size,)
     notes = (f"partitioning by deepspeed {_deepspeed_version()} {layout.optimizer_class} (ZeRO stage 1), "
              f"fake process group, rank 0 of {world_size}",) + layout.notes
     return size_the_win(layout.owner_map, layout.grad_order, sizes, model=spec.describe(), dtype=dtype,
-                        build_seconds=layout.seconds, notes=notes)
+                        build_seconds=layout.seconds, notes=notes, cluster=cluster, sensitivity=tuple(sensitivity))
 
 
 PUBLISHED_SPEC = ModelSpec("gpt2-350m", tied_head=False)  # 406.3M params, 293 tensors: nearest preset to 402.8M
@@ -123,10 +131,12 @@ def check_published_in_subprocess(spec: ModelSpec = PUBLISHED_SPEC,
 
 
 def size_in_subprocess(spec: ModelSpec, world_size: int, bucket_sizes: Sequence[int] = (),
-                       dtype: str = "bf16", exact_engine: bool = False) -> SizingReport:
+                       dtype: str = "bf16", exact_engine: bool = False, cluster: Cluster | None = None,
+                       sensitivity: Sequence[float] = ()) -> SizingReport:
     """``size_model`` in a fresh spawned process, because the fake process group is process-global."""
     with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
-        return pool.submit(size_model, spec, world_size, tuple(bucket_sizes), dtype, exact_engine).result()
+        return pool.submit(size_model, spec, world_size, tuple(bucket_sizes), dtype, exact_engine, cluster,
+                           tuple(sensitivity)).result()
 
 
 def _deepspeed_version() -> str:

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from .collective_time import A800_NODE, ALLREDUCE, REDUCE, REDUCE_SCATTER, Topology, flush_time_us, named_topology
-from .flush_choice import FlushCost
+from .collective_time import A800_NODE, ALLREDUCE, REDUCE, REDUCE_SCATTER, Topology, flush_time_us, topology_of
+from .collectives import HANDOFF
+from .flush_choice import CallTimes, FlushCost
 from .flush_plan import ALL, BucketEntry, FlushRange, plan_flush
-from .owner_layout import collectives_of, map_order, plan_owner_layout
+from .owner_layout import OwnerLayout, collectives_of, map_order, plan_owner_layout
 from .owner_map import OwnerMap, Placement
 from .wording import count_noun
 
@@ -41,6 +42,41 @@ from .wording import count_noun
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 DEFAULT_BUCKET_SIZE = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size default (elements)
+HANDOFF_SENSITIVITY = (0.5, 0.25)  # the hand-off's network bandwidth scales the docs show (issue 20 item 3)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machine the sizing models: ranks per node, GPU generation, NVSwitch multicast (NVLS / NVLS_TREE for
+    native's AllReduces), the hand-off's bandwidth scale, and a cluster's measured call times (a calibration file,
+    ``planning.calibration``) that replace NCCL's tables where given. The default is the runtime's own assumption
+    (``flush_choice.agreed_topology`` on Hopper): 8 GPUs per node on NVSwitch with NVLS."""
+
+    ranks_per_node: int = 8
+    generation: str = "hopper"
+    nvls: bool = True
+    p2p_bw_scale: float = 1.0
+    calibration: CallTimes | None = None
+
+    def __post_init__(self) -> None:
+        if self.ranks_per_node < 1:
+            raise ValueError(f"ranks per node must be at least 1, got {self.ranks_per_node}")
+        if self.nvls and self.generation != "hopper":
+            raise ValueError(f"NVLS needs Hopper or later; GPU generation {self.generation!r} has none (--no-nvls)")
+
+    def topology(self, world_size: int) -> Topology | None:
+        """NCCL's model of ``world_size`` ranks on this cluster (None for one rank: nothing to cost). Any world
+        size works: a last node partly filled is modelled as such (``collective_time.topology_of``)."""
+        if world_size <= 1:
+            return None
+        return topology_of(world_size, self.ranks_per_node, self.generation, nvls=self.nvls)
+
+    def cost(self, world_size: int, dtype_bytes: int) -> FlushCost:
+        return FlushCost(self.topology(world_size), dtype_bytes, p2p_bw_scale=self.p2p_bw_scale,
+                         calibration=self.calibration)
+
+    def with_p2p_scale(self, scale: float) -> Cluster:
+        return Cluster(self.ranks_per_node, self.generation, self.nvls, scale, self.calibration)
 
 
 # ---- where the elements are ---------------------------------------------------------------------------------
@@ -204,6 +240,38 @@ def ring_time(ranges: Sequence[FlushRange], world_size: int) -> float:
 
 
 @dataclass(frozen=True)
+class IssuedCall:
+    """One NCCL call as the ``--json`` plan lists it (issue 20's schema): ``elements`` is NCCL's count (per rank
+    for a ReduceScatter), ``root`` a Reduce's root, ``peer`` and ``rank`` a send's destination and sender."""
+
+    kind: str  # allreduce, reduce, reduce_scatter, send, recv
+    elements: int
+    root: int | None = None
+    peer: int | None = None
+    rank: int | None = None
+    comm: str = "world"
+    comm_size: int = 0
+
+
+def issued_groups(layout: OwnerLayout, world_size: int) -> tuple[tuple[IssuedCall, ...], ...]:
+    """The NCCL groups a flush's layout issues, in order: its collectives in one group, then (a hand-off) one
+    grouped send/recv round listing every rank's sends (each has a matching recv on its ``peer``)."""
+    calls = []
+    for c in layout.collectives:
+        if c.kind == HANDOFF:
+            continue
+        if c.kind == REDUCE_SCATTER:
+            calls.append(IssuedCall(REDUCE_SCATTER, c.per_rank, comm_size=world_size))
+        else:
+            calls.append(IssuedCall(c.kind, c.count, root=c.root, comm_size=world_size))
+    groups = [tuple(calls)] if calls else []
+    if layout.transfers:
+        groups.append(tuple(IssuedCall("send", t.count, peer=t.dst, rank=t.src, comm_size=world_size)
+                            for t in layout.transfers))
+    return tuple(groups)
+
+
+@dataclass(frozen=True)
 class FlushSizing:
     """One bucket flush on the three paths: collective calls and ring-model time (elements, busiest rank)."""
 
@@ -226,6 +294,8 @@ class FlushSizing:
     layout_us: float = 0.0
     previous_us: float = 0.0  # the owner-ordered bucket before the per-flush choice (see the module's docstring)
     layout_choice: str = ""  # the candidate that won (flush_choice.CANDIDATES)
+    gradients: tuple[int, ...] = ()  # elements of each gradient, in arrival order (native's calls)
+    groups: tuple[tuple[IssuedCall, ...], ...] = ()  # what reduce_to_owner issues: one entry per NCCL group
 
     @property
     def layout_over_native(self) -> float:
@@ -240,6 +310,8 @@ class BucketSizing:
     world_size: int
     flushes: tuple[FlushSizing, ...]
     topology: str = ""  # the alpha-beta estimate's topology ("" when the world size has none)
+    # (bandwidth scale, step ratio, worst flush ratio) with the hand-off at a share of its network bandwidth
+    handoff_sensitivity: tuple[tuple[float, float, float], ...] = ()
 
     @property
     def native_calls(self) -> int:
@@ -292,10 +364,17 @@ class BucketSizing:
 
 def size_buckets(owner_map: OwnerMap, grad_order: Sequence[int], bucket_size: int,
                  double_buffer: bool = True, dtype_bytes: int = 2,
-                 topology: Topology | None | str = "default") -> BucketSizing:
+                 topology: Topology | None | str = "default", cluster: Cluster | None = None) -> BucketSizing:
+    """Every flush of one step at ``bucket_size``: calls and modelled times per path on ``cluster`` (default
+    ``Cluster()``), or on an explicit ``topology`` (NCCL's tables, no calibration)."""
     n = owner_map.dp_world_size
-    topo = named_topology(n) if topology == "default" else topology
-    cost = FlushCost(topo, dtype_bytes)
+    cluster = Cluster() if cluster is None else cluster
+    if topology == "default":
+        topo = cluster.topology(n)
+        cost = cluster.cost(n, dtype_bytes)
+    else:
+        topo = topology
+        cost = FlushCost(topo, dtype_bytes)
     order = map_order(owner_map)
     sized = []
     for index, entries in enumerate(simulate_flushes(owner_map, grad_order, bucket_size, double_buffer), 1):
@@ -307,11 +386,10 @@ def size_buckets(owner_map: OwnerMap, grad_order: Sequence[int], bucket_size: in
                                    order=order, cost=cost)
         times = {}
         if topo is not None:
-            b = dtype_bytes
             costs = dict(layout.costs)
             times = dict(
-                native_us=flush_time_us(((ALLREDUCE, e.numel * b) for e in entries), topo),
-                sliced_us=flush_time_us(((c.kind, c.count * b) for c in collectives_of(sliced)), topo),
+                native_us=cost.native_us(e.numel for e in entries),
+                sliced_us=cost.calls_us((c.kind, c.count) for c in collectives_of(sliced)),
                 layout_us=layout.modelled_us,
                 previous_us=costs.get(REDUCE_SCATTER, costs.get(REDUCE, costs[ALLREDUCE])))
         # Native: each gradient is its own AllReduce, but they share one group, so time adds up as one range.
@@ -322,9 +400,14 @@ def size_buckets(owner_map: OwnerMap, grad_order: Sequence[int], bucket_size: in
                                  sliced_time=ring_time(sliced, n),
                                  owners=len({r.root for r in sliced if r.root is not ALL}),
                                  layout_calls=layout.calls, layout_algo=layout.algo,
-                                 layout_choice=layout.choice, **times))
-    return BucketSizing(bucket_size=int(bucket_size), world_size=n, flushes=tuple(sized),
-                        topology=topo.name if topo is not None else "")
+                                 layout_choice=layout.choice, gradients=tuple(e.numel for e in entries),
+                                 groups=issued_groups(layout, n), **times))
+    name = topo.name if topo is not None else ""
+    if name and cost.calibration is not None:
+        name += ", calls timed by the calibration file"
+    elif name and cost.p2p_bw_scale != 1.0:
+        name += f", hand-off at {cost.p2p_bw_scale:g}x its network bandwidth"
+    return BucketSizing(bucket_size=int(bucket_size), world_size=n, flushes=tuple(sized), topology=name)
 
 
 # ---- the one published measurement ---------------------------------------------------------------------------
@@ -400,18 +483,33 @@ class SizingReport:
     buckets: tuple[BucketSizing, ...]
     build_seconds: float = 0.0  # wall time to build the engine and the map (informational)
     notes: tuple[str, ...] = ()
+    ranks_per_node: int = 8  # the cluster modelled (``Cluster``)
+    gpu_generation: str = "hopper"
+    nvls: bool = True
 
 
 def size_the_win(owner_map: OwnerMap, grad_order: Sequence[int], bucket_sizes: Sequence[int], *, model: str,
-                 dtype: str = "bf16", build_seconds: float = 0.0, notes: Sequence[str] = ()) -> SizingReport:
+                 dtype: str = "bf16", build_seconds: float = 0.0, notes: Sequence[str] = (),
+                 cluster: Cluster | None = None, sensitivity: Sequence[float] = ()) -> SizingReport:
+    """The whole report; ``sensitivity``: hand-off bandwidth scales to size each bucket again at (the docs' rows)."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} not one of {', '.join(DTYPE_BYTES)}")
+    cluster = Cluster() if cluster is None else cluster
+    b = DTYPE_BYTES[dtype]
+    buckets = []
+    for size in bucket_sizes:
+        sized = size_buckets(owner_map, grad_order, size, dtype_bytes=b, cluster=cluster)
+        rows = []
+        for scale in sensitivity:
+            scaled = size_buckets(owner_map, grad_order, size, dtype_bytes=b, cluster=cluster.with_p2p_scale(scale))
+            worst = scaled.worst_flush()
+            rows.append((scale, scaled.us_ratio("layout"), worst.layout_over_native if worst else 1.0))
+        buckets.append(replace(sized, handoff_sensitivity=tuple(rows)))
     return SizingReport(model=model, world_size=owner_map.dp_world_size, dtype=dtype,
                         summary_line=owner_map.init_line(sliced=True), share=element_share(owner_map),
-                        delivered=delivered_bytes(owner_map, DTYPE_BYTES[dtype]),
-                        buckets=tuple(size_buckets(owner_map, grad_order, b, dtype_bytes=DTYPE_BYTES[dtype])
-                                      for b in bucket_sizes),
-                        build_seconds=build_seconds, notes=tuple(notes))
+                        delivered=delivered_bytes(owner_map, b), buckets=tuple(buckets),
+                        build_seconds=build_seconds, notes=tuple(notes), ranks_per_node=cluster.ranks_per_node,
+                        gpu_generation=cluster.generation, nvls=cluster.nvls)
 
 
 def _ms(us: float) -> str:
@@ -484,6 +582,8 @@ def format_report(report: SizingReport) -> str:
                 f"({b.us_ratio('previous'):.3f})   arrival order {_ms(b.step_us('sliced'))} "
                 f"({b.us_ratio('sliced'):.3f})   (bandwidth-only {b.sliced_time_ratio:.3f})",
             ]
+            lines += [f"    hand-off at {scale:g}x its network bandwidth: reduce_to_owner {ratio:.3f} of native, "
+                      f"worst flush {worst_ratio:.3f}" for scale, ratio, worst_ratio in b.handoff_sensitivity]
     lines += ["", "estimates: ring-model time is bandwidth only, per rank; alpha-beta time is NCCL's tuning model "
               "(planning/collective_time.py), flushes serial, compute overlap and host time ignored."]
     lines += [f"note: {note}" for note in report.notes]
@@ -495,25 +595,42 @@ SUMMARY_HEADER = ("| model | ws | bucket | flushes | calls per flush: native / r
                   "|---|---|---|---|---|---|---|---|---|---|")
 
 
+def summary_header(sensitivity: Sequence[float] = ()) -> str:
+    """``SUMMARY_HEADER`` with one more column per hand-off bandwidth scale."""
+    if not sensitivity:
+        return SUMMARY_HEADER
+    head, rule = SUMMARY_HEADER.split("\n")
+    extra = "".join(f" hand-off at {s:g}x bw |" for s in sensitivity)
+    return head + extra + "\n" + rule + "---|" * len(sensitivity)
+
+
 def format_summary_rows(report: SizingReport, name: str) -> list[str]:
     """One markdown row per bucket size: the scale table of the guide (alpha-beta step time against native, the
-    owner-ordered bucket before the per-flush choice, and the worst flush), for ``SUMMARY_HEADER``."""
+    owner-ordered bucket before the per-flush choice, the worst flush, and the hand-off sensitivity when sized),
+    for ``summary_header``."""
     rows = []
     for b in report.buckets:
         per = max(len(b.flushes), 1)
         worst = b.worst_flush()
         if not b.topology or worst is None:
+            rows.append(f"| {name} | {report.world_size} | {b.bucket_size:.0e} | {len(b.flushes)} | "
+                        "one rank: nothing to reduce |" + " |" * (5 + len(b.handoff_sensitivity)))
             continue
+        sens = "".join(f" {ratio:.3f}x (worst {w:.3f}x) |" for _, ratio, w in b.handoff_sensitivity)
         rows.append(f"| {name} | {report.world_size} | {b.bucket_size:.0e} | {len(b.flushes)} | "
                     f"{b.native_calls / per:.1f} / {b.layout_calls / per:.1f} | {_algos(b)} | "
                     f"{_ms(b.step_us('native'))} | {b.us_ratio('previous'):.3f}x | "
-                    f"**{b.us_ratio('layout'):.3f}x** | {worst.layout_over_native:.3f}x ({worst.layout_algo}) |")
+                    f"**{b.us_ratio('layout'):.3f}x** | {worst.layout_over_native:.3f}x ({worst.layout_algo}) |"
+                    + sens)
     return rows
 
 
 def report_to_dict(report: SizingReport) -> dict[str, Any]:
     """Machine-readable report: the dataclasses as plain data plus the derived ratios and call totals."""
     data = asdict(report)
+    for raw in data["buckets"]:
+        for flush in raw["flushes"]:
+            del flush["gradients"], flush["groups"]  # the plan's own file: ``plan_to_dicts``
     data["share"]["share"] = report.share.share
     data["delivered"]["owner_over_allreduce"] = report.delivered.owner_over_allreduce
     for raw, b in zip(data["buckets"], report.buckets, strict=True):
@@ -526,6 +643,26 @@ def report_to_dict(report: SizingReport) -> dict[str, Any]:
                    worst_flush_over_native=max((f.layout_over_native for f in b.flushes), default=1.0),
                    choices=b.choices())
     return data
+
+
+def plan_to_dicts(report: SizingReport) -> list[dict[str, Any]]:
+    """Issue 20's machine-readable plan, one object per bucket size: for each flush what native issues (one
+    AllReduce per gradient, in one group) and what reduce_to_owner issues (``groups``: one entry per NCCL group in
+    issue order), with both modelled times, so anyone can cost them their own way."""
+    out = []
+    for b in report.buckets:
+        flushes = []
+        for f in b.flushes:
+            flushes.append({
+                "index": f.index, "gradients": list(f.gradients),
+                "groups": [[asdict(call) for call in group] for group in f.groups],
+                "algo": f.layout_algo, "choice": f.layout_choice,
+                "modelled_us": f.layout_us, "native_modelled_us": f.native_us})
+        out.append({"model": report.model, "world_size": report.world_size,
+                    "ranks_per_node": report.ranks_per_node, "gpu_generation": report.gpu_generation,
+                    "nvls": report.nvls, "dtype_bytes": DTYPE_BYTES[report.dtype], "bucket_elems": b.bucket_size,
+                    "topology": b.topology, "flushes": flushes})
+    return out
 
 
 def report_to_json(report: SizingReport) -> str:
