@@ -499,13 +499,18 @@ def flat_map(numels, ws, other_comm_numels=()):
 
 
 def mirror_runtime(owner_map, rank=0, bucket=1 << 20, algo="auto", probe=False, stage=1, graph_id=11, owner=True,
-                   problems=(), comm=None):
+                   problems=(), comm=None, measure=False):
     """A runtime of rank ``rank`` on ``owner_map`` with a ``MirrorComm`` (or ``comm``), every parameter registered as
-    DeepCompile registers it (this rank's slice of each gradient as its grad buffer), one graph of every parameter."""
+    DeepCompile registers it (this rank's slice of each gradient as its grad buffer), one graph of every parameter.
+
+    ``measure`` is off by default here, unlike in the product: these unit tests count the exact calls of the model's
+    choice in every step; the measured guard (which alternates native's calls for six steps) has its own tests
+    (``test_measured_guard.py``, and the end-to-end runs, which keep the product's default)."""
     from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
 
     comm = comm or MirrorComm(rank=rank, world_size=owner_map.dp_world_size)
-    rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(owner, probe), owner_map, problems, flush_algo=algo),
+    rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(owner, probe), owner_map, problems, flush_algo=algo,
+                                            measure=measure),
                             comm_factory=lambda group: comm)
     rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
     for p in owner_map:

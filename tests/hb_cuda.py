@@ -131,6 +131,14 @@ class FakeEvent:
         self.synchronize()
         return True
 
+    def elapsed_time(self, end: FakeEvent) -> float:
+        """CUDA raises (cudaErrorNotReady) unless both events completed: the host must have waited for them."""
+        host = self._hb.clocks[HOST]
+        for event in (self, end):
+            if event.clock is None or any(host.get(t, 0) < e for t, e in event.clock.items()):
+                raise AssertionError("elapsed_time read before the host waited for the event's stream")
+        return 1.0
+
 
 class HbCuda:
     """Stands in for ``torch.cuda`` in ``CudaStreams`` and checks, while entered (``with hb:``), every tensor access

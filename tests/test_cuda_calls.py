@@ -30,7 +30,7 @@ class FakeCuda:
         self.calls["Stream"] += 1
         return _FakeStream(self, "side")
 
-    def Event(self):  # noqa: N802 - torch.cuda's name
+    def Event(self, enable_timing=False):  # noqa: N802 - torch.cuda's name
         self.calls["Event"] += 1
         return _FakeEvent(self)
 
@@ -68,13 +68,17 @@ class _FakeEvent:
     def record(self, stream=None):
         self._cuda.calls["Event.record"] += 1
 
+    def elapsed_time(self, end):
+        self._cuda.calls["Event.elapsed_time"] += 1
+        return 0.25  # ms
+
 
 NUMELS = [3 + (7 * i) % 11 for i in range(40)]  # 40 gradients of 3..13 elements; ws 2: a straddler in the middle
 
 
-def _steps(rank, bucket, steps=4, algo="auto"):
+def _steps(rank, bucket, steps=4, algo="auto", measure=False):
     m = flat_map(NUMELS, 2)
-    rt, comm = mirror_runtime(m, rank=rank, bucket=bucket, algo=algo)
+    rt, comm = mirror_runtime(m, rank=rank, bucket=bucket, algo=algo, measure=measure)
     cuda = FakeCuda()
     streams = rt.placer.streams = CudaStreams(torch.device("cpu"), cuda=cuda)
     copies = Counter()
@@ -97,13 +101,13 @@ def _steps(rank, bucket, steps=4, algo="auto"):
     for p in m:  # the values are right as well (identical data on both ranks, pre-divided, summed)
         buf = rt._params[p.param_id].grad_buffer
         assert torch.equal(buf, grads[p.param_id][rt._params[p.param_id].offset:][:buf.numel()])
-    return per_step, cuda, m
+    return per_step, cuda, m, rt
 
 
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("bucket", [1 << 20, 60])
 def test_no_cuda_call_per_gradient_only_per_flush(rank, bucket):
-    per_step, cuda, m = _steps(rank, bucket)
+    per_step, cuda, m, _ = _steps(rank, bucket)
     pieces = sum(max(1, len([s for s in m.slices(p.param_id) if s.length])) for p in m)
     for step, (calls, copies, flushes) in enumerate(per_step):
         assert flushes >= 1
@@ -118,10 +122,24 @@ def test_no_cuda_call_per_gradient_only_per_flush(rank, bucket):
     assert cuda.calls["Stream"] == 1  # one reduce stream for the whole run
 
 
+def test_the_measured_guard_times_each_trial_flush_with_two_events_and_stops_after_its_trial():
+    """With the guard on (the product's default): in each of the six trial steps every timed flush adds two timing
+    events on the reduce stream and one elapsed-time read after the bounded wait, nothing per gradient; from the
+    step after the verdict the calls are the steady state's again."""
+    steady, _, _, _ = _steps(0, 1 << 20, steps=3)
+    per_step, cuda, _, rt = _steps(0, 1 << 20, steps=10, measure=True)
+    assert rt.stats.trial_steps == 6 and rt.stats.trials_decided == 1
+    assert cuda.calls["Event.elapsed_time"] == 6 * per_step[1][2]
+    for step in range(1, 7):  # learned in step 0; steps 1-6 alternate the model's choice and native's calls
+        calls, _, flushes = per_step[step]
+        assert calls == steady[-1][0] + 5 * flushes, (step, per_step, steady)
+    assert all(calls == steady[-1][0] for calls, _, _ in per_step[7:]), (per_step, steady)
+
+
 def test_the_counter_sees_a_per_gradient_call():
     """Negative control: a streams object that records an event per copy (the old copy-stream discipline) shows
     up as calls growing with the gradients."""
-    per_step, _, _ = _steps(0, 1 << 20)
+    per_step, _, _, _ = _steps(0, 1 << 20)
     baseline = per_step[-1][0]
 
     class EventPerCopy(CudaStreams):

@@ -168,6 +168,24 @@ def test_no_race_in_the_stream_discipline(algo, stage, ga, release, rank):
     _check_values(rt, expected)
 
 
+@pytest.mark.parametrize("release", [False, True], ids=["kept", "released"])
+@pytest.mark.parametrize("stage", [1, 2], ids=["z1", "z2"])
+def test_no_race_while_the_measured_guard_alternates_and_times_flushes(stage, release):
+    """A graph that keeps its order: learned in the first backward, then the trial's six backwards alternate the
+    model's layout and native's (other bucket offsets, other calls) with timing events on the reduce stream, read
+    only after the bounded wait (the fake raises otherwise, as CUDA does), then the verdict's schedule."""
+    hb = HbCuda(false_queries=1)
+    with hb:
+        rt, weights = _runtime(hb, "auto", stage)
+        expected = _train(rt, weights, 9, 1, release)
+        hb.synchronize()
+    assert not hb.races, f"{len(hb.races)} distinct races:\n{hb.report()}"
+    s = rt.stats
+    assert (s.trial_steps, s.trials_decided, s.schedule_fallbacks) == (6, 1, 0), s
+    assert s.trial_native_flushes >= 3, s
+    _check_values(rt, expected)
+
+
 def _drop_free_event_wait():
     return CudaStreams, "bucket_acquired", lambda self, bucket: None
 

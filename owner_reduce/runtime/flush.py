@@ -133,6 +133,9 @@ class Flusher:
         self.plans_computed = 0  # flush plans computed (not reused); tests read it
         self._cache: dict[tuple[Any, ...], _CachedFlush] = {}
         self._flush_counter = itertools.count(1)
+        # The measured guard (``trial``): id(scheduled flush) -> key, for the flushes on trial; None outside trials.
+        self.timed: dict[int, Any] | None = None
+        self.marks: list[tuple[Any, Any, Any]] = []  # (key, start, end) per timed flush, read after the stream wait
 
     def forget_plans(self) -> None:
         """A grad buffer was registered or moved: the cached copy-out lists point at the old ones."""
@@ -152,7 +155,12 @@ class Flusher:
         buffer = bucket.buffer
         cached = self._scheduled(pending) if pending.scheduled is not None else self._arrival(pending, buffer.dtype)
         index = self._stats.flushes + 1
+        timed = self.timed
+        key = None
+        if timed is not None and pending.scheduled is not None and pending.count == len(pending.scheduled.ids):
+            key = timed.get(id(pending.scheduled))
         with streams.reducing():
+            start = streams.mark() if key is not None else None
             if cached.staged:
                 buffer = self._staged(cached, bucket)
             used = buffer.narrow(0, 0, cached.span)
@@ -178,6 +186,8 @@ class Flusher:
                         else:
                             comm.recv(piece, op.peer)
             self._copy_out(cached, self._sources(cached, bucket, used))
+            if key is not None:
+                self.marks.append((key, start, streams.mark()))
             streams.bucket_released(bucket)
         self._count(cached, buffer, pending.scheduled is not None)
 

@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
-from ..planning.collectives import ALLREDUCE, algo_of
+from ..planning.collectives import ALLREDUCE, NATIVE, algo_of
 from ..planning.flags import OwnerReduceFlags, describe_flag_disagreement, pack_flags
 from ..planning.flush_choice import AUTO, FORCE_ENV_VAR, FORCE_VALUES, FlushCost, agreed_topology
+from ..planning.measured import MEASURE_ENV_VAR, TRIAL_ROUNDS, format_measured_line, verdicts
 from ..planning.owner_map import OwnerMap, Placement
 from ..planning.wording import count_noun
 from .accumulate import Accumulator
@@ -33,11 +34,12 @@ from .placement import GradPlacer
 from .schedule import Schedule
 from .stats import FlushRecord, RuntimeStats, emit
 from .topology import ranks_per_node, sm_major
+from .trial import Trial
 
 __all__ = ["FlushRecord", "OwnerReduceMismatchError", "OwnerReduceRuntime", "RuntimeSettings", "RuntimeStats",
            "emit"]
 
-_AGREEMENT_PROTOCOL = 2
+_AGREEMENT_PROTOCOL = 3
 SCHEDULE_PREFIX = "[dc-schedule][r0]"  # rank 0's line when a graph's owner-ordered schedule is learned
 
 
@@ -52,6 +54,7 @@ class RuntimeSettings:
     owner_map: OwnerMap
     map_problems: tuple[str, ...] = ()  # where this rank's optimizer contradicts the map (should be empty)
     flush_algo: str = AUTO  # OWNER_REDUCE_FLUSH_ALGO: a forced candidate, or the cost model's choice
+    measure: bool = True  # OWNER_REDUCE_MEASURE: the measured guard (``planning.measured``)
 
 
 class OwnerReduceRuntime:
@@ -75,6 +78,7 @@ class OwnerReduceRuntime:
         self._graph_numbers = 0  # schedule lines printed since the last reset (numbers are never reused before it)
         self._update = False
         self._profiling = False
+        self._measuring = False  # the measured guard runs (agreed at init; see ``_trial_for``)
         self.on_cleanup: Any = None  # set by activation: hands get_deepcompile_handle() back
 
     # ---- what tests, the demo and the benchmark read -----------------------------------------------------
@@ -109,8 +113,11 @@ class OwnerReduceRuntime:
             self.flusher.cost = cost
             buckets = DoubleBufferedBuckets(int(reduce_bucket_size), bool(compile_config.double_buffer),
                                             self._bucket_limits)
+            self._measuring = (self.settings.measure and cost.force == AUTO and cost.topology is not None
+                               and self.settings.flags.reduce_to_owner)
             self.placer = GradPlacer(self.settings.owner_map, self.settings.flags.reduce_to_owner, buckets,
-                                     self.flusher, self.stats, cost, self._sync_streams, self._learned)
+                                     self.flusher, self.stats, cost, self._sync_streams, self._learned,
+                                     self._trial_for if self._measuring else None)
         except BaseException:
             # DeepSpeed calls cleanup() only after a successful init: release the communicator here.
             self.comm.close()
@@ -222,6 +229,8 @@ class OwnerReduceRuntime:
         assert placer is not None, "owner_reduce runtime used before init()"
         placer.end_backward()
         self._sync_streams("end_backward")  # the optimizer reads the grad buffers next
+        if placer.trials_running:
+            self._advance_trials()
         if self._stage == 2 and self._update:
             # z2.cpp: this graph's parameters start the next step by overwriting (other graphs clear theirs).
             for ds_id in self._graphs.get(graph_id, ()):
@@ -312,8 +321,42 @@ class OwnerReduceRuntime:
             line += (f"; modelled {ratio:.2f}x the native reduction ({chosen / 1000:.3f} vs {native / 1000:.3f} ms, "
                      f"alpha-beta model of {cost.topology.name}"
                      + ("" if cost.force == AUTO else f", {FORCE_ENV_VAR}={cost.force}") + ")")
+            trial = sum(f.layout.choice != NATIVE for f in flushes)
+            if self._measuring and trial:
+                line += (f"; measuring {count_noun(trial, 'flush', 'flushes')} against native's calls over the next "
+                         f"{2 * TRIAL_ROUNDS} steps")
         self.stats.schedule_lines.append(line)
         emit(line)
+
+    # ---- the measured guard ------------------------------------------------------------------------------
+
+    def _trial_for(self, schedule: Schedule) -> Trial:
+        """A freshly learned schedule's trial (``trial``): its model-chosen flushes against native's calls."""
+        cost = self.flusher.cost
+
+        def native_us(flush: Any) -> float:
+            return cost.for_dtype_bytes(flush.dtype.itemsize).native_us(flush.numels)
+
+        return Trial(schedule, self.placer.native_layout, native_us)
+
+    def _advance_trials(self) -> None:
+        """After ``end_backward``'s wait: the timed flushes' times go to their trials; a trial with every sample
+        gathers every rank's medians in one collective (bounded by the deadline, as every call of the communicator)
+        and every rank installs the same winners."""
+        placer = self.placer
+        placer.take_marks()
+        for graph_id, trial in placer.finished_trials():
+            rows = self.comm.all_gather_ints(trial.row())
+            schedule, report = trial.winners(verdicts(rows))
+            placer.install(graph_id, schedule)
+            self.stats.trials_decided += 1
+            self.stats.measured_overruled += sum(f.verdict.native_wins for f in report)
+            if self.comm.rank == 0:
+                number = self._learned_graphs.get(graph_id)
+                line = format_measured_line(SCHEDULE_PREFIX, f"#{number}" if number else str(graph_id), report,
+                                            trial.rounds)
+                self.stats.measured_lines.append(line)
+                emit(line)
 
     def _forget_graphs(self) -> None:
         """Everything keyed by a graph id (see Note (graph ids) in ``reset``)."""
@@ -361,7 +404,7 @@ class OwnerReduceRuntime:
         flags = self.settings.flags
         mine = [_AGREEMENT_PROTOCOL, pack_flags(flags), bucket_size,
                 int(self.settings.owner_map.digest()[:15], 16), FORCE_VALUES.index(self.settings.flush_algo),
-                len(self.settings.map_problems), ranks_per_node(), sm_major()]
+                len(self.settings.map_problems), ranks_per_node(), sm_major(), int(self.settings.measure)]
         rows = self.comm.all_gather_ints(mine)
         names = ("protocol", "flags", "reduce_bucket_size", "owner map digest", FORCE_ENV_VAR)
         problems = []
@@ -375,6 +418,10 @@ class OwnerReduceRuntime:
                                             for r, v in enumerate(values)))
             elif len(set(values)) > 1:
                 problems.append(f"{name} differs across ranks: {values}")
+        measure = [row[8] if len(row) > 8 else None for row in rows]
+        if len(set(measure)) > 1:
+            problems.append(f"{MEASURE_ENV_VAR} differs across ranks: "
+                            + ", ".join(f"{'on' if v else 'off'} on rank {r}" for r, v in enumerate(measure)))
         bad_ranks = [r for r, row in enumerate(rows) if row[5]]
         if bad_ranks:
             problems.append(f"the owner map contradicts the optimizer on rank{'s' if len(bad_ranks) > 1 else ''} "

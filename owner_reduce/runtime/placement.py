@@ -22,11 +22,14 @@ stream or event call (``streams``), no allocation.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from ..planning.collectives import NATIVE
 from ..planning.flush_choice import FlushCost
+from ..planning.measured import NATIVE_VARIANT
 from ..planning.owner_layout import OwnerLayout, map_order, plan_owner_layout
 from ..planning.owner_map import OwnerMap
 from .buckets import DoubleBufferedBuckets, ReduceBucket
@@ -34,6 +37,7 @@ from .flush import Flusher, Pending
 from .schedule import Follower, Schedule, ScheduledFlush, learn
 from .stats import RuntimeStats
 from .streams import CudaStreams, HostStreams, make_streams
+from .trial import Trial
 
 
 class GradPlacer:
@@ -41,7 +45,8 @@ class GradPlacer:
 
     def __init__(self, owner_map: OwnerMap, reduce_to_owner: bool, buckets: DoubleBufferedBuckets, flusher: Flusher,
                  stats: RuntimeStats, cost: FlushCost, sync: Callable[[str], None],
-                 on_learned: Callable[[Schedule], None] | None = None) -> None:
+                 on_learned: Callable[[Schedule], None] | None = None,
+                 make_trial: Callable[[Schedule], Trial | None] | None = None) -> None:
         self._owner_map = owner_map
         self._owner = reduce_to_owner
         self.buckets = buckets
@@ -50,6 +55,8 @@ class GradPlacer:
         self._cost = cost
         self._sync = sync  # waits for the reduce stream within the deadline (before a bucket is replaced)
         self._on_learned = on_learned
+        self._make_trial = make_trial  # the measured guard (``trial``); None: off
+        self._trials: dict[int, Trial] = {}  # graph_id -> its running trial
         self.streams: HostStreams | CudaStreams | None = None  # chosen from the first gradient's device
         self._pending: dict[torch.dtype, Pending] = {}
         self._schedules: dict[int, Schedule] = {}  # graph_id -> learned owner-ordered flushes
@@ -164,12 +171,21 @@ class GradPlacer:
             self.buckets.swap(dtype)  # even after an error: the next flush must not find a half-used bucket
 
     def end_backward(self) -> None:
-        """Flush what is left (leaving a schedule this backward did not finish), then learn from this backward."""
-        if self._follower is not None and not self._follower.complete():
+        """Flush what is left (leaving a schedule this backward did not finish), then learn from this backward; a
+        graph on trial that followed its schedule in full goes on to the other variant."""
+        follower = self._follower
+        completed = follower is not None and follower.complete()
+        if follower is not None and not completed:
             self._leave_schedule()  # this backward ended before its schedule did
         for dtype in list(self._pending):
             self._flush(dtype)
+        graph = self._backward_graph
         self._end_schedule(learn_graph=True)
+        trial = self._trials.get(graph) if completed else None
+        if trial is not None:
+            trial.step_done()
+            self._stats.trial_steps += 1
+            self._schedules[graph] = trial.current()
 
     # ---- owner-ordered schedules -------------------------------------------------------------------------
 
@@ -201,6 +217,8 @@ class GradPlacer:
         for dtype in [d for d, p in self._pending.items() if p.scheduled is not None]:
             self._flush(dtype)
         self._schedules.pop(follower.schedule.graph_id, None)
+        if self._trials.pop(follower.schedule.graph_id, None) is not None:
+            self._timed_changed()
         self._recording = None
         self._stats.schedule_fallbacks += 1
 
@@ -213,12 +231,58 @@ class GradPlacer:
             self._stats.schedules_learned += 1
             if self._on_learned is not None:
                 self._on_learned(schedule)
+            trial = self._make_trial(schedule) if self._make_trial is not None else None
+            if trial is not None and trial.needed:
+                self._trials[graph] = trial
+                self._schedules[graph] = trial.current()
+                self._timed_changed()
 
-    def _layout_of(self, dtype: torch.dtype, grads: list[tuple[int, int]]) -> OwnerLayout:
+    def _layout_of(self, dtype: torch.dtype, grads: list[tuple[int, int]], cost: FlushCost | None = None
+                   ) -> OwnerLayout:
         capacity = max([self.buckets.size] + [n for _, n in grads])
+        cost = (self._cost if cost is None else cost).for_dtype_bytes(dtype.itemsize)
         # Looked up in this module at call time: the harness's fault injection replaces it here.
         return plan_owner_layout(grads, self._owner_map, self._owner, order=self._map_order, capacity=capacity,
-                                 cost=self._cost.for_dtype_bytes(dtype.itemsize))
+                                 cost=cost)
+
+    def native_layout(self, flush: ScheduledFlush) -> OwnerLayout:
+        """``flush`` laid out as native's calls (a trial's other variant)."""
+        return self._layout_of(flush.dtype, list(zip(flush.ids, flush.numels, strict=True)),
+                               replace(self._cost, force=NATIVE))
+
+    # ---- the measured guard (``trial``) ------------------------------------------------------------------
+
+    @property
+    def trials_running(self) -> bool:
+        return bool(self._trials)
+
+    def _timed_changed(self) -> None:
+        """The flusher times exactly the running trials' flushes (keys: (graph, trial flush, variant))."""
+        timed = {flush_id: (graph, *key) for graph, trial in self._trials.items()
+                 for flush_id, key in trial.timed.items()}
+        self._flusher.timed = timed or None
+        if not timed:
+            self._flusher.marks.clear()
+
+    def take_marks(self) -> None:
+        """After the reduce stream was waited: each timed flush's time goes to its trial."""
+        marks = self._flusher.marks
+        streams = self.streams
+        for (graph, index, variant), start, end in marks:
+            trial = self._trials.get(graph)
+            if trial is not None and streams is not None:
+                trial.add_sample(index, variant, streams.elapsed_us(start, end))
+                self._stats.trial_native_flushes += variant == NATIVE_VARIANT
+        marks.clear()
+
+    def finished_trials(self) -> list[tuple[int, Trial]]:
+        return [(graph, trial) for graph, trial in self._trials.items() if trial.done]
+
+    def install(self, graph_id: int, schedule: Schedule) -> None:
+        """A trial's verdict: the graph follows ``schedule`` from now on, untimed."""
+        self._trials.pop(graph_id, None)
+        self._schedules[graph_id] = schedule
+        self._timed_changed()
 
     # ---- lifetime ----------------------------------------------------------------------------------------
 
@@ -233,12 +297,17 @@ class GradPlacer:
         (the handle's Note (graph ids)); that graph learns its own from its next backward."""
         if graph_id is None:
             self._schedules.clear()
+            self._trials.clear()
         else:
             self._schedules.pop(graph_id, None)
+            self._trials.pop(graph_id, None)
+        self._timed_changed()
 
     def clear(self) -> None:
         self._pending.clear()
         self._schedules.clear()
+        self._trials.clear()
+        self._timed_changed()
         self._end_schedule()
         self.buckets.clear()
 

@@ -56,8 +56,13 @@ class RuntimeStats:
     owner_elems: int = 0
     kept_elems: int = 0
     end_backward_calls: int = 0
+    trial_steps: int = 0  # backwards that followed a trial's variant in full (the measured guard, ``trial``)
+    trial_native_flushes: int = 0  # flushes run as native's calls in place of the model's choice during trials
+    trials_decided: int = 0
+    measured_overruled: int = 0  # flushes whose model choice the measurement replaced by native's calls
     init_line: str | None = None  # what rank 0 printed at init
     schedule_lines: list[str] = field(default_factory=list)  # what rank 0 printed when schedules were learned
+    measured_lines: list[str] = field(default_factory=list)  # what rank 0 printed when a trial was decided
     probe_lines: list[str] = field(default_factory=list)
 
 

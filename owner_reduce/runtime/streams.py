@@ -33,6 +33,7 @@ waits as vector clocks, any unordered pair of accesses a race (``tests/hb_cuda.p
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -62,6 +63,15 @@ class HostStreams:
 
     def synchronize(self, wait: Callable[[Callable[[], bool]], None] | None = None) -> None:
         pass
+
+    @staticmethod
+    def mark() -> float:
+        """A point in the flush's work (``trial`` Note (timing)): the wall clock, the work being synchronous."""
+        return time.perf_counter()
+
+    @staticmethod
+    def elapsed_us(start: float, end: float) -> float:
+        return (end - start) * 1e6
 
 
 class CudaStreams:
@@ -97,6 +107,17 @@ class CudaStreams:
             self.reduce_stream.synchronize()
         else:
             wait(self.reduce_stream.query)
+
+    def mark(self) -> Any:
+        """A point in the flush's work (``trial`` Note (timing)): a timing event on the reduce stream."""
+        event = self._cuda.Event(enable_timing=True)
+        event.record(self.reduce_stream)
+        return event
+
+    @staticmethod
+    def elapsed_us(start: Any, end: Any) -> float:
+        """After the reduce stream was waited: the time between two marks on it."""
+        return start.elapsed_time(end) * 1000.0
 
 
 def make_streams(device: torch.device) -> HostStreams | CudaStreams:

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..planning.flags import flags_of
 from ..planning.flush_choice import AUTO, FORCE_ENV_VAR, parse_force
+from ..planning.measured import MEASURE_ENV_VAR, parse_measure
 from ..runtime.comm import ReduceComm
 from ..runtime.handle import OwnerReduceRuntime, RuntimeSettings
 from . import cpu_compat
@@ -41,14 +42,21 @@ def forced_flush_algo(flags: Any, global_rank: int, environ: Any = None) -> str:
     return flush_algo
 
 
+def measure_setting(environ: Any = None) -> bool:
+    """``OWNER_REDUCE_MEASURE`` (default on: the measured guard, ``planning.measured``); a bad value fails here,
+    naming the variable."""
+    return parse_measure((os.environ if environ is None else environ).get(MEASURE_ENV_VAR))
+
+
 def build_runtime(engine: Any, flags: Any) -> OwnerReduceRuntime:
     from .engine_tables import build_owner_map, disagreements_with_optimizer
 
     flush_algo = forced_flush_algo(flags, int(getattr(engine, "global_rank", 0)))
+    measure = measure_setting()
     owner_map = build_owner_map(engine)
     problems = tuple(disagreements_with_optimizer(owner_map, engine))
     return OwnerReduceRuntime(RuntimeSettings(flags=flags, owner_map=owner_map, map_problems=problems,
-                                              flush_algo=flush_algo), make_comm)
+                                              flush_algo=flush_algo, measure=measure), make_comm)
 
 
 def wrap_init_z1_and_2(original: Any) -> Any:

@@ -1,0 +1,102 @@
+"""The measured guard at run time: one graph's trial of its model-chosen flushes against native's calls.
+
+Why (``planning.measured``): the model's choice is only as good as its assumed cluster; the runtime checks it where
+it runs. A ``Trial`` holds two schedules of the same flushes, the model's and one where every trial flush is laid
+out as native's (one AllReduce per gradient, z1.cpp's calls); the placement follows them in alternate backwards
+(model first), the flusher times the trial flushes, and once every trial flush has ``TRIAL_ROUNDS`` samples of each
+variant the handle gathers every rank's medians in one collective and installs the schedule of winners.
+
+Note (timing): a flush is timed where its work runs: on the GPU two CUDA events on the reduce stream around
+everything the flush does there (padding, pre-division, the groups, the hand-off, the copy-out), read after
+``end_backward``'s bounded wait; on the CPU the wall clock around the same code, whose collectives complete (their
+works waited) before it returns. Only trial flushes are timed, and only during their trial: outside it the hot path
+pays one ``None`` check per flush.
+
+Note (identical on every rank): which flushes a trial covers, the order of the variants and the step at which a
+trial ends follow from the schedule and the backwards, the same on every rank (``schedule`` Note (identical on every
+rank)); the verdict comes from the gathered rows, the same on every rank. A backward that leaves its schedule drops
+the graph's trial on every rank alike; the schedule learned again starts a new one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..planning.collectives import NATIVE, algo_of
+from ..planning.measured import (
+    MODEL,
+    NATIVE_VARIANT,
+    TRIAL_ROUNDS,
+    TrialFlush,
+    Verdict,
+    median,
+    pack_medians,
+)
+from ..planning.owner_layout import OwnerLayout
+from .schedule import Schedule, ScheduledFlush
+
+
+class Trial:
+    """One graph's trial (see the module docstring). ``timed`` maps ``id`` of each variant's scheduled flush to
+    (trial flush number, variant); the flushes are held by the schedules, so their ids are not reused meanwhile."""
+
+    def __init__(self, model: Schedule, native_layout: Callable[[ScheduledFlush], OwnerLayout],
+                 native_modelled_us: Callable[[ScheduledFlush], float], rounds: int = TRIAL_ROUNDS) -> None:
+        self.rounds = rounds
+        self.steps = 0  # backwards that followed a variant in full
+        self.flushes: list[tuple[int, ScheduledFlush, ScheduledFlush, float]] = []  # (number, model, native, us)
+        self.timed: dict[int, tuple[int, int]] = {}
+        native_by_dtype: dict[Any, tuple[ScheduledFlush, ...]] = {}
+        number = 0
+        for dtype, flushes in model.flushes.items():
+            variant = []
+            for flush in flushes:
+                number += 1
+                if flush.layout.choice == NATIVE:
+                    variant.append(flush)  # already native's calls: nothing to compare, the same object in both
+                    continue
+                native = ScheduledFlush(flush.dtype, flush.ids, flush.numels, native_layout(flush))
+                variant.append(native)
+                index = len(self.flushes)
+                self.flushes.append((number, flush, native, native_modelled_us(flush)))
+                self.timed[id(flush)] = (index, MODEL)
+                self.timed[id(native)] = (index, NATIVE_VARIANT)
+            native_by_dtype[dtype] = tuple(variant)
+        self.schedules = (model, Schedule(model.graph_id, native_by_dtype))
+        self.samples: list[tuple[list[float], list[float]]] = [([], []) for _ in self.flushes]
+
+    @property
+    def needed(self) -> bool:
+        """False when every flush already runs native's calls: no trial."""
+        return bool(self.flushes)
+
+    def current(self) -> Schedule:
+        """The schedule the next backward of the graph follows."""
+        return self.schedules[self.steps % 2]
+
+    def add_sample(self, index: int, variant: int, us: float) -> None:
+        self.samples[index][variant].append(us)
+
+    def step_done(self) -> None:
+        self.steps += 1
+
+    @property
+    def done(self) -> bool:
+        return all(len(s[MODEL]) >= self.rounds and len(s[NATIVE_VARIANT]) >= self.rounds for s in self.samples)
+
+    def row(self) -> list[int]:
+        """This rank's contribution to the agreement collective (``measured.pack_medians``)."""
+        return pack_medians([(median(m), median(n)) for m, n in self.samples])
+
+    def winners(self, verdicts: Sequence[Verdict]) -> tuple[Schedule, tuple[TrialFlush, ...]]:
+        """The schedule every rank keeps (each trial flush's winner) and what the measured line reports."""
+        winner: dict[int, ScheduledFlush] = {}
+        report = []
+        for (number, model, native, native_us), verdict in zip(self.flushes, verdicts, strict=True):
+            winner[id(model)] = native if verdict.native_wins else model
+            report.append(TrialFlush(number, algo_of(c.kind for c in model.layout.collectives),
+                                     model.layout.modelled_us, native_us, verdict))
+        model_schedule = self.schedules[MODEL]
+        kept = {d: tuple(winner.get(id(f), f) for f in fs) for d, fs in model_schedule.flushes.items()}
+        return Schedule(model_schedule.graph_id, kept), tuple(report)

@@ -1,0 +1,221 @@
+"""The measured guard (issue 20 item 4): a trial of each model-chosen flush against native's calls, decided by the
+slowest rank's medians, the same winner on every rank.
+
+Ranks here are in-process ``ExchangeWorld`` ranks whose collectives really exchange data, so a rank that kept a
+different winner would issue different calls (a mismatch) or sum the wrong elements (wrong gradients).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from fakes import ExchangeComm, ExchangeWorld, flat_map, mirror_runtime
+
+from owner_reduce.planning.measured import (
+    MEASURE_ENV_VAR,
+    TRIAL_ROUNDS,
+    TrialFlush,
+    Verdict,
+    format_measured_line,
+    median,
+    pack_medians,
+    parse_measure,
+    verdicts,
+)
+from owner_reduce.runtime.handle import OwnerReduceMismatchError
+
+NUMELS = [3 + (7 * i) % 11 for i in range(24)]  # ws 2: one flush, the model's choice a ReduceScatter
+WS = 2
+GRAPH = 11
+SLOW_S = 0.03
+
+
+# ---- the arithmetic (pure) ----------------------------------------------------------------------------------
+
+
+def test_measure_setting_parses_or_names_the_variable():
+    assert parse_measure(None) and parse_measure(" ") and parse_measure("ON") and parse_measure("1")
+    assert not parse_measure("0") and not parse_measure("off") and not parse_measure("False")
+    with pytest.raises(ValueError, match=f"{MEASURE_ENV_VAR} must be one of 1, on, true, yes, 0, off, false, no, "
+                                         "got 'sometimes'"):
+        parse_measure("sometimes")
+
+
+def test_the_verdict_takes_the_slowest_rank_per_variant_and_a_tie_keeps_the_model():
+    rows = [pack_medians([(1.0, 2.0), (5.0, 1.0), (3.0, 3.0)]),
+            pack_medians([(4.0, 2.5), (1.0, 1.0), (3.0, 3.0)])]
+    got = verdicts(rows)
+    assert got == (Verdict(4.0, 2.5), Verdict(5.0, 1.0), Verdict(3.0, 3.0))
+    assert [v.native_wins for v in got] == [True, True, False]
+    with pytest.raises(RuntimeError, match="ranks measured different flushes"):
+        verdicts([pack_medians([(1.0, 2.0)]), pack_medians([(1.0, 2.0), (1.0, 1.0)])])
+    assert median([3.0, 1.0, 2.0]) == 2.0 and median([4.0, 1.0]) == 2.5
+
+
+def test_the_measured_line_names_kinds_times_and_what_was_overruled():
+    flushes = [TrialFlush(1, "reduce_scatter", 100.0, 200.0, Verdict(1500.0, 1000.0)),
+               TrialFlush(3, "reduce_scatter+handoff", 300.0, 500.0, Verdict(400.0, 900.0))]
+    line = format_measured_line("[dc-schedule][r0]", "#1", flushes)
+    assert line == ("[dc-schedule][r0] graph #1: measured 2 flushes over 3 steps each way, slowest rank: "
+                    "reduce_scatter x1 measured 1.500 ms vs native 1.000 ms (modelled 0.100 vs 0.200); "
+                    "reduce_scatter+handoff x1 measured 0.400 ms vs native 0.900 ms (modelled 0.300 vs 0.500); "
+                    "overruled by measurement, native from now on: flush 1 (reduce_scatter)")
+    kept = format_measured_line("[dc-schedule][r0]", "#2", flushes[1:])
+    assert kept.endswith("the model's choice kept for every flush")
+
+
+# ---- in-process ranks -----------------------------------------------------------------------------------------
+
+
+class _SlowReduceScatter(ExchangeComm):
+    """Rank ``rank``'s ReduceScatter takes ``SLOW_S`` longer on this rank only, after the exchange (the peer does not
+    wait for it): only the maximum over ranks can see it."""
+
+    def reduce_scatter(self, buf: torch.Tensor, per_rank: int) -> None:
+        super().reduce_scatter(buf, per_rank)
+        time.sleep(SLOW_S)
+
+
+class _SlowAllReduce(ExchangeComm):
+    def all_reduce(self, buf: torch.Tensor) -> None:
+        super().all_reduce(buf)
+        time.sleep(SLOW_S / 4)
+
+
+def _grads(rank: int, step: int) -> dict[int, torch.Tensor]:
+    """Integer-valued, different per rank and step: a sum over the wrong elements cannot come out right."""
+    return {pid: torch.arange(1, n + 1, dtype=torch.float32) * (rank + 1) + 100 * step + 10 * pid
+            for pid, n in enumerate(NUMELS)}
+
+
+def _world(slow: dict[int, type] | None = None, measure=(True, True), algo="auto"):
+    world = ExchangeWorld(WS, timeout_s=20)
+    for rank, cls in (slow or {}).items():
+        world._comms[rank] = cls(world, rank)
+    m = flat_map(NUMELS, WS)
+    runtimes = world.run(lambda rank: mirror_runtime(
+        m, rank=rank, graph_id=GRAPH, comm=world.comm(rank), algo=algo, measure=measure[rank])[0])
+    for rt in runtimes:
+        rt.record_collectives = True
+    return world, runtimes
+
+
+def _steps(world, runtimes, steps, order=None, first=0):
+    """``steps`` backwards on every rank, each rank's grad buffers checked against the true reduced gradient; the
+    calls of each step per rank."""
+    per_step = []
+    for step in range(first, first + steps):
+        before = [len(c.calls) for c in world.comms]
+
+        def backward(rank: int, step=step) -> None:
+            rt, grads = runtimes[rank], _grads(rank, step)
+            rt.start_backward(True)
+            for pid in order if order is not None else reversed(range(len(NUMELS))):
+                rt.reduce_grad(grads[pid], GRAPH, pid)
+            rt.end_backward(GRAPH, False)
+
+        world.run(backward)
+        for rank, rt in enumerate(runtimes):
+            for pid, param in rt._params.items():
+                buf = param.grad_buffer
+                if buf.numel():
+                    want = sum(_grads(r, step)[pid] / WS for r in range(WS))[param.offset:param.offset + buf.numel()]
+                    torch.testing.assert_close(buf, want, rtol=0, atol=1e-5, msg=f"rank {rank} param {pid}")
+        per_step.append([c.calls[n:] for c, n in zip(world.comms, before, strict=True)])
+    return per_step
+
+
+def _kinds(calls):
+    return sorted({kind for kind, _, _ in calls})
+
+
+@pytest.mark.timeout(60)
+def test_a_reduce_scatter_slow_on_one_rank_makes_every_rank_keep_native_for_that_flush():
+    world, runtimes = _world({1: _SlowReduceScatter})
+    per_step = _steps(world, runtimes, 1 + 2 * TRIAL_ROUNDS + 2)
+    assert _kinds(per_step[1][0]) == ["reduce_scatter"]  # the model's choice, first of the trial
+    assert _kinds(per_step[2][0]) == ["all_reduce"] and len(per_step[2][0]) == len(NUMELS)  # native's calls
+    for calls in per_step[-2:]:  # after the verdict: native's calls on both ranks (ExchangeWorld matched them)
+        assert calls[0] == calls[1] and _kinds(calls[0]) == ["all_reduce"] and len(calls[0]) == len(NUMELS)
+    for rt in runtimes:
+        s = rt.stats
+        assert (s.trial_steps, s.trials_decided, s.measured_overruled) == (6, 1, 1), s
+        assert s.trial_native_flushes == TRIAL_ROUNDS  # the trial's extra work, counted
+    (line,) = runtimes[0].stats.measured_lines
+    assert "overruled by measurement, native from now on: flush 1 (reduce_scatter)" in line, line
+    assert runtimes[1].stats.measured_lines == []  # rank 0 prints
+    assert "measuring 1 flush against native's calls over the next 6 steps" in runtimes[0].stats.schedule_lines[0]
+
+
+@pytest.mark.timeout(60)
+def test_a_fast_choice_is_kept_and_the_trial_ends():
+    """Native's AllReduces slow (on one rank): the model's ReduceScatter stays, and from the verdict on nothing is
+    timed any more."""
+    world, runtimes = _world({0: _SlowAllReduce})
+    per_step = _steps(world, runtimes, 1 + 2 * TRIAL_ROUNDS + 2)
+    for calls in per_step[-2:]:
+        assert calls[0] == calls[1] and _kinds(calls[0]) == ["reduce_scatter"]
+    for rt in runtimes:
+        s = rt.stats
+        assert (s.trial_steps, s.trials_decided, s.measured_overruled) == (6, 1, 0), s
+        assert rt.flusher.timed is None and rt.flusher.marks == []
+    assert runtimes[0].stats.measured_lines[0].endswith("the model's choice kept for every flush")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("setting", ["off", "forced"])
+def test_no_trial_when_turned_off_or_under_a_forced_algorithm(setting):
+    world, runtimes = _world({1: _SlowReduceScatter}, measure=(False, False) if setting == "off" else (True, True),
+                             algo="auto" if setting == "off" else "handoff")
+    per_step = _steps(world, runtimes, 4)
+    kinds = {tuple(_kinds(calls[0])) for calls in per_step[1:]}
+    assert len(kinds) == 1 and ("all_reduce",) not in kinds, kinds  # the same choice every step, never native's
+    for rt in runtimes:
+        assert (rt.stats.trial_steps, rt.stats.trial_native_flushes, rt.flusher.timed) == (0, 0, None)
+        assert "measuring" not in rt.stats.schedule_lines[0] if rt.stats.schedule_lines else True
+
+
+@pytest.mark.timeout(30)
+def test_ranks_that_disagree_on_measuring_refuse_to_start_naming_the_variable():
+    with pytest.raises(OwnerReduceMismatchError, match=f"{MEASURE_ENV_VAR} differs across ranks: on on rank 0, "
+                                                      "off on rank 1"):
+        _world(measure=(True, False))
+
+
+@pytest.mark.timeout(60)
+def test_leaving_the_schedule_mid_trial_drops_the_trial_on_every_rank_and_a_new_one_starts():
+    world, runtimes = _world({1: _SlowReduceScatter})
+    _steps(world, runtimes, 3)  # learned, then two trial steps
+    shuffled = [5, 3, 1, *[p for p in reversed(range(len(NUMELS))) if p not in (5, 3, 1)]]
+    _steps(world, runtimes, 1, order=shuffled, first=3)  # leaves the schedule: the trial is dropped alike
+    for rt in runtimes:
+        assert rt.stats.schedule_fallbacks == 1 and rt.flusher.timed is None
+    _steps(world, runtimes, 1 + 2 * TRIAL_ROUNDS, first=4)  # relearn (arrival order of step 4), a full trial
+    for rt in runtimes:
+        s = rt.stats
+        assert (s.trials_decided, s.measured_overruled, s.trial_steps) == (1, 1, 2 + 6), s
+
+
+class _NoAgreement(_SlowReduceScatter):
+    """A broken guard: every rank decides on its own medians (the gather returns this rank's row only)."""
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        return [list(values)] * self.world_size
+
+
+class _NoAgreementFast(ExchangeComm):
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        return [list(values)] * self.world_size
+
+
+@pytest.mark.timeout(60)
+def test_negative_control_ranks_deciding_alone_diverge_and_the_exchange_sees_it():
+    """Without the max over ranks, rank 0 (fast) keeps the ReduceScatter and rank 1 (slow) switches to native: the
+    next flush's calls differ, which in-process ranks that really exchange report as a mismatch."""
+    from fakes import ExchangeMismatch
+
+    world, runtimes = _world({0: _NoAgreementFast, 1: _NoAgreement})
+    with pytest.raises(ExchangeMismatch):
+        _steps(world, runtimes, 1 + 2 * TRIAL_ROUNDS + 1)
