@@ -46,7 +46,8 @@ def _options(args: argparse.Namespace) -> object:
     from owner_reduce.runtime.calibrate import MEASURED, CalibrationOptions
 
     return CalibrationOptions(sizes=args.sizes, peers=args.peers, warmup=args.warmup, repeats=args.repeats,
-                              inner=args.inner, dtype=args.dtype, kinds=args.kinds or MEASURED)
+                              inner=args.inner, dtype=args.dtype, kinds=args.kinds or MEASURED,
+                              peer_stride=args.peer_stride)
 
 
 def _report(text: str, out: Path, started: float) -> None:
@@ -69,8 +70,10 @@ def main(argv: list[str] | None = None) -> int:
                              "4 KiB..4 MiB on CPU")
     parser.add_argument("--peers", type=parse_ints, default=None,
                         help="send/recv peer counts (default 1,2,4,.. up to min(world_size-1, 8))")
+    parser.add_argument("--peer-stride", type=int, default=1,
+                        help="distance between send/recv partners (ranks per node: every partner on another node)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--inner", type=int, default=None, help="calls per timed repeat (default 10 on GPU, 1 on CPU)")
     parser.add_argument("--dtype", default=None, help="buffer element type (default bfloat16 on GPU, float32 on CPU)")
     parser.add_argument("--kinds", type=lambda s: tuple(k for k in s.split(",") if k), default=None,
@@ -101,7 +104,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no launcher environment (RANK, WORLD_SIZE): run under torchrun/deepspeed, or use --local-gloo N")
     import deepspeed
     import torch.distributed as dist
-    from deepspeed.utils import logger
 
     from owner_reduce.runtime.calibrate import run_calibration
 
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         deepspeed.init_distributed(verbose=False)
     rank = dist.get_rank()
     try:
-        cal = run_calibration(_options(args), log=logger.info if rank == 0 else None)
+        cal = run_calibration(_options(args), log=(lambda line: print(line, flush=True)) if rank == 0 else None)
         if rank == 0:
             _report(cal.to_json(), args.out, started)
         dist.barrier()

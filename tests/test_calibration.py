@@ -218,6 +218,9 @@ def test_format_fits_names_every_fit():
     assert lines[0].startswith(f"owner_reduce: calibration {cal.digest()}: 4 ranks, cupy-nccl on NVIDIA H200")
     assert [line.split()[1] for line in lines[1:]] == ["allreduce", "reduce", "reduce_scatter", "send/recv"]
     assert "2.0 us per peer" in lines[-1] and all(line.startswith("owner_reduce:") for line in lines)
+    assert not any("cap" in line for line in lines)
+    flat = dataclasses.replace(cal, fits=(fit_kind(REDUCE, [(b, 50.0) for b in LADDER]),))
+    assert "bandwidth at its cap" in format_fits(flat)[1]
 
 
 # ---- the measurement -----------------------------------------------------------------------------------------------
@@ -233,6 +236,10 @@ def test_ladder_rounds_to_what_each_call_moves():
         plan_measurements(CalibrationOptions(peers=(3,)), world_size=3, element_size=4, on_gpu=False)
     with pytest.raises(ValueError, match="two distinct positive"):
         CalibrationOptions(sizes=(4096,))
+    # Partners on other nodes (stride = ranks per node): at most (16 - 1) // 8 = 1 peer at ws 16.
+    strided = plan_measurements(CalibrationOptions(sizes=(4096, 8192), peer_stride=8), world_size=16, element_size=4,
+                                on_gpu=False)
+    assert {m.peers for m in strided if m.kind == "p2p"} == {1}
 
 
 class _RecordingComm(MirrorComm):
@@ -254,6 +261,10 @@ def test_measure_issues_the_ladder_in_groups_and_fits_every_kind():
     assert reduces and all(root == 0 for _, root, _ in reduces)
     # 2 sizes x (3 kinds + 2 peer counts) x (1 warm-up + 2 repeats), one group each; meeting AllReduces outside.
     assert comm.groups == 2 * 5 * 3 and comm.open_groups == 0
+    strided = _RecordingComm(rank=1, world_size=5)
+    measure(strided, dataclasses.replace(options, peer_stride=2), torch.device("cpu"), "mirror", "cpu")
+    assert {c[1] for c in strided.calls if c[0] == "send"} == {3, 0}  # +2 and +4 of rank 1
+    assert {c[1] for c in strided.calls if c[0] == "recv"} == {4, 2}  # -2 and -4
     comm.gathered_rows = [[1, 0], [2, 0], [1, 0]]  # rank 1 runs another ladder
     with pytest.raises(RuntimeError, match=r"ladders differ between ranks \(ranks \[1\]"):
         measure(comm, options, torch.device("cpu"), "mirror", "cpu")

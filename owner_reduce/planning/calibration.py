@@ -387,6 +387,11 @@ def _span(sizes: Sequence[int]) -> str:
     return f"{len(sizes)} sizes {_size(min(sizes))}..{_size(max(sizes))}" if sizes else "no points"
 
 
+def _capped(bandwidth_gbs: float) -> str:
+    return ("; the time did not grow with the bytes: bandwidth at its cap, a larger ladder would measure it"
+            if bandwidth_gbs >= MAX_BANDWIDTH_GBS else "")
+
+
 def format_fits(cal: Calibration) -> list[str]:
     """Lines for the log (DeepSpeed style: ``owner_reduce: ...``), one per fit, with how well each line fits."""
     lines = [f"owner_reduce: calibration {cal.digest()}: {cal.world_size} ranks, {cal.backend} on {cal.device}, "
@@ -394,11 +399,12 @@ def format_fits(cal: Calibration) -> list[str]:
     for f in cal.fits:
         lines.append(f"owner_reduce:   {f.kind:<15} latency {f.latency_us:9.1f} us, bandwidth {f.bandwidth_gbs:9.3f} "
                      f"GB/s ({_span(sorted({b for b, _ in f.points}))}, max residual "
-                     f"{max_relative_residual(f):.0%})")
+                     f"{max_relative_residual(f):.0%}){_capped(f.bandwidth_gbs)}")
     if cal.p2p is not None:
         p = cal.p2p
         peers = sorted({q for q, _, _ in p.points})
         lines.append(f"owner_reduce:   {'send/recv':<15} latency {p.latency_us:9.1f} us + {p.per_peer_us:.1f} us per "
                      f"peer, bandwidth {p.bandwidth_gbs:9.3f} GB/s ({_span(sorted({b for _, b, _ in p.points}))}, "
-                     f"peers {','.join(map(str, peers))}, max residual {max_relative_residual(p):.0%})")
+                     f"peers {','.join(map(str, peers))}, max residual {max_relative_residual(p):.0%})"
+                     f"{_capped(p.bandwidth_gbs)}")
     return lines

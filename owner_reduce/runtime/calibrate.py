@@ -3,7 +3,10 @@
 What is timed, each at a ladder of sizes (bytes of one call's whole input): one AllReduce, one Reduce to rank 0,
 one ReduceScatter (in place, ``world_size`` equal blocks), and one grouped send/recv round in which every rank sends
 to its ring neighbours at distance 1..k and receives from those at -1..-k (so the busiest rank has k peers and moves
-the round's bytes, split evenly over its peers). Each call is issued as the flush issues it: inside
+the round's bytes, split evenly over its peers). Ring neighbours because a hand-off moves a chunk to the owners of
+the regions it overlaps, and chunks and regions are both laid out in rank order: its peers are near ranks.
+``peer_stride`` s puts the partners at distance s..k*s instead (s = ranks per node: every partner on another node,
+to time the network rather than NVLink). Each call is issued as the flush issues it: inside
 ``comm.group()``, on the communicator ``comm_select.select_comm`` gives (cupy NCCL on GPUs, torch.distributed
 otherwise), waited for with ``comm.wait_until`` (bounded by the runtime's deadline).
 
@@ -42,18 +45,22 @@ MAX_PEERS = 8
 @dataclass(frozen=True)
 class CalibrationOptions:
     """What to time. None picks the device's default: the size ladder (``GPU_SIZES`` / ``CPU_SIZES``), the peer
-    counts (1, 2, 4, ... up to ``min(world_size - 1, MAX_PEERS)``, the largest included), calls per timed repeat
-    (10 on a GPU, 1 on the host) and the element type (bfloat16 on a GPU, as the gradients; float32 on the host)."""
+    counts (1, 2, 4, ... up to ``min((world_size - 1) // peer_stride, MAX_PEERS)``, the largest included), calls per
+    timed repeat (10 on a GPU, 1 on the host) and the element type (bfloat16 on a GPU, as the gradients; float32 on
+    the host). ``peer_stride``: the distance between a round's partners (see the module's docstring)."""
 
     sizes: tuple[int, ...] | None = None
     peers: tuple[int, ...] | None = None
     warmup: int = 2
-    repeats: int = 5
+    repeats: int = 10
     inner: int | None = None
     dtype: str | None = None
     kinds: tuple[str, ...] = MEASURED
+    peer_stride: int = 1
 
     def __post_init__(self) -> None:
+        if self.peer_stride < 1:
+            raise ValueError(f"owner_reduce: calibration peer_stride must be >= 1, got {self.peer_stride}")
         if self.sizes is not None and (len(set(self.sizes)) < 2 or min(self.sizes) < 1):
             raise ValueError(f"owner_reduce: calibration sizes must be at least two distinct positive byte counts, "
                              f"got {self.sizes}")
@@ -88,10 +95,12 @@ def plan_measurements(options: CalibrationOptions, world_size: int, element_size
     """The ladder, with every size rounded down to what the call can move (whole elements; a ReduceScatter's
     ``world_size`` equal blocks; a round's bytes split evenly over its peers)."""
     sizes = options.sizes or (GPU_SIZES if on_gpu else CPU_SIZES)
-    peers = options.peers if options.peers is not None else default_peers(world_size)
-    bad = [p for p in peers if not 1 <= p < world_size]
+    top = (world_size - 1) // options.peer_stride  # partners at distinct distances s..k*s, all below world_size
+    peers = options.peers if options.peers is not None else default_peers(top + 1)
+    bad = [p for p in peers if not 1 <= p <= top]
     if bad:
-        raise ValueError(f"owner_reduce: calibration peers must be in 1..{world_size - 1}, got {bad}")
+        raise ValueError(f"owner_reduce: calibration peers must be in 1..{top} (world size {world_size}, peer stride "
+                         f"{options.peer_stride}), got {bad}")
     out: list[_Measurement] = []
     for kind in options.kinds:
         for size in sorted(set(sizes)):
@@ -106,7 +115,7 @@ def plan_measurements(options: CalibrationOptions, world_size: int, element_size
 
 
 def _fingerprint(measurements: Sequence[_Measurement], options: CalibrationOptions, element_size: int) -> int:
-    value = 17 + 31 * options.warmup + 37 * options.repeats + 41 * element_size
+    value = 17 + 31 * options.warmup + 37 * options.repeats + 41 * element_size + 43 * options.peer_stride
     for i, m in enumerate(measurements):
         value = (value * 1_000_003 + (i + 1) * (m.nbytes * 131 + m.peers * 7 + MEASURED.index(m.kind))) % (1 << 61)
     return value
@@ -143,7 +152,8 @@ class _CudaTimer:
         return start.elapsed_time(end) * 1000.0 / inner
 
 
-def _issuer(comm: ReduceComm, m: _Measurement, send: torch.Tensor, recv: torch.Tensor) -> Callable[[], None]:
+def _issuer(comm: ReduceComm, m: _Measurement, send: torch.Tensor, recv: torch.Tensor,
+            stride: int = 1) -> Callable[[], None]:
     """One call (or round) of ``m`` as the flush issues it: in a group of its own."""
     elems = m.nbytes // send.element_size()
     rank, n = comm.rank, comm.world_size
@@ -153,8 +163,8 @@ def _issuer(comm: ReduceComm, m: _Measurement, send: torch.Tensor, recv: torch.T
         def round_trip() -> None:
             with comm.group():
                 for d in range(1, m.peers + 1):
-                    comm.send(send.narrow(0, (d - 1) * piece, piece), (rank + d) % n)
-                    comm.recv(recv.narrow(0, (d - 1) * piece, piece), (rank - d) % n)
+                    comm.send(send.narrow(0, (d - 1) * piece, piece), (rank + d * stride) % n)
+                    comm.recv(recv.narrow(0, (d - 1) * piece, piece), (rank - d * stride) % n)
         return round_trip
     buf = send.narrow(0, 0, elems)
 
@@ -196,7 +206,7 @@ def measure(comm: ReduceComm, options: CalibrationOptions, device: torch.device,
     started = time.monotonic()
     try:
         for i, m in enumerate(measurements):
-            issue = _issuer(comm, m, send, recv)
+            issue = _issuer(comm, m, send, recv, options.peer_stride)
             for _ in range(options.warmup):
                 issue()
             times = []
@@ -248,7 +258,8 @@ def describe(comm: ReduceComm, process_group: Any = None) -> tuple[torch.device,
 
             software.append(("nccl", ".".join(map(str, nccl_runtime_version()))))
         except Exception:  # noqa: BLE001 - only a label: torch's own NCCL then
-            software.append(("nccl", ".".join(map(str, torch.cuda.nccl.version()))))
+            version = torch.cuda.nccl.version()
+            software.append(("nccl", ".".join(map(str, version)) if isinstance(version, tuple) else str(version)))
     else:
         name = "cpu"
     return device, backend, name, tuple(software)
@@ -281,8 +292,7 @@ def run_calibration(options: CalibrationOptions, process_group: Any = None,
 
 
 def local_rank_worker(rank: int, world_size: int, options: CalibrationOptions) -> tuple[str, str]:
-    """One rank of ``harness.launch.run_ranks`` (gloo, process group up): (digest, the file's text)."""
-    from deepspeed.utils import logger
-
-    cal = run_calibration(options, log=logger.info if rank == 0 else None)
+    """One rank of ``harness.launch.run_ranks`` (gloo, process group up): (digest, the file's text). Rank 0 prints
+    its progress (a command-line tool's output; DeepSpeed's logger is at WARNING by default)."""
+    cal = run_calibration(options, log=(lambda line: print(line, flush=True)) if rank == 0 else None)
     return cal.digest(), cal.to_json()
