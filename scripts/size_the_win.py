@@ -164,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             calibration = load_calibration(args.calibration)
+            for ws in args.world_size:
+                calibration.check_world_size(ws)
         except (OSError, ValueError) as exc:
             print(f"size_the_win.py: error: --calibration {args.calibration}: {exc}", file=sys.stderr)
             return 2

@@ -499,7 +499,7 @@ def flat_map(numels, ws, other_comm_numels=()):
 
 
 def mirror_runtime(owner_map, rank=0, bucket=1 << 20, algo="auto", probe=False, stage=1, graph_id=11, owner=True,
-                   problems=(), comm=None, measure=False):
+                   problems=(), comm=None, measure=False, calibration=None):
     """A runtime of rank ``rank`` on ``owner_map`` with a ``MirrorComm`` (or ``comm``), every parameter registered as
     DeepCompile registers it (this rank's slice of each gradient as its grad buffer), one graph of every parameter.
 
@@ -510,7 +510,7 @@ def mirror_runtime(owner_map, rank=0, bucket=1 << 20, algo="auto", probe=False, 
 
     comm = comm or MirrorComm(rank=rank, world_size=owner_map.dp_world_size)
     rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(owner, probe), owner_map, problems, flush_algo=algo,
-                                            measure=measure),
+                                            measure=measure, calibration=calibration),
                             comm_factory=lambda group: comm)
     rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
     for p in owner_map:

@@ -299,3 +299,57 @@ def test_two_gloo_ranks_write_the_same_calibration(tmp_path):
     assert [f.kind for f in cal.fits] == [ALLREDUCE, REDUCE, REDUCE_SCATTER] and cal.p2p is not None
     assert all(len(f.points) == 3 and f.latency_us >= 0 and f.bandwidth_gbs > 0 for f in cal.fits)
     assert cal.call_us(ALLREDUCE, 1 << 20) > 0 and cal.p2p_round_us(1, 4096) > 0
+
+
+# ---- the runtime uses it (OWNER_REDUCE_CALIBRATION, agreed at init) ------------------------------------------------
+
+
+def _exchange_runtimes(cals, numels=(50_000,) * 8):
+    from fakes import ExchangeWorld, mirror_runtime
+
+    world = ExchangeWorld(len(cals), timeout_s=20)
+    m = flat_map(list(numels), len(cals))
+    runtimes = world.run(lambda rank: mirror_runtime(m, rank=rank, comm=world.comm(rank), calibration=cals[rank])[0])
+    return world, runtimes, m
+
+
+def _one_backward(world, runtimes, m):
+    def backward(rank):
+        rt = runtimes[rank]
+        rt.start_backward(True)
+        for p in reversed(list(m)):
+            rt.reduce_grad(torch.ones(p.numel), 11, p.param_id)
+        rt.end_backward(11, False)
+
+    world.run(backward)
+
+
+@pytest.mark.timeout(60)
+def test_the_runtime_chooses_on_the_calibration_every_rank_loaded(capsys):
+    """Four in-process ranks that really exchange: with a calibration whose ReduceScatter is slow the schedule
+    leaves the ReduceScatter NCCL's tables pick, the same on every rank, and says what it was costed on."""
+    world, runtimes, m = _exchange_runtimes([None] * 4)
+    _one_backward(world, runtimes, m)
+    _one_backward(world, runtimes, m)
+    assert "reduce_scatter x1" in runtimes[0].stats.schedule_lines[0]
+    slow = _cal(reduce_scatter=10_000.0)
+    world, runtimes, m = _exchange_runtimes([slow] * 4)
+    _one_backward(world, runtimes, m)
+    before = [len(c.calls) for c in world.comms]
+    _one_backward(world, runtimes, m)
+    (line,) = runtimes[0].stats.schedule_lines
+    assert "reduce_scatter" not in line.split(";")[0] and f"call times of calibration {slow.digest()}" in line, line
+    calls = [c.calls[n:] for c, n in zip(world.comms, before, strict=True)]
+    assert all(not any(kind == "reduce_scatter" for kind, _, _ in c) for c in calls), calls
+    assert f"owner_reduce: calibration {slow.digest()}: 4 ranks" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(30)
+def test_ranks_with_different_calibrations_refuse_naming_the_variable_and_a_wrong_world_size_is_refused():
+    from owner_reduce.runtime.handle import OwnerReduceMismatchError
+
+    with pytest.raises(OwnerReduceMismatchError, match="OWNER_REDUCE_CALIBRATION names different calibrations "
+                                                       "across ranks: .* on rank 0, none on rank 1"):
+        _exchange_runtimes([_cal(world_size=2), None])
+    with pytest.raises(ValueError, match="measured on 4 ranks, this run has 2"):
+        _exchange_runtimes([_cal(world_size=4)] * 2)

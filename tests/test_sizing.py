@@ -265,6 +265,35 @@ def test_command_writes_the_plan_per_flush_and_sizes_a_world_of_100(tmp_path):
 
 
 @pytest.mark.timeout(180)
+def test_a_calibration_file_changes_the_sizing_and_a_wrong_world_size_is_refused(tmp_path):
+    """Issue 20 item 5: ``--calibration FILE`` costs every candidate on the measured call times."""
+    from owner_reduce.planning.calibration import Calibration, KindFit, P2pFit
+
+    def write(name, world_size, rs_latency):
+        fits = tuple(KindFit(k, rs_latency if k == "reduce_scatter" else 10.0, 100.0)
+                     for k in ("allreduce", "reduce", "reduce_scatter"))
+        cal = Calibration(world_size=world_size, backend="torch.distributed/gloo", device="cpu", fits=fits,
+                          p2p=P2pFit(5.0, 2.0, 50.0), measured_at="2026-12-02T00:00:00Z")
+        path = tmp_path / name
+        path.write_text(cal.to_json())
+        return str(path)
+
+    base = ("--model", "tiny", "--world-size", "4", "--bucket-size", "5e8", "--summary")
+    tables = _run(*base, timeout=150).stdout
+    fast = _run(*base, "--calibration", write("fast.json", 4, 10.0), timeout=150).stdout
+    slow = _run(*base, "--calibration", write("slow.json", 4, 1e6), timeout=150).stdout
+    row = [line for line in tables.splitlines() if line.startswith("| tiny |")]
+    fast_row = [line for line in fast.splitlines() if line.startswith("| tiny |")]
+    slow_row = [line for line in slow.splitlines() if line.startswith("| tiny |")]
+    assert "reduce_scatter" in fast_row[0] and "reduce_scatter" not in slow_row[0], (fast_row, slow_row)
+    assert row != fast_row  # the step times are the calibration's, not the tables'
+    refused = subprocess.run([sys.executable, "scripts/size_the_win.py", *base[:3], "8",
+                              "--calibration", write("four.json", 4, 10.0)], cwd=REPO, capture_output=True,
+                             text=True, timeout=150)
+    assert refused.returncode == 2 and "measured on 4 ranks, this run has 8" in refused.stderr
+
+
+@pytest.mark.timeout(180)
 def test_command_text_report_starts_with_the_init_line():
     result = _run("--model", "tiny", "--world-size", "4", timeout=150)
     lines = result.stdout.splitlines()

@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
-from ..planning.collectives import ALLREDUCE, NATIVE, algo_of
+from ..planning.calibration import ENV_VAR as CALIBRATION_ENV_VAR
+from ..planning.calibration import Calibration, format_fits
+from ..planning.collectives import NATIVE, algo_of
 from ..planning.flags import OwnerReduceFlags, describe_flag_disagreement, pack_flags
 from ..planning.flush_choice import AUTO, FORCE_ENV_VAR, FORCE_VALUES, FlushCost, agreed_topology
 from ..planning.measured import MEASURE_ENV_VAR, TRIAL_ROUNDS, format_measured_line, verdicts
@@ -55,6 +57,7 @@ class RuntimeSettings:
     map_problems: tuple[str, ...] = ()  # where this rank's optimizer contradicts the map (should be empty)
     flush_algo: str = AUTO  # OWNER_REDUCE_FLUSH_ALGO: a forced candidate, or the cost model's choice
     measure: bool = True  # OWNER_REDUCE_MEASURE: the measured guard (``planning.measured``)
+    calibration: Calibration | None = None  # OWNER_REDUCE_CALIBRATION: measured call times in place of NCCL's tables
 
 
 class OwnerReduceRuntime:
@@ -315,11 +318,13 @@ class OwnerReduceRuntime:
                 + ", ".join(f"{a} x{n}" for a, n in choices.items()))
         if cost.topology is not None:
             chosen = sum(f.layout.modelled_us for f in flushes)
-            native = sum(cost.for_dtype_bytes(f.dtype.itemsize).calls_us((ALLREDUCE, n) for n in f.numels)
-                         for f in flushes)
+            native = sum(cost.for_dtype_bytes(f.dtype.itemsize).native_us(f.numels) for f in flushes)
             ratio = chosen / native if native else 1.0
+            calibrated = isinstance(cost.calibration, Calibration)
+            basis = (f"call times of calibration {cost.calibration.digest()}" if calibrated
+                     else f"alpha-beta model of {cost.topology.name}")
             line += (f"; modelled {ratio:.2f}x the native reduction ({chosen / 1000:.3f} vs {native / 1000:.3f} ms, "
-                     f"alpha-beta model of {cost.topology.name}"
+                     f"{basis}"
                      + ("" if cost.force == AUTO else f", {FORCE_ENV_VAR}={cost.force}") + ")")
             trial = sum(f.layout.choice != NATIVE for f in flushes)
             if self._measuring and trial:
@@ -402,9 +407,13 @@ class OwnerReduceRuntime:
         """One all_gather of eight integers; every rank raises on any mismatch, so no rank is left hanging. Returns
         the flush cost model every rank derives from the same gathered facts."""
         flags = self.settings.flags
+        calibration = self.settings.calibration
+        if calibration is not None:
+            calibration.check_world_size(self.comm.world_size)  # every rank sees the same: all raise alike
         mine = [_AGREEMENT_PROTOCOL, pack_flags(flags), bucket_size,
                 int(self.settings.owner_map.digest()[:15], 16), FORCE_VALUES.index(self.settings.flush_algo),
-                len(self.settings.map_problems), ranks_per_node(), sm_major(), int(self.settings.measure)]
+                len(self.settings.map_problems), ranks_per_node(), sm_major(), int(self.settings.measure),
+                int(calibration.digest(), 16) if calibration is not None else 0]
         rows = self.comm.all_gather_ints(mine)
         names = ("protocol", "flags", "reduce_bucket_size", "owner map digest", FORCE_ENV_VAR)
         problems = []
@@ -422,6 +431,10 @@ class OwnerReduceRuntime:
         if len(set(measure)) > 1:
             problems.append(f"{MEASURE_ENV_VAR} differs across ranks: "
                             + ", ".join(f"{'on' if v else 'off'} on rank {r}" for r, v in enumerate(measure)))
+        digests = [row[9] if len(row) > 9 else None for row in rows]
+        if len(set(digests)) > 1:
+            problems.append(f"{CALIBRATION_ENV_VAR} names different calibrations across ranks: "
+                            + ", ".join(f"{f'{d:012x}' if d else 'none'} on rank {r}" for r, d in enumerate(digests)))
         bad_ranks = [r for r, row in enumerate(rows) if row[5]]
         if bad_ranks:
             problems.append(f"the owner map contradicts the optimizer on rank{'s' if len(bad_ranks) > 1 else ''} "
@@ -431,4 +444,7 @@ class OwnerReduceRuntime:
             raise OwnerReduceMismatchError(f"owner_reduce on rank {self.comm.rank}: refusing to start: "
                                            + "; ".join(problems))
         topology = agreed_topology(self.comm.world_size, [row[6] for row in rows], [row[7] for row in rows])
-        return FlushCost(topology, force=self.settings.flush_algo)
+        if calibration is not None and topology is not None and self.comm.rank == 0:
+            for line in format_fits(calibration):
+                emit(line)
+        return FlushCost(topology, force=self.settings.flush_algo, calibration=calibration)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..planning.calibration import calibration_from_environment
 from ..planning.flags import flags_of
 from ..planning.flush_choice import AUTO, FORCE_ENV_VAR, parse_force
 from ..planning.measured import MEASURE_ENV_VAR, parse_measure
@@ -53,10 +54,12 @@ def build_runtime(engine: Any, flags: Any) -> OwnerReduceRuntime:
 
     flush_algo = forced_flush_algo(flags, int(getattr(engine, "global_rank", 0)))
     measure = measure_setting()
+    calibration = calibration_from_environment(os.environ) if flags.reduce_to_owner else None
     owner_map = build_owner_map(engine)
     problems = tuple(disagreements_with_optimizer(owner_map, engine))
     return OwnerReduceRuntime(RuntimeSettings(flags=flags, owner_map=owner_map, map_problems=problems,
-                                              flush_algo=flush_algo, measure=measure), make_comm)
+                                              flush_algo=flush_algo, measure=measure, calibration=calibration),
+                              make_comm)
 
 
 def wrap_init_z1_and_2(original: Any) -> Any:
