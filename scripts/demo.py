@@ -33,6 +33,10 @@ def _algos(flush_log: list[Any]) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+def _calls_per_flush(flush_log: list[Any]) -> float:
+    return sum(f.calls for f in flush_log) / len(flush_log) if flush_log else 0.0
+
+
 def summarize(runs: dict[str, list[dict[str, Any]]], steps: int) -> dict[str, Any]:
     loss = {name: _per_step(results, "losses") for name, results in runs.items()}
     diffs = [abs(a - b) for a, b in zip(loss["allreduce"], loss["owner"], strict=True)]
@@ -53,6 +57,10 @@ def summarize(runs: dict[str, list[dict[str, Any]]], steps: int) -> dict[str, An
         out[name] = {
             "bytes_per_rank_per_step": [sum(b) / steps for b in per_rank],
             "calls_per_flush": sum(f.calls for f in flushes) / len(flushes),
+            # steady state: the last step (after the measured guard's trial when the run is long enough)
+            "calls_per_flush_last_step": _calls_per_flush(results[0]["flush_log"][
+                -len(results[0]["flush_log"]) // steps:]),
+            "measured_lines": list(results[0]["stats"].measured_lines),
             "owner_share": sum(f.owner_elems for f in flushes) / sum(f.reduced_elems for f in flushes),
             "kept_share": sum(f.kept_elems for f in flushes) / sum(f.received_elems for f in flushes),
             "flushes_per_rank": len(results[0]["flush_log"]),
@@ -115,7 +123,9 @@ def print_table(summary: dict[str, Any]) -> None:
          f"{sum(o['bytes_per_rank_per_step']) / summary['world_size']:,.0f}"),
         ("share of delivered elements kept", f"{a['kept_share']:.1%}", f"{o['kept_share']:.1%}"),
         ("share of reduced elements on the owner path", f"{a['owner_share']:.1%}", f"{o['owner_share']:.1%}"),
-        ("collective calls per flush", f"{a['calls_per_flush']:.2f}", f"{o['calls_per_flush']:.2f}"),
+        ("collective calls per flush, whole run", f"{a['calls_per_flush']:.2f}", f"{o['calls_per_flush']:.2f}"),
+        ("collective calls per flush, last step", f"{a['calls_per_flush_last_step']:.2f}",
+         f"{o['calls_per_flush_last_step']:.2f}"),
         ("flush algorithm, one step (model's choice)", _algo_text(a["algos_last_step"]),
          _algo_text(o["algos_last_step"])),
         ("final loss (mean over ranks)", f"{summary['final_loss']['allreduce']:.6f}",
@@ -164,7 +174,7 @@ def main() -> int:
     pngs = plot(runs, summary, args.out)
     print()
     print(summary["init_line"])
-    for line in runs["owner"][0]["stats"].schedule_lines:
+    for line in runs["owner"][0]["stats"].schedule_lines + runs["owner"][0]["stats"].measured_lines:
         print(line)
     for line in runs["owner"][0]["stats"].probe_lines[:3]:
         print(line)

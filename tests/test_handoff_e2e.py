@@ -30,13 +30,15 @@ CASES = {
     "ws4-inductor-z2-ga1-forced": (4, TrainSpec(
         mode="owner", backend="inductor", model="few_big_tensors", zero_stage=2, steps=3, reduce_bucket_size=2500,
         record_collectives=True, flush_algo="handoff"), True),
-    # chosen by the cost model: 6 of the 13 matrices per flush, touching 2 or 3 owners
+    # chosen by the cost model: 6 of the 13 matrices per flush; the middle flush touches 3 owners with about 1.8M
+    # elements, where the hand-off beats one grouped Reduce per owner (NCCL aggregates those into one task, so
+    # inside one NVLink node the Reduces win the other flushes: 'reduce x2')
     "ws4-eager-z1-ga1-chosen": (4, TrainSpec(
         mode="owner", backend="eager", model="few_big_tensors", model_kwargs=BIG, steps=2,
         reduce_bucket_size=1_900_000, record_collectives=True, flush_algo="auto"), False),
-    "ws3-eager-z2-ga2-chosen": (3, TrainSpec(
+    "ws3-eager-z2-ga2-forced-big": (3, TrainSpec(
         mode="owner", backend="eager", model="few_big_tensors", model_kwargs=BIG, zero_stage=2, grad_accum=2,
-        steps=2, reduce_bucket_size=1_900_000, record_collectives=True, flush_algo="auto"), False),
+        steps=2, reduce_bucket_size=1_900_000, record_collectives=True, flush_algo="handoff"), True),
 }
 
 
@@ -50,11 +52,9 @@ def test_handoff_trains_bitwise_equal_to_plain_zero(case):
         assert s.handoff_rounds > 0 and s.sends + s.recvs > 0, (rank, s)
         algos = [ALGO_RE.search(line).group(2) for line in s.probe_lines]
         assert any("handoff" in a for a in algos), algos
-        if not forced:  # every scheduled flush of 6 matrices: the model's choice is the hand-off
-            assert sum("handoff" in a for a in algos) >= 2, algos
     if not forced:
         (line,) = owner[0]["stats"].schedule_lines
-        assert "reduce_scatter+handoff x2" in line and "modelled" in line, line
+        assert "reduce_scatter+handoff x1" in line and "modelled" in line, line
 
 
 @pytest.mark.timeout(300)

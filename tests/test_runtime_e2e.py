@@ -113,12 +113,23 @@ def _assert_close_to_plain(owner: tuple, plain: tuple) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_identical_data_bitwise_equal_eager(world_size):
-    spec = TrainSpec(mode="owner", backend="eager", steps=5, record_collectives=True,
+    """ws 4 trains long enough for the measured guard to finish its trial (learn, six alternating steps, verdict)
+    as a user's job does with the default settings: still bitwise equal to plain ZeRO, the same calls on every rank
+    (so the same verdict), and rank 0 reports the measured times."""
+    spec = TrainSpec(mode="owner", backend="eager", steps=9 if world_size == 4 else 5, record_collectives=True,
                      reduce_bucket_size=300 if world_size == 4 else None)
     owner = _owner_run_matching_plain(world_size, spec)
-    # Collectives per flush: runs of owners, not parameters.
     stats = owner[0]["stats"]
-    assert stats.collectives < stats.flushes * N_PARAMS
+    if world_size == 2:  # fewer calls than one per parameter, the trial's two steps of native's calls included
+        assert stats.collectives < stats.flushes * N_PARAMS
+        return
+    for r in owner:
+        s = r["stats"]
+        assert (s.trial_steps, s.trials_decided) == (6, 1) and s.trial_native_flushes > 0, s
+    (line,) = stats.measured_lines
+    assert re.match(r"^\[dc-schedule\]\[r0\] graph #1: measured \d+ flush(es)? over 3 steps each way, slowest rank: "
+                    r".* measured \d+\.\d{3} ms vs native \d+\.\d{3} ms \(modelled ", line), line
+    assert all(r["stats"].measured_lines == [] for r in owner[1:])
 
 
 @pytest.mark.timeout(300)
