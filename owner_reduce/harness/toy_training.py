@@ -53,6 +53,8 @@ class TrainSpec:
     # from the checkpoint's step to ``steps`` on the batches an uninterrupted run would see; losses start there.
     resume: bool = False
     reuse_graph_ids: bool = False  # rank 0 reuses its graph ids after a recompile, other ranks never (graph_ids.py)
+    # deepspeed.utils.safe_get_full_grad of every parameter between the boundary backward and its step
+    full_grads: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -233,6 +235,7 @@ def train(rank: int, world_size: int, spec: TrainSpec,
     runtime = None
     timings: dict[str, list[int]] = {}
     losses: list[float] = []
+    full_grads: list[dict[str, Any]] = []
     step_times: list[float] = []
     for step in range(first_step, spec.steps):
         start = time.perf_counter()
@@ -253,6 +256,12 @@ def train(rank: int, world_size: int, spec: TrainSpec,
             phase(f"step {step + 1} backward (DeepCompile compiles and profiles the backward graph, then reduces)"
                   if first and spec.mode != "plain" else f"step {step + 1} backward")
             engine.backward(loss)
+            if spec.full_grads and micro == spec.grad_accum - 1:  # the boundary: the step that follows updates
+                from deepspeed.utils import safe_get_full_grad
+
+                phase(f"step {step + 1} safe_get_full_grad")
+                full_grads.append({n: safe_get_full_grad(p).detach().cpu().clone()
+                                   for n, p in engine.module.named_parameters()})
             phase(f"step {step + 1} optimizer")
             engine.step()
             losses.append(loss.item())
@@ -281,4 +290,5 @@ def train(rank: int, world_size: int, spec: TrainSpec,
         "global_steps": engine.global_steps,
         "summary": None if runtime is None else runtime.settings.owner_map.summary(),
         "timings": timings,
+        "full_grads": full_grads,
     }

@@ -19,6 +19,7 @@ from ..runtime.comm import ReduceComm
 from ..runtime.handle import OwnerReduceRuntime, RuntimeSettings
 from . import cpu_compat
 from .compile_pass import owner_schedule, start_at_first_step
+from .full_grad import link_live_gradients
 from .ops import ensure_dc_schemas, register_inductor_lowerings, release_dc_schemas, set_active_runtime
 from .unreduced_params import hide_unoptimized_params, optimized_param_ids
 
@@ -115,6 +116,7 @@ def wrap_init_z1_and_2(original: Any) -> Any:
                 release()
             raise
         added_hooks[:] = [h for h in dc_util.pre_backward_hooks if h not in hooks_before]
+        link_live_gradients(engine.optimizer, (p for group in engine.optimizer.bit16_groups for p in group))
         # Frozen and zero-element parameters are outside ZeRO's groups: DeepCompile sees them as plain inputs.
         return hide_unoptimized_params(backend_fn, optimized_param_ids(engine.optimizer.bit16_groups))
 
