@@ -20,6 +20,7 @@ from owner_reduce.planning.flush_plan import ALL, BucketEntry, FlushRange, plan_
 from owner_reduce.planning.owner_map import GroupTables, OwnerMap
 from owner_reduce.planning.sizing import (
     DEFAULT_BUCKET_SIZE,
+    Cluster,
     backward_order,
     delivered_bytes,
     element_share,
@@ -396,3 +397,24 @@ def test_1b_preset_at_ws_8_calls_at_most_owners_plus_one():
     assert bucket["flush_count"] >= 1
     for flush in bucket["flushes"]:
         assert flush["layout_calls"] <= flush["owners"] + 1, flush
+
+
+@pytest.mark.timeout(60)
+def test_handoff_sensitivity_costs_the_full_bandwidth_choices_at_less_and_chooses_again():
+    """Issue 20 item 3: each row at 0.5x and 0.25x of the hand-off's network bandwidth, both for the choices made at
+    full bandwidth (what runs before the measured guard decides) and chosen again knowing it (never worse)."""
+    from fakes import flat_map
+
+    from owner_reduce.planning.sizing import size_the_win
+
+    m = flat_map([4096 * 11008] * 148, 1024)  # partial flushes at 1024 ranks: the hand-off wins without NVLS
+    order = backward_order(range(148))
+    report = size_the_win(m, order, (500_000_000,), model="7B-like matrices",
+                          cluster=Cluster(nvls=False), sensitivity=(0.5, 0.25))
+    (b,) = report.buckets
+    assert "reduce_scatter+handoff" in b.choices()
+    base = b.us_ratio("layout")
+    (half, half_step, half_worst, half_again), (quarter, q_step, q_worst, q_again) = b.handoff_sensitivity
+    assert (half, quarter) == (0.5, 0.25)
+    assert base < half_step < q_step and half_worst <= q_worst  # the hand-off's bytes get dearer
+    assert half_again <= half_step and q_again <= q_step and half_again <= 1.0 and q_again <= 1.0

@@ -294,6 +294,7 @@ class FlushSizing:
     layout_us: float = 0.0
     previous_us: float = 0.0  # the owner-ordered bucket before the per-flush choice (see the module's docstring)
     layout_choice: str = ""  # the candidate that won (flush_choice.CANDIDATES)
+    costs: tuple[tuple[str, float], ...] = ()  # every candidate's modelled time (us)
     gradients: tuple[int, ...] = ()  # elements of each gradient, in arrival order (native's calls)
     groups: tuple[tuple[IssuedCall, ...], ...] = ()  # what reduce_to_owner issues: one entry per NCCL group
 
@@ -310,8 +311,9 @@ class BucketSizing:
     world_size: int
     flushes: tuple[FlushSizing, ...]
     topology: str = ""  # the alpha-beta estimate's topology ("" when the world size has none)
-    # (bandwidth scale, step ratio, worst flush ratio) with the hand-off at a share of its network bandwidth
-    handoff_sensitivity: tuple[tuple[float, float, float], ...] = ()
+    # With the hand-off at a share of its modelled network bandwidth: (scale, step ratio and worst flush ratio of
+    # the choices made at full bandwidth, step ratio when the model knows the bandwidth and chooses again)
+    handoff_sensitivity: tuple[tuple[float, float, float, float], ...] = ()
 
     @property
     def native_calls(self) -> int:
@@ -400,7 +402,8 @@ def size_buckets(owner_map: OwnerMap, grad_order: Sequence[int], bucket_size: in
                                  sliced_time=ring_time(sliced, n),
                                  owners=len({r.root for r in sliced if r.root is not ALL}),
                                  layout_calls=layout.calls, layout_algo=layout.algo,
-                                 layout_choice=layout.choice, gradients=tuple(e.numel for e in entries),
+                                 layout_choice=layout.choice, costs=layout.costs,
+                                 gradients=tuple(e.numel for e in entries),
                                  groups=issued_groups(layout, n), **times))
     name = topo.name if topo is not None else ""
     if name and cost.calibration is not None:
@@ -502,8 +505,12 @@ def size_the_win(owner_map: OwnerMap, grad_order: Sequence[int], bucket_sizes: S
         rows = []
         for scale in sensitivity:
             scaled = size_buckets(owner_map, grad_order, size, dtype_bytes=b, cluster=cluster.with_p2p_scale(scale))
-            worst = scaled.worst_flush()
-            rows.append((scale, scaled.us_ratio("layout"), worst.layout_over_native if worst else 1.0))
+            fixed = [dict(f_s.costs).get(f.layout_choice, f.layout_us)
+                     for f, f_s in zip(sized.flushes, scaled.flushes, strict=True)]
+            native = [f.native_us for f in sized.flushes]
+            step = sum(fixed) / sum(native) if sum(native) else 1.0
+            worst = max((c / n for c, n in zip(fixed, native, strict=True) if n), default=1.0)
+            rows.append((scale, step, worst, scaled.us_ratio("layout")))
         buckets.append(replace(sized, handoff_sensitivity=tuple(rows)))
     return SizingReport(model=model, world_size=owner_map.dp_world_size, dtype=dtype,
                         summary_line=owner_map.init_line(sliced=True), share=element_share(owner_map),
@@ -582,8 +589,9 @@ def format_report(report: SizingReport) -> str:
                 f"({b.us_ratio('previous'):.3f})   arrival order {_ms(b.step_us('sliced'))} "
                 f"({b.us_ratio('sliced'):.3f})   (bandwidth-only {b.sliced_time_ratio:.3f})",
             ]
-            lines += [f"    hand-off at {scale:g}x its network bandwidth: reduce_to_owner {ratio:.3f} of native, "
-                      f"worst flush {worst_ratio:.3f}" for scale, ratio, worst_ratio in b.handoff_sensitivity]
+            lines += [f"    hand-off at {scale:g}x its network bandwidth: the choices above {ratio:.3f} of native "
+                      f"(worst flush {worst_ratio:.3f}); chosen again knowing it {again:.3f}"
+                      for scale, ratio, worst_ratio, again in b.handoff_sensitivity]
     lines += ["", "estimates: ring-model time is bandwidth only, per rank; alpha-beta time is NCCL's tuning model "
               "(planning/collective_time.py), flushes serial, compute overlap and host time ignored."]
     lines += [f"note: {note}" for note in report.notes]
@@ -616,7 +624,8 @@ def format_summary_rows(report: SizingReport, name: str) -> list[str]:
             rows.append(f"| {name} | {report.world_size} | {b.bucket_size:.0e} | {len(b.flushes)} | "
                         "one rank: nothing to reduce |" + " |" * (5 + len(b.handoff_sensitivity)))
             continue
-        sens = "".join(f" {ratio:.3f}x (worst {w:.3f}x) |" for _, ratio, w in b.handoff_sensitivity)
+        sens = "".join(f" {ratio:.3f}x (worst {w:.3f}x; chosen again {again:.3f}x) |"
+                       for _, ratio, w, again in b.handoff_sensitivity)
         rows.append(f"| {name} | {report.world_size} | {b.bucket_size:.0e} | {len(b.flushes)} | "
                     f"{b.native_calls / per:.1f} / {b.layout_calls / per:.1f} | {_algos(b)} | "
                     f"{_ms(b.step_us('native'))} | {b.us_ratio('previous'):.3f}x | "
