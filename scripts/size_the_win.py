@@ -200,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\n(alpha-beta model, NCCL 2.30 group planning; ratios against native DeepCompile: one AllReduce per "
               f"gradient in one group per flush; wall time "
               f"{wall:.1f} s)")
+        for report in reports:  # the topology each world size was costed on (the one the runtime would agree on)
+            names = sorted({b.topology for b in report.buckets if b.topology})
+            print(f"ws {report.world_size}: {'; '.join(names) or 'one rank, nothing to reduce'}")
     else:
         print("\n\n".join(format_report(r) for r in reports))
         if published is not None:

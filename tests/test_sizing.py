@@ -240,6 +240,9 @@ def test_command_writes_the_plan_per_flush_and_sizes_a_world_of_100(tmp_path):
                   "--handoff-sensitivity", "--json", str(plan_file), timeout=150)
     rows = [line for line in result.stdout.splitlines() if line.startswith("| tiny | 100 |")]
     assert len(rows) == 1 and "hand-off at 0.25x bw" in result.stdout and "**" in rows[0], result.stdout
+    assert "chosen again" in rows[0]
+    assert re.search(r"^ws 100: 13 nodes x 8 GPUs, network .*, 100 ranks \(last node partly filled\)$", result.stdout,
+                     re.M), result.stdout
     plan = json.loads(plan_file.read_text())
     assert {"model", "world_size", "ranks_per_node", "gpu_generation", "dtype_bytes", "bucket_elems",
             "flushes"} <= set(plan)
