@@ -16,17 +16,17 @@ import time
 from pathlib import Path
 
 import pytest
+from stall_worker import USER_TIMEOUT_S
 
 from owner_reduce.harness.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "stall_worker.py"
-USER_TIMEOUT_S = 20  # the worker's init_distributed(timeout=...)
 GRACE_S = 30  # the bound: every survivor exits within timeout + 30 s
 STARTUP_LIMIT_S = 240  # both jobs up to the stall, on a loaded 2-core machine
 ERROR_RE = re.compile(r"OwnerReduceCommError: owner_reduce: rank (\d+), flush #\d+: (reduce|all_reduce)\(.*\) "
-                      r"timed out after waiting (\d+\.\d) s \(deadline 20 s from the default process group "
-                      r"\(init_distributed timeout\)\)")
+                      rf"timed out after waiting (\d+\.\d) s \(deadline {USER_TIMEOUT_S} s from the default "
+                      r"process group \(init_distributed timeout\)\)")
 
 
 class Job:

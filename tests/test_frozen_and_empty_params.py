@@ -16,8 +16,7 @@ from test_runtime_e2e import (
     _assert_bitwise,
     _assert_runtime_ran,
     _assert_same_collectives_on_all_ranks,
-    _reference,
-    _run,
+    _run_with_reference,
 )
 
 from owner_reduce.harness.launch import RankFailure, run_ranks
@@ -44,12 +43,12 @@ def _initial_fc2() -> dict[str, torch.Tensor]:
 ])
 def test_frozen_and_zero_element_params_bitwise_equal_to_plain_zero(world_size, zero_stage, backend, grad_accum):
     spec = dataclasses.replace(SPEC, zero_stage=zero_stage, backend=backend, grad_accum=grad_accum)
-    owner = _run(world_size, spec)
+    owner, plain = _run_with_reference(world_size, spec)
     _assert_runtime_ran(owner, spec, owner_path=True, n_params=N_REDUCED)
     # Plain ZeRO without DeepCompile (eager hooks; inductor: torch.compile) handles these models. Stage 2 compares
     # with plain ZeRO-2: with gradient accumulation it reduces every micro-step, so plain ZeRO-2 itself differs
     # from plain ZeRO-1 in the last bits (measured: 3.3e-8 max |param difference| on the ws-3 case).
-    _assert_bitwise(owner, _reference(world_size, spec))
+    _assert_bitwise(owner, plain)
     _assert_same_collectives_on_all_ranks(owner)
     frozen = _initial_fc2()
     for r in owner:
@@ -65,9 +64,8 @@ def test_frozen_and_zero_element_params_bitwise_equal_to_plain_zero(world_size, 
 def test_negative_control_broken_reduction_on_this_model_is_caught():
     # The ws-3 stage-1 eager case's reference (cached when run in one session): a wrong root must not pass it.
     spec = dataclasses.replace(SPEC, inject_fault="wrong_root")
-    broken = _run(3, spec)
+    broken, plain = _run_with_reference(3, spec)
     assert broken[0]["stats"].reduce_grad_calls > 0
-    plain = _reference(3, spec)
     assert any(not torch.equal(b["params"][k], p["params"][k]) for b, p in zip(broken, plain, strict=True)
                for k in p["params"]), "a wrong_root reduction went unnoticed by the comparison"
 

@@ -214,7 +214,8 @@ def test_gpu_e2e_past_its_bound_fails_naming_each_rank_phase(monkeypatch):
     """The bound of a mode: a job that cannot finish in 4 s fails with where each rank was, not a bare timeout."""
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     e2e = importlib.import_module("gpu_e2e")
-    job = e2e.Job(mode="owner", steps=2, micro_batch=2, dim=8, layers=1, vocab=16, seq=4, cpu=True)
+    # 100,000 steps: with its imports preloaded, a 2-step job finishes in about 3.5 s on a 2-core box.
+    job = e2e.Job(mode="owner", steps=100_000, micro_batch=2, dim=8, layers=1, vocab=16, seq=4, cpu=True)
     with pytest.raises(RuntimeError) as caught:
         e2e.launch(job, 2, timeout=4)
     message = str(caught.value)

@@ -14,7 +14,13 @@ import dataclasses
 import re
 
 import pytest
-from test_runtime_e2e import _assert_bitwise, _max_param_diff, _reference, _run, _scheduled_run_matching_plain
+from test_runtime_e2e import (
+    _assert_bitwise,
+    _max_param_diff,
+    _run,
+    _run_with_reference,
+    _scheduled_run_matching_plain,
+)
 
 from owner_reduce.harness.toy_training import TrainSpec
 
@@ -64,8 +70,8 @@ def test_negative_control_a_handoff_piece_sent_to_the_wrong_owner_is_caught():
     which Adam's update would nearly normalize away; SGD's does not."""
     spec = TrainSpec(mode="owner", backend="eager", model="few_big_tensors", steps=3, flush_algo="handoff",
                      reduce_bucket_size=2500, record_collectives=True, optimizer="SGD")
-    plain = _reference(3, spec)
-    _assert_bitwise(_run(3, spec), plain)
+    owner, plain = _run_with_reference(3, spec)
+    _assert_bitwise(owner, plain)
     broken = _run(3, dataclasses.replace(spec, inject_fault="handoff_wrong_owner"))
     assert all(r["stats"].handoff_rounds > 0 for r in broken)
     differs = any(_max_param_diff(b["params"], p["params"]) > 0 for b, p in zip(broken, plain, strict=True))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from test_runtime_e2e import _max_param_diff, _reference, _run, _scheduled_run_matching_plain
+from test_runtime_e2e import _max_param_diff, _run_with_reference, _scheduled_run_matching_plain
 
 from owner_reduce.harness.toy_training import TrainSpec
 
@@ -63,8 +63,7 @@ def test_owner_ordered_flushes_bitwise_equal_to_plain_zero(case):
 @pytest.mark.timeout(300)
 def test_negative_control_layout_off_by_one_slice_is_caught():
     spec = TrainSpec(mode="owner", backend="eager", model="few_big_tensors", steps=3, inject_fault="layout_off_by_one")
-    broken = _run(2, spec)
-    plain = _reference(2, spec)
+    broken, plain = _run_with_reference(2, spec)
     assert all(r["stats"].scheduled_flushes > 0 for r in broken)
     differs = any(_max_param_diff(b["params"], p["params"]) > 0 for b, p in zip(broken, plain, strict=True))
     assert differs, "a layout off by one slice went unnoticed by the comparison"

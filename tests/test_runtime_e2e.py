@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 
 import pytest
@@ -22,16 +21,59 @@ INIT_RE = re.compile(r"^DeepCompile reduce_to_owner: (\d+)/(\d+) gradients reduc
 N_PARAMS = 6  # OddMLP: three weights, three biases
 
 
-@functools.cache
+_RESULTS: dict[tuple[int, TrainSpec], tuple] = {}  # (world size, spec) -> results by rank, for this session
+
+
+def _train_each(rank: int, world_size: int, specs: tuple[TrainSpec, ...]) -> list[dict]:
+    """Several runs, one after the other, in these ranks; each starts from the environment the launch gave (a run's
+    ``flush_algo`` sets OWNER_REDUCE_FLUSH_ALGO)."""
+    import os
+
+    environ = dict(os.environ)
+    results = []
+    for spec in specs:
+        results.append(train(rank, world_size, spec))
+        os.environ.clear()
+        os.environ.update(environ)
+    return results
+
+
+def _run_all(world_size: int, specs: list[TrainSpec]) -> list[tuple]:
+    """Each spec's results by rank, run once per session: the ones not run yet in one launch, in the given order.
+
+    Why one launch: a launch's ranks pay process start, the process group and the first compile's warm-up once.
+    What may share one: at most one DeepCompile + owner_reduce engine (its runtime refuses a second live one), and a
+    negative control's fault last (``inject`` breaks the planners for the rest of the process)."""
+    todo = [s for s in dict.fromkeys(specs) if (world_size, s) not in _RESULTS]
+    if sum(s.mode == "owner" for s in todo) > 1 or any(s.inject_fault for s in todo[:-1]):
+        raise ValueError(f"these runs cannot share one launch: {todo}")
+    if todo:
+        by_rank = run_ranks(_train_each, world_size, args=(tuple(todo),), timeout=240)
+        for i, spec in enumerate(todo):
+            _RESULTS[world_size, spec] = tuple(r[i] for r in by_rank)
+    return [_RESULTS[world_size, s] for s in specs]
+
+
 def _run(world_size: int, spec: TrainSpec) -> tuple:
-    return tuple(run_ranks(train, world_size, args=(spec,), timeout=240))
+    return _run_all(world_size, [spec])[0]
+
+
+def _reference_spec(spec: TrainSpec) -> TrainSpec:
+    """Plain ZeRO-1 on the same model and data: eager hooks, or torch.compile with the same backend."""
+    mode = "plain" if spec.backend == "eager" else "compiled"
+    return dataclasses.replace(spec, mode=mode, record_collectives=False, reduce_probe=False, reduce_to_owner=False,
+                               inject_fault=None)
 
 
 def _reference(world_size: int, spec: TrainSpec) -> tuple:
-    """Plain ZeRO-1 on the same model and data: eager hooks, or torch.compile with the same backend."""
-    mode = "plain" if spec.backend == "eager" else "compiled"
-    return _run(world_size, dataclasses.replace(spec, mode=mode, record_collectives=False, reduce_probe=False,
-                                                reduce_to_owner=False, inject_fault=None))
+    return _run(world_size, _reference_spec(spec))
+
+
+def _run_with_reference(world_size: int, spec: TrainSpec) -> tuple[tuple, tuple]:
+    """``spec``'s results and its reference's, in one launch where neither ran yet (the reference first: it opens no
+    DeepCompile engine, and a fault comes last)."""
+    plain, run = _run_all(world_size, [_reference_spec(spec), spec])
+    return run, plain
 
 
 def _max_param_diff(a: dict, b: dict) -> float:
@@ -76,8 +118,8 @@ def _assert_runtime_ran(results: tuple, spec: TrainSpec, owner_path: bool, n_par
 def _scheduled_run_matching_plain(world_size: int, spec: TrainSpec) -> tuple:
     """An owner run bitwise equal to plain ZeRO, with the same calls on every rank, every gradient reduced, and a
     learned owner-ordered schedule followed without falling back (the owner-ordered and hand-off tests)."""
-    owner = _run(world_size, spec)
-    _assert_bitwise(owner, _reference(world_size, spec))
+    owner, plain = _run_with_reference(world_size, spec)
+    _assert_bitwise(owner, plain)
     _assert_same_collectives_on_all_ranks(owner)
     for rank, r in enumerate(owner):
         s = r["stats"]
@@ -94,9 +136,9 @@ def _assert_same_collectives_on_all_ranks(results: tuple) -> None:
 
 def _owner_run_matching_plain(world_size: int, spec: TrainSpec, n_params: int = N_PARAMS) -> tuple:
     """Identical data: the owner run really ran, equals plain ZeRO bitwise, and every rank issued the same calls."""
-    owner = _run(world_size, spec)
+    owner, plain = _run_with_reference(world_size, spec)
     _assert_runtime_ran(owner, spec, owner_path=True, n_params=n_params)
-    _assert_bitwise(owner, _reference(world_size, spec))
+    _assert_bitwise(owner, plain)
     _assert_same_collectives_on_all_ranks(owner)
     return owner
 
@@ -144,9 +186,9 @@ def test_identical_data_bitwise_equal_inductor(world_size):
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_different_data_per_rank_within_tolerance(grad_accum):
     spec = TrainSpec(mode="owner", backend="eager", steps=5, grad_accum=grad_accum, same_data=False)
-    owner = _run(2, spec)
+    owner, plain = _run_with_reference(2, spec)
     _assert_runtime_ran(owner, spec, owner_path=True)
-    _assert_close_to_plain(owner, _reference(2, spec))
+    _assert_close_to_plain(owner, plain)
 
 
 @pytest.mark.timeout(300)
@@ -159,9 +201,9 @@ def test_identical_data_gradient_accumulation_bitwise_equal():
 def test_probe_only_reports_without_taking_the_owner_path():
     spec = TrainSpec(mode="owner", backend="eager", steps=3, reduce_to_owner=False, reduce_probe=True,
                      record_collectives=True)
-    owner = _run(2, spec)
+    owner, plain = _run_with_reference(2, spec)
     _assert_runtime_ran(owner, spec, owner_path=False)
-    _assert_bitwise(owner, _reference(2, spec))
+    _assert_bitwise(owner, plain)
     assert all(kind == "all_reduce" for kind, *_ in owner[0]["collective_log"])
     line = owner[0]["stats"].probe_lines[0]
     eligible = int(re.search(r" eligible_elems=(\d+)", line).group(1))
@@ -174,8 +216,7 @@ def test_probe_only_reports_without_taking_the_owner_path():
 @pytest.mark.parametrize("how", ["wrong_root", "skip_range"])
 def test_negative_control_broken_reduction_is_caught(how):
     spec = TrainSpec(mode="owner", backend="eager", steps=3, inject_fault=how)
-    broken = _run(2, spec)
-    plain = _reference(2, spec)
+    broken, plain = _run_with_reference(2, spec)
     assert broken[0]["stats"].reduce_grad_calls > 0
     differs = any(_max_param_diff(b["params"], p["params"]) > 0 for b, p in zip(broken, plain, strict=True))
     assert differs, f"a {how} reduction went unnoticed by the comparison"
@@ -254,6 +295,6 @@ def test_stage2_identical_data_bitwise_equal(world_size, grad_accum, backend):
 @pytest.mark.timeout(300)
 def test_stage2_different_data_within_tolerance():
     spec = TrainSpec(mode="owner", zero_stage=2, steps=4, grad_accum=2, same_data=False)
-    owner = _run(3, spec)
+    owner, plain = _run_with_reference(3, spec)
     _assert_runtime_ran(owner, spec, owner_path=True)
-    _assert_close_to_plain(owner, _reference(3, spec))
+    _assert_close_to_plain(owner, plain)

@@ -1,8 +1,10 @@
 """Sizing at scale: the Llama presets, the model spec, and the meta layout builder checked against a real
 DeepSpeed ZeRO-1 engine (same ``OwnerMap.digest()``, gradient order and bucket size).
 
-Each world size runs in its own spawned process, because the fake process group both builders use is
-process-global; one process builds every model of that world size both ways.
+Each world size runs in its own fresh process, because the fake process group both builders use is
+process-global; one process builds every model of that world size both ways. Fresh processes come from the ranks'
+preloaded fork server where there is one (``fresh_process_context``): a spawned one spends its first seconds importing
+torch and DeepSpeed.
 """
 
 from __future__ import annotations
@@ -10,20 +12,20 @@ from __future__ import annotations
 import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from owner_reduce.harness.launch import fresh_process_context
 from owner_reduce.harness.toy_models import OddMLP, TiedLM
 from owner_reduce.offline_sizing.llama_presets import LLAMA_PRESETS, Llama
 from owner_reduce.offline_sizing.meta_layout import MIRRORED_SOURCE, check_mirrored_source
 from owner_reduce.offline_sizing.model_spec import PRESETS, ModelSpec, build_meta_model
 
 REPO = Path(__file__).resolve().parent.parent
-HERE = Path(__file__).stem  # this module's import name in a spawned process (tests/ is on its sys.path)
+HERE = Path(__file__).stem  # this module's import name in a fresh process (tests/ is on its sys.path)
 
 
 # ---- factories the cross-check sizes as module:factory ---------------------------------------------------------
@@ -52,7 +54,7 @@ def meta_refusing() -> nn.Module:
 
 
 def _both_layouts(specs: list[ModelSpec], world_size: int) -> list[dict]:
-    """In a spawned process: each spec's layout from the meta builder and from a real engine."""
+    """In a fresh process: each spec's layout from the meta builder and from a real engine."""
     from owner_reduce.offline_sizing.fake_engine import build_layout
 
     out = []
@@ -70,7 +72,7 @@ def _both_layouts(specs: list[ModelSpec], world_size: int) -> list[dict]:
 
 
 def _cross_check(specs: list[ModelSpec], world_size: int) -> list[dict]:
-    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+    with ProcessPoolExecutor(max_workers=1, mp_context=fresh_process_context()) as pool:
         return pool.submit(_both_layouts, specs, world_size).result()
 
 
@@ -219,7 +221,7 @@ def test_command_lists_llama_presets_and_refuses_overrides_on_a_factory() -> Non
 
 
 def _size_models(names: list[str], world_size: int) -> list:
-    """In a spawned process (one fake world): each preset sized at DeepSpeed's default bucket and a tenth of it."""
+    """In a fresh process (one fake world): each preset sized at DeepSpeed's default bucket and a tenth of it."""
     from owner_reduce.offline_sizing.fake_engine import size_model
 
     return [size_model(ModelSpec(name), world_size, (500_000_000, 50_000_000)) for name in names]
@@ -232,7 +234,7 @@ def test_no_flush_slower_than_grouped_native_and_the_win_at_64_ranks(world_size)
     is modelled slower; the 0.6x of the per-call baseline is gone (issue 20): what is left at the default bucket is
     0.63-0.66x at ws 64 and 0.78-0.98x at 512-1024 (docs/reduce_to_owner.md, scale table)."""
     names = ["1b", "llama-7b"]
-    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+    with ProcessPoolExecutor(max_workers=1, mp_context=fresh_process_context()) as pool:
         reports = pool.submit(_size_models, names, world_size).result()
     for name, report in zip(names, reports, strict=True):
         default, tenth = report.buckets

@@ -74,6 +74,14 @@ def _start_context() -> Any:
     return ctx
 
 
+def fresh_process_context() -> Any:
+    """The multiprocessing context ranks start from, for a test's other fresh processes (a ``ProcessPoolExecutor``
+    that needs process-global state of its own, such as a fake process group): forked from the same preloaded fork
+    server on a machine without a GPU, spawned otherwise (see Note (start method)). A forked process gets the fork
+    server's environment, not the caller's current one."""
+    return _start_context()
+
+
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: Sequence[Any],
                results: Any, env: dict[str, str], dist_backend: str | None,
                environ: dict[str, str] | None = None) -> None:
