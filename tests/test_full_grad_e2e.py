@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_runtime_e2e import _run_with_reference
 
-from owner_reduce.harness.launch import run_ranks
-from owner_reduce.harness.toy_training import TrainSpec, train
+from owner_reduce.harness.toy_training import TrainSpec
 
 
 @pytest.mark.timeout(300)
@@ -20,9 +20,7 @@ from owner_reduce.harness.toy_training import TrainSpec, train
 def test_safe_get_full_grad_returns_plain_zeros_full_gradients_on_every_rank(stage, grad_accum):
     spec = TrainSpec(mode="owner", backend="eager", model="few_big_tensors", zero_stage=stage, grad_accum=grad_accum,
                      steps=2, full_grads=True, reduce_bucket_size=2500)
-    owner = run_ranks(train, 3, args=(spec,), timeout=200)
-    plain = run_ranks(train, 3, args=(TrainSpec(**{**spec.__dict__, "mode": "plain", "reduce_to_owner": False,
-                                                    "reduce_probe": False}),), timeout=200)
+    owner, plain = _run_with_reference(3, spec)  # plain ZeRO (eager hooks) then the owner run, in one launch
     for rank, (o, p) in enumerate(zip(owner, plain, strict=True)):
         assert o["stats"].scheduled_flushes > 0 and o["stats"].owner_elems > 0, o["stats"]
         assert len(o["full_grads"]) == len(p["full_grads"]) == spec.steps
