@@ -17,3 +17,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$PY" -c "import owner_redu
   echo "$want" > "$stamp"
 fi
 export OWNER_REDUCE_PY="$PY"
+# DeepSpeed JIT-builds its CPU communication extension under a file lock; a lock left by a build killed in another
+# venv's folder would stall every later run, so each venv keeps its own (unless the caller chose one).
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
