@@ -38,7 +38,7 @@ from .flush_plan import ALL, BucketEntry, FlushPlan, FlushRange, merge_ranges, p
 from .owner_map import OwnerMap, Placement
 
 __all__ = ["ALLREDUCE", "HANDOFF", "NATIVE", "REDUCE", "REDUCE_SCATTER", "Collective", "OwnerLayout", "PlacedGrad",
-           "PlacedPiece", "Transfer", "algo_of", "collectives_of", "default_cost", "handoff_load", "map_order",
+           "PlacedPiece", "Transfer", "algo_of", "collectives_of", "default_cost", "map_order",
            "plan_owner_layout", "plan_placed"]
 
 MAX_PADDING_SHARE = 0.01  # a padded ReduceScatter may pad the short regions by at most 1% of the flush's elements
@@ -119,21 +119,6 @@ def _packed_transfers(sizes: Sequence[int], chunk: int) -> tuple[Transfer, ...]:
             at = stop
         start = end
     return tuple(transfers)
-
-
-def handoff_load(transfers: Sequence[Transfer], world_size: int) -> tuple[int, int]:
-    """(peers, elements) of the busiest rank of a hand-off: the most peers one rank sends to or receives from, and
-    the most elements one rank sends or receives."""
-    sent = [0] * world_size
-    received = [0] * world_size
-    send_peers = [0] * world_size
-    recv_peers = [0] * world_size
-    for t in transfers:
-        sent[t.src] += t.count
-        received[t.dst] += t.count
-        send_peers[t.src] += 1  # one transfer per (source, destination) pair: a chunk meets a region once
-        recv_peers[t.dst] += 1
-    return max(send_peers + recv_peers, default=0), max(sent + received, default=0)
 
 
 def plan_owner_layout(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, reduce_to_owner: bool = True, *,

@@ -76,7 +76,7 @@ class Cluster:
                          calibration=self.calibration)
 
     def with_p2p_scale(self, scale: float) -> Cluster:
-        return Cluster(self.ranks_per_node, self.generation, self.nvls, scale, self.calibration)
+        return replace(self, p2p_bw_scale=scale)
 
 
 # ---- where the elements are ---------------------------------------------------------------------------------
@@ -365,18 +365,13 @@ class BucketSizing:
 
 
 def size_buckets(owner_map: OwnerMap, grad_order: Sequence[int], bucket_size: int,
-                 double_buffer: bool = True, dtype_bytes: int = 2,
-                 topology: Topology | None | str = "default", cluster: Cluster | None = None) -> BucketSizing:
+                 double_buffer: bool = True, dtype_bytes: int = 2, cluster: Cluster | None = None) -> BucketSizing:
     """Every flush of one step at ``bucket_size``: calls and modelled times per path on ``cluster`` (default
-    ``Cluster()``), or on an explicit ``topology`` (NCCL's tables, no calibration)."""
+    ``Cluster()``)."""
     n = owner_map.dp_world_size
     cluster = Cluster() if cluster is None else cluster
-    if topology == "default":
-        topo = cluster.topology(n)
-        cost = cluster.cost(n, dtype_bytes)
-    else:
-        topo = topology
-        cost = FlushCost(topo, dtype_bytes)
+    topo = cluster.topology(n)
+    cost = cluster.cost(n, dtype_bytes)
     order = map_order(owner_map)
     sized = []
     for index, entries in enumerate(simulate_flushes(owner_map, grad_order, bucket_size, double_buffer), 1):
