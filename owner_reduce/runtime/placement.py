@@ -59,7 +59,7 @@ class GradPlacer:
         self._trials: dict[int, Trial] = {}  # graph_id -> its running trial
         self.streams: HostStreams | CudaStreams | None = None  # chosen from the first gradient's device
         self._pending: dict[torch.dtype, Pending] = {}
-        self._schedules: dict[int, Schedule] = {}  # graph_id -> learned owner-ordered flushes
+        self._schedules: dict[int, Schedule] = {}  # graph_id -> learned owner-ordered flushes (a trial's: the model's)
         self._map_order = map_order(owner_map)
         self._backward_graph: int | None = None  # the graph whose gradients this backward enqueues
         self._follower: Follower | None = None  # following a schedule in this backward
@@ -185,7 +185,6 @@ class GradPlacer:
         if trial is not None:
             trial.step_done()
             self._stats.trial_steps += 1
-            self._schedules[graph] = trial.current()
 
     # ---- owner-ordered schedules -------------------------------------------------------------------------
 
@@ -202,7 +201,8 @@ class GradPlacer:
         self._backward_graph = graph_id
         if not self._owner:
             return
-        schedule = self._schedules.get(graph_id)
+        trial = self._trials.get(graph_id)  # on trial: the variant this backward runs (``trial``)
+        schedule = trial.current() if trial is not None else self._schedules.get(graph_id)
         if schedule is not None:
             self._follower = Follower(schedule)
         else:
@@ -234,7 +234,6 @@ class GradPlacer:
             trial = self._make_trial(schedule) if self._make_trial is not None else None
             if trial is not None and trial.needed:
                 self._trials[graph] = trial
-                self._schedules[graph] = trial.current()
                 self._timed_changed()
 
     def _layout_of(self, dtype: torch.dtype, grads: list[tuple[int, int]], cost: FlushCost | None = None
