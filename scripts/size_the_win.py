@@ -116,6 +116,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cluster.add_argument("--no-nvls", dest="nvls", action="store_false",
                          help="no NVSwitch multicast: native's AllReduce without NVLS / NVLS_TREE (any Ampere "
                               "cluster; Hopper without NVLS)")
+    cluster.add_argument("--rail-reduce-hops", dest="rail_same_channels", action="store_false",
+                         help="charge a two-level flush's rail Reduces a hop per rail rank (NCCL's model without "
+                              "sameChannels) instead of one hop (its model for a one-GPU-per-node ring): the "
+                              "conservative variant")
     cluster.add_argument("--calibration", metavar="FILE", default=None,
                          help="call times measured on your cluster by scripts/calibrate.py, in place of NCCL's "
                               "tables")
@@ -169,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             print(f"size_the_win.py: error: --calibration {args.calibration}: {exc}", file=sys.stderr)
             return 2
-    cluster = Cluster(args.ranks_per_node, args.gpu_generation, args.nvls, calibration=calibration)
+    cluster = Cluster(args.ranks_per_node, args.gpu_generation, args.nvls, calibration=calibration,
+                      rail_same_channels=args.rail_same_channels)
     sensitivity = HANDOFF_SENSITIVITY if args.handoff_sensitivity else ()
     sizer = size_model if len(args.world_size) == 1 else size_in_subprocess
     with _stdout_to_stderr():

@@ -165,6 +165,27 @@ def network(nodes: int, gpus_per_node: int = 8, *, channels: int = 8, nvls: bool
                     nvlink_bw=intra.nvlink_bw)
 
 
+def rail(nodes: int, *, generation: str = "hopper", same_channels: bool = True) -> Topology:
+    """A rail: one GPU on each of ``nodes`` nodes (a two-level flush's second level, ``two_level``), each reaching the
+    others through its own 400 Gb/s NIC. NCCL's search for one GPU per node: ``ncclTopoCompute`` starts at the first
+    inter-node speed the GPU-NIC path carries (search.cc 1160-1172: 48 GB/s, ``sm90SpeedArrayInter[0]``; the same
+    first speed in ``speedArrayInter``), which fills the NIC with one channel; ``ncclTopoDupChannels`` (search.cc
+    1036-1049) then doubles it into 2 channels of 24 GB/s (bwIntra 48 >= 25, not more than 4 channels); the
+    communicator runs twice the graph's channels (connect.cc 460). No NVLS (one GPU per node), ``nodes`` ranks: PAT
+    for a ReduceScatter (tuning.cc 534-545, ``ncclPatEnable``), the ring for a Reduce. The ring graph has
+    ``sameChannels``: the search tries it first (search.cc 1105-1106) and drops it only when that pass finds no ring
+    (search.cc 1204-1207), while one GPU per node has a single GPU order, found at once; so a Reduce is charged one
+    hop (tuning.cc 394-396), not ``nsteps`` (see Note (Reduce latency)). ``same_channels=False`` is the
+    conservative variant the docs show beside it."""
+    if nodes < 1:
+        raise ValueError(f"a rail needs at least one node, got {nodes}")
+    graph_channels, per_channel = 2, SM90_MAX_INTER_SPEED / 2
+    return Topology(name=f"rail of {nodes} nodes (one GPU per node, {graph_channels} x {per_channel:g} GB/s)",
+                    gpus_per_node=1, nodes=nodes, channels=graph_channels, bw_intra=per_channel,
+                    bw_inter=per_channel, generation=generation, same_channels=same_channels, nvls=False,
+                    nvls_channels=0, nvls_bw=0.0, nvlink_bw=0.0)
+
+
 A800_NODE = nvlink_node(8, generation="ampere", links=8, channels=8)  # the published measurement's machine
 
 

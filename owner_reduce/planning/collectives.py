@@ -17,7 +17,9 @@ HANDOFF = "handoff"
 REDUCE = "reduce"
 ALLREDUCE = "allreduce"
 NATIVE = "native"  # a flush's choice (not a call kind): one AllReduce per gradient in one group, as z1.cpp issues
+TWO_LEVEL = "two_level"  # a flush's choice: a ReduceScatter in each node, then Reduces on the rails (``two_level``)
 KINDS = (REDUCE_SCATTER, HANDOFF, REDUCE, ALLREDUCE)  # the order algo_of names them in
+WORLD, NODE, RAIL = "world", "node", "rail"  # the communicator a call runs on (``Collective.comm``)
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,10 @@ class Collective:
     ``reduce``: to ``root``. ``allreduce``: to every rank. ``handoff``: one grouped send/recv round over
     ``[offset, offset + count)`` (the ReduceScatter's span) that moves reduced pieces to their owners; what moves is
     the layout's ``transfers``. It runs after every other call of the flush has completed.
+
+    ``comm``: ``world`` (the data-parallel communicator), ``node`` (the ranks of this rank's node; ``per_rank`` as
+    above, over the node's ranks) or ``rail`` (the ranks of every node with the same local rank; ``root`` is a node
+    index, and only the ranks whose local rank is ``rail`` issue the call). ``stage``: the two-level pipeline stage.
     """
 
     kind: str
@@ -35,6 +41,9 @@ class Collective:
     count: int
     root: int | None = None
     per_rank: int = 0
+    comm: str = WORLD
+    rail: int = -1
+    stage: int = 0
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,16 @@ def algo_of(kinds: Iterable[str]) -> str:
     """The probe's ``algo=`` value: the kinds of call a flush issued, in a fixed order, ``+``-joined."""
     present = set(kinds)
     return "+".join(k for k in KINDS if k in present) or "none"
+
+
+def algo_of_calls(collectives: Iterable[Collective]) -> str:
+    """The probe's ``algo=`` value of a flush's calls: ``two_level`` when it runs on the node and rail communicators
+    (then ``+allreduce`` for gradients that reach every rank), else ``algo_of`` their kinds."""
+    calls = list(collectives)
+    if any(c.comm != WORLD for c in calls):
+        rest = algo_of(c.kind for c in calls if c.comm == WORLD)
+        return TWO_LEVEL if rest == "none" else f"{TWO_LEVEL}+{rest}"
+    return algo_of(c.kind for c in calls)
 
 
 def collectives_of(ranges: Sequence[FlushRange]) -> tuple[Collective, ...]:

@@ -11,7 +11,9 @@ cheapest runs:
 - ``reduce``: one Reduce per owner the flush touches;
 - ``handoff``: one ReduceScatter over the flush cut into ``world_size`` equal chunks, then one grouped send/recv
   round that moves each reduced chunk's pieces to the ranks that own them (each rank receives exactly what it keeps);
-- ``allreduce``: one AllReduce of the whole flush (what the native runtime sends, in one call).
+- ``allreduce``: one AllReduce of the whole flush (what the native runtime sends, in one call);
+- ``two_level``: where ranks form whole nodes over a network, a ReduceScatter in each node, then each owner's region
+  reduced across nodes on its rail, pipelined (``two_level``); costed on the node and rail topologies.
 Gradients that must reach every rank (another communicator, whole-gradient optimizers) add one AllReduce to the
 first three. ``allreduce`` is always a candidate, and one AllReduce of a flush is never modelled slower than the
 native runtime's one AllReduce per gradient (the model is subadditive; ``tests/test_flush_choice.py`` checks it),
@@ -30,13 +32,25 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from .collective_time import Topology, aggregates, group_time_us, p2p_load, p2p_round_us, topology_of
-from .collectives import ALLREDUCE, HANDOFF, NATIVE, REDUCE, REDUCE_SCATTER, Collective, Transfer, collectives_of
+from .collectives import (
+    ALLREDUCE,
+    HANDOFF,
+    NATIVE,
+    REDUCE,
+    REDUCE_SCATTER,
+    TWO_LEVEL,
+    Collective,
+    Transfer,
+    collectives_of,
+)
 from .flush_plan import ALL, FlushPlan, FlushRange, merge_ranges
+from .two_level import TwoLevel
 
 AUTO = "auto"
-CANDIDATES = (REDUCE_SCATTER, REDUCE, ALLREDUCE, HANDOFF, NATIVE)  # in the order ties go (fewest calls first)
+CANDIDATES = (REDUCE_SCATTER, REDUCE, ALLREDUCE, HANDOFF, NATIVE, TWO_LEVEL)  # the order ties go (fewest calls first)
 FORCE_ENV_VAR = "OWNER_REDUCE_FLUSH_ALGO"
-FORCE_VALUES = (AUTO, REDUCE, ALLREDUCE, HANDOFF, NATIVE)  # reduce_scatter cannot be forced: needs every owner present
+# reduce_scatter cannot be forced: it needs every owner present
+FORCE_VALUES = (AUTO, REDUCE, ALLREDUCE, HANDOFF, NATIVE, TWO_LEVEL)
 
 
 def parse_force(value: str | None) -> str:
@@ -61,13 +75,16 @@ class CallTimes(Protocol):
 class FlushCost:
     """What the choice needs besides the layout: the topology (None: one rank, nothing to cost), bytes per element,
     a forced candidate (``auto``: the cheapest), the hand-off's bandwidth scale (the docs' sensitivity rows), and a
-    cluster's measured call times (``calibration``: used in place of NCCL's tables where given)."""
+    cluster's measured call times (``calibration``: used in place of NCCL's tables where given), and the node and
+    rail communicators of a two-level flush (None: not a candidate). A calibration times the data-parallel
+    communicator only, so under one the two-level flush is a candidate only when forced (then on NCCL's tables)."""
 
     topology: Topology | None
     dtype_bytes: int = 2
     force: str = AUTO
     p2p_bw_scale: float = 1.0
     calibration: CallTimes | None = None
+    two_level: TwoLevel | None = None
 
     def __post_init__(self) -> None:
         if self.force not in FORCE_VALUES:
@@ -103,6 +120,13 @@ class FlushCost:
         if self.calibration is not None:
             return self.calibration.p2p_round_us(load.peers, max(load.remote_bytes, load.local_bytes))
         return p2p_round_us(load, self.topology, self.p2p_bw_scale)
+
+    def two_level_us(self, sizes: Sequence[int]) -> tuple[float, int] | None:
+        """(modelled time, pipeline stages) of a two-level flush of owner regions of ``sizes`` elements, or None
+        where it is not a candidate (see the class docstring)."""
+        if self.two_level is None or (self.calibration is not None and self.force != TWO_LEVEL):
+            return None
+        return self.two_level.time_us(sizes, self.dtype_bytes)
 
     def for_dtype_bytes(self, dtype_bytes: int) -> FlushCost:
         return self if dtype_bytes == self.dtype_bytes else replace(self, dtype_bytes=dtype_bytes)

@@ -28,20 +28,26 @@ from .collectives import (
     NATIVE,
     REDUCE,
     REDUCE_SCATTER,
+    TWO_LEVEL,
     Collective,
     Transfer,
     algo_of,
+    algo_of_calls,
     collectives_of,
 )
 from .flush_choice import FlushCost, choose
 from .flush_plan import ALL, BucketEntry, FlushPlan, FlushRange, merge_ranges, plan_flush
 from .owner_map import OwnerMap, Placement
+from .two_level import geometry, two_level_calls
 
 __all__ = ["ALLREDUCE", "HANDOFF", "NATIVE", "REDUCE", "REDUCE_SCATTER", "Collective", "OwnerLayout", "PlacedGrad",
            "PlacedPiece", "Transfer", "algo_of", "collectives_of", "default_cost", "map_order",
            "plan_owner_layout", "plan_placed"]
 
 MAX_PADDING_SHARE = 0.01  # a padded ReduceScatter may pad the short regions by at most 1% of the flush's elements
+# A two-level flush pads each node block to the longest (blocks hold different owners' regions); the padding grows
+# the bucket and the node step's bytes (the latter costed), so it is bounded: at most an eighth of the flush.
+TWO_LEVEL_MAX_PADDING_SHARE = 0.125
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,19 @@ class PlacedGrad:
         raise ValueError(f"param_id {self.param_id}: elements [{src_offset}, +{length}) are not in one placed piece "
                          f"({[(p.src_offset, p.length) for p in self.pieces]})")
 
+    def segments(self, src_offset: int, length: int) -> list[tuple[int, int]]:
+        """(bucket offset, elements) of the gradient's elements ``[src_offset, +length)``, in source order: one per
+        piece they cross (a two-level flush cuts an owner's region at its pipeline stages)."""
+        out, end = [], src_offset + length
+        for piece in self.pieces:
+            lo, hi = max(src_offset, piece.src_offset), min(end, piece.src_offset + piece.length)
+            if lo < hi:
+                out.append((piece.bucket_offset + lo - piece.src_offset, hi - lo))
+        if sum(n for _, n in out) != length:
+            raise ValueError(f"param_id {self.param_id}: elements [{src_offset}, +{length}) are not all placed "
+                             f"({[(p.src_offset, p.length) for p in self.pieces]})")
+        return out
+
 
 @dataclass(frozen=True)
 class OwnerLayout:
@@ -84,6 +103,7 @@ class OwnerLayout:
     choice: str = ""  # the candidate that won (flush_choice.CANDIDATES)
     modelled_us: float = 0.0  # its alpha-beta time
     costs: tuple[tuple[str, float], ...] = ()  # every candidate considered and its modelled time
+    stages: int = 0  # a two-level flush's pipeline stages (0: not two-level)
 
     @property
     def calls(self) -> int:
@@ -91,7 +111,7 @@ class OwnerLayout:
 
     @property
     def algo(self) -> str:
-        return algo_of(c.kind for c in self.collectives)
+        return algo_of_calls(self.collectives)
 
 
 def _entries(grads: Sequence[tuple[int, int]]) -> list[BucketEntry]:
@@ -176,9 +196,20 @@ def plan_owner_layout(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, red
             fits = capacity is None or n * per_rank + all_elems <= capacity
             if all(sizes) and fits and pad <= max_padding_share * counted.reduced_elems:
                 costs[REDUCE_SCATTER] = cost.calls_us([(REDUCE_SCATTER, n * per_rank)] + everyone_call)
+    stages = 0
+    if owner_elems and n > 1:
+        two_level = cost.two_level_us(sizes)
+        if two_level is not None and (cost.force == TWO_LEVEL or geometry(
+                sizes, cost.two_level.ranks_per_node, two_level[1]).span - owner_elems
+                <= TWO_LEVEL_MAX_PADDING_SHARE * counted.reduced_elems):
+            costs[TWO_LEVEL] = two_level[0] + (cost.calls_us(everyone_call) if everyone_call else 0.0)
+            stages = two_level[1]
     choice = choose(costs, cost.force)
     if choice == NATIVE:
         return _native_layout(entries, counted, costs)
+    if choice == TWO_LEVEL:
+        return _two_level_layout(entries, counted, costs, regions, sizes, everyone, cost.two_level.ranks_per_node,
+                                 stages)
 
     placed: dict[int, list[PlacedPiece]] = {e.param_id: [] for e in entries}
     ranges: list[FlushRange] = []
@@ -225,6 +256,39 @@ def plan_owner_layout(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, red
     return OwnerLayout(grads=out, plan=plan, collectives=tuple(collectives), padding=tuple(padding), total=offset,
                        transfers=transfers if choice == HANDOFF else (), choice=choice,
                        modelled_us=costs[choice], costs=tuple(sorted(costs.items())))
+
+
+def _two_level_layout(entries: Sequence[BucketEntry], counted: FlushPlan, costs: dict[str, float],
+                      regions: Sequence[Sequence[tuple[tuple[int, int], int, int, int]]], sizes: Sequence[int],
+                      everyone: Sequence[tuple[int, int, int]], ranks_per_node: int, stages: int) -> OwnerLayout:
+    """The two-level flush (``two_level``): owner regions in their local rank's block, blocks cut into ``stages``
+    slices laid out ``[stage][local rank][slice]``, each block's tail zero-padded; the AllReduce region after them."""
+    geo = geometry(sizes, ranks_per_node, stages)
+    placed: dict[int, list[PlacedPiece]] = {e.param_id: [] for e in entries}
+    positions = [0] * ranks_per_node  # where the next owner region starts in each block
+    for owner in sorted(range(len(regions)), key=lambda o: (o % ranks_per_node, o)):
+        local = owner % ranks_per_node
+        at = positions[local]
+        for _, param_id, src_offset, length in regions[owner]:
+            for offset, position, count in geo.segments(local, at, length):
+                placed[param_id].append(PlacedPiece(param_id, src_offset + position - at, count, offset, owner))
+            at += length
+        positions[local] = at
+    collectives, ranges, padding = two_level_calls(sizes, geo)
+    collectives, ranges = list(collectives), list(ranges)
+    offset = geo.span
+    all_elems = sum(p[2] for p in everyone)
+    if all_elems:
+        ranges.append(FlushRange(offset, all_elems, ALL))
+        collectives.append(Collective(ALLREDUCE, offset, all_elems))
+        for param_id, src_offset, length in everyone:
+            placed[param_id].append(PlacedPiece(param_id, src_offset, length, offset, ALL))
+            offset += length
+    out = tuple(PlacedGrad(e.param_id, e.numel, tuple(sorted(placed[e.param_id], key=lambda p: p.src_offset)))
+                for e in entries)
+    return OwnerLayout(grads=out, plan=replace(counted, ranges=tuple(ranges)), collectives=tuple(collectives),
+                       padding=padding, total=offset, choice=TWO_LEVEL, modelled_us=costs[TWO_LEVEL],
+                       costs=tuple(sorted(costs.items())), stages=stages)
 
 
 def _native_layout(entries: Sequence[BucketEntry], counted: FlushPlan, costs: dict[str, float]) -> OwnerLayout:

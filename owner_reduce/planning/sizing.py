@@ -31,11 +31,12 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .collective_time import A800_NODE, ALLREDUCE, REDUCE, REDUCE_SCATTER, Topology, flush_time_us, topology_of
-from .collectives import HANDOFF
+from .collectives import HANDOFF, NODE, RAIL
 from .flush_choice import CallTimes, FlushCost
 from .flush_plan import ALL, BucketEntry, FlushRange, plan_flush
 from .owner_layout import OwnerLayout, collectives_of, map_order, plan_owner_layout
 from .owner_map import OwnerMap, Placement
+from .two_level import two_level_of
 from .wording import count_noun
 
 # Bytes per element of the gradient dtypes DeepCompile reduces.
@@ -57,6 +58,7 @@ class Cluster:
     nvls: bool = True
     p2p_bw_scale: float = 1.0
     calibration: CallTimes | None = None
+    rail_same_channels: bool = True  # False: a rail Reduce pays a hop per rank (``collective_time.rail``)
 
     def __post_init__(self) -> None:
         if self.ranks_per_node < 1:
@@ -72,8 +74,10 @@ class Cluster:
         return topology_of(world_size, self.ranks_per_node, self.generation, nvls=self.nvls)
 
     def cost(self, world_size: int, dtype_bytes: int) -> FlushCost:
-        return FlushCost(self.topology(world_size), dtype_bytes, p2p_bw_scale=self.p2p_bw_scale,
-                         calibration=self.calibration)
+        topology = self.topology(world_size)
+        return FlushCost(topology, dtype_bytes, p2p_bw_scale=self.p2p_bw_scale, calibration=self.calibration,
+                         two_level=two_level_of(topology, self.ranks_per_node,
+                                                rail_same_channels=self.rail_same_channels))
 
     def with_p2p_scale(self, scale: float) -> Cluster:
         return replace(self, p2p_bw_scale=scale)
@@ -251,11 +255,17 @@ class IssuedCall:
     rank: int | None = None
     comm: str = "world"
     comm_size: int = 0
+    rail: int | None = None  # a rail call: the local rank whose rail issues it (``root`` is then a node index)
+    stage: int | None = None  # a two-level call: its pipeline stage
 
 
 def issued_groups(layout: OwnerLayout, world_size: int) -> tuple[tuple[IssuedCall, ...], ...]:
     """The NCCL groups a flush's layout issues, in order: its collectives in one group, then (a hand-off) one
-    grouped send/recv round listing every rank's sends (each has a matching recv on its ``peer``)."""
+    grouped send/recv round listing every rank's sends (each has a matching recv on its ``peer``). A two-level flush:
+    per stage, one group on the node communicators (every node issues it) and one on the rail communicators (each
+    rail its own calls, listed with ``rail``), then its AllReduce on the data-parallel communicator."""
+    if layout.stages:
+        return _two_level_groups(layout, world_size)
     calls = []
     for c in layout.collectives:
         if c.kind == HANDOFF:
@@ -269,6 +279,23 @@ def issued_groups(layout: OwnerLayout, world_size: int) -> tuple[tuple[IssuedCal
         groups.append(tuple(IssuedCall("send", t.count, peer=t.dst, rank=t.src, comm_size=world_size)
                             for t in layout.transfers))
     return tuple(groups)
+
+
+def _two_level_groups(layout: OwnerLayout, world_size: int) -> tuple[tuple[IssuedCall, ...], ...]:
+    stages: list[list[IssuedCall]] = [[] for _ in range(2 * layout.stages)]
+    world = []
+    per_node = next(c.count // c.per_rank for c in layout.collectives if c.comm == NODE)
+    nodes = world_size // per_node
+    for c in layout.collectives:
+        if c.comm == NODE:
+            stages[2 * c.stage].append(IssuedCall(REDUCE_SCATTER, c.per_rank, comm=NODE, comm_size=per_node,
+                                                  stage=c.stage))
+        elif c.comm == RAIL:
+            stages[2 * c.stage + 1].append(IssuedCall(REDUCE, c.count, root=c.root, comm=RAIL, comm_size=nodes,
+                                                      rail=c.rail, stage=c.stage))
+        else:
+            world.append(IssuedCall(c.kind, c.count, comm_size=world_size))
+    return tuple(tuple(g) for g in [*stages, world] if g)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -128,6 +128,12 @@ class ReduceComm(ABC):
     @abstractmethod
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (same length everywhere), by rank: the init-time agreement check."""
+
+    def split(self, groups: Sequence[Sequence[int]]) -> ReduceComm:
+        """A communicator over the ranks of ``groups`` that holds this rank (ranks of this communicator; every rank
+        in exactly one group), with ranks numbered in the group's order: a two-level flush's node or rail
+        communicator. Collective: every rank calls it with the same ``groups``."""
+        raise NotImplementedError(f"{self.name}: this communicator cannot make sub-communicators (two-level flush)")
 
     def release_buffers(self) -> None:  # noqa: B027 - optional hook
         """Drop whatever this communicator keeps per buffer (the runtime released its buckets)."""
@@ -325,6 +331,25 @@ class TorchDistComm(ReduceComm):
         if local.is_cuda:  # the values are read on the host next: wait for them, within the deadline
             self.wait_until(lambda: True, "all_gather_ints", flush=None)
         return [g.tolist() for g in gathered]
+
+    def split(self, groups: Sequence[Sequence[int]]) -> TorchDistComm:
+        """One ``new_group`` per group, created in ``groups``' order on every rank (torch.distributed needs every rank
+        of the parent group to create every group), each with the deadline as its timeout; this rank's is returned.
+        """
+        from datetime import timedelta
+
+        timeout = timedelta(seconds=self.deadline.seconds)
+        mine = None
+        with _no_python_dispatcher():
+            for members in groups:
+                group = self._tdist.new_group(ranks=[self._global_rank[m] for m in members], timeout=timeout)
+                if self.rank in members:
+                    mine = group
+        if mine is None:
+            raise ValueError(f"{self.name}: rank {self.rank} is in none of the groups {[list(g) for g in groups]}")
+        sub = TorchDistComm(mine, self._tdist)
+        sub.deadline = self.deadline
+        return sub
 
     def close(self) -> None:
         """The runtime's cleanup has waited for the reduce stream (and so for every work in flight) already."""

@@ -33,7 +33,18 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..planning.collectives import ALLREDUCE, HANDOFF, NATIVE, REDUCE, REDUCE_SCATTER, Collective, algo_of
+from ..planning.collectives import (
+    ALLREDUCE,
+    HANDOFF,
+    NATIVE,
+    NODE,
+    RAIL,
+    REDUCE,
+    REDUCE_SCATTER,
+    WORLD,
+    Collective,
+    algo_of_calls,
+)
 from ..planning.flags import OwnerReduceFlags
 from ..planning.flush_choice import FlushCost, choose_arrival
 from ..planning.flush_plan import BucketEntry, FlushPlan, FlushRange, plan_flush
@@ -44,6 +55,7 @@ from .comm import ReduceComm
 from .stats import FlushRecord, RuntimeStats, emit
 
 _LOG_NAMES = {REDUCE: "reduce", REDUCE_SCATTER: "reduce_scatter", ALLREDUCE: "all_reduce", HANDOFF: "handoff"}
+_LEVEL_LOG_NAMES = {NODE: "node_reduce_scatter", RAIL: "rail_reduce"}
 _FLUSH_CACHE_LIMIT = 256  # distinct bucket contents remembered; beyond it the cache starts over
 _VIEWS_PER_BUCKET_LIMIT = 512  # plans whose copy-out views one bucket keeps; beyond it they start over
 
@@ -76,10 +88,20 @@ class Pending:
         self.count = 0
 
 
+class Levels(NamedTuple):
+    """A two-level flush's communicators (``planning.two_level``): this rank's node and rail, and its local rank
+    (the rail it is on)."""
+
+    node: ReduceComm
+    rail: ReduceComm
+    local: int
+
+
 class _CopyOut(NamedTuple):
-    dst: torch.Tensor  # the flat, non-empty grad buffer this rank keeps
+    dst: torch.Tensor  # the flat, non-empty grad buffer this rank keeps (or a segment of it)
     src_offset: int  # where its elements start in the bucket
     ds_id: int
+    last: bool = True  # the buffer's last segment (stage 2: accumulation starts after the whole buffer is written)
 
 
 class _P2p(NamedTuple):
@@ -110,6 +132,7 @@ class _CachedFlush:
     all_reduce_calls: int
     reduce_scatter_calls: int
     staged: tuple[tuple[int, int, int], ...] = ()  # (bucket offset, staging offset, elements): Note (staging)
+    stages: tuple[tuple[Collective, tuple[Collective, ...]], ...] = ()  # two-level: (node call, this rail's calls)
 
 
 class Flusher:
@@ -124,6 +147,7 @@ class Flusher:
         self._stats = stats
         self.cost = cost
         self.comm: ReduceComm | None = None
+        self.levels: Levels | None = None  # the node and rail communicators, where a two-level flush can run
         self.stage = 0  # 1 or 2, from the graphs' registration
         self.pre_div = True  # as the native runtime: divide by the world size, then SUM
         self.has_acc_grad: dict[int, bool] = {}  # stage 2: the grad buffer already holds this step's sum
@@ -145,6 +169,9 @@ class Flusher:
         """A bucket buffer was replaced or released: the communicator forgets its views of the old ones."""
         if self.comm is not None:
             self.comm.release_buffers()
+        if self.levels is not None:
+            self.levels.node.release_buffers()
+            self.levels.rail.release_buffers()
 
     # ---- the flush ---------------------------------------------------------------------------------------
 
@@ -168,15 +195,10 @@ class Flusher:
                 buffer.narrow(0, pad.offset, pad.count).zero_()
             if self.pre_div:
                 used.div_(comm.world_size)
-            with comm.group(flush=index):
-                for c in cached.calls:
-                    segment = buffer.narrow(0, c.offset, c.count)
-                    if c.kind == REDUCE_SCATTER:
-                        comm.reduce_scatter(segment, c.per_rank)
-                    elif c.kind == REDUCE:
-                        comm.reduce(segment, c.root)
-                    else:
-                        comm.all_reduce(segment)
+            if cached.stages:
+                self._two_level(cached, buffer, streams, index)
+            if cached.calls:
+                self._world_calls(comm, cached, buffer, index)
             if cached.p2p:
                 with comm.group(flush=index):  # after the first group: see Note (two groups for a hand-off)
                     for op in cached.p2p:
@@ -190,6 +212,36 @@ class Flusher:
                 self.marks.append((key, start, streams.mark()))
             streams.bucket_released(bucket)
         self._count(cached, buffer, pending.scheduled is not None)
+
+    @staticmethod
+    def _world_calls(comm: ReduceComm, cached: _CachedFlush, buffer: torch.Tensor, index: int) -> None:
+        """The flush's calls on the data-parallel communicator, in one group."""
+        with comm.group(flush=index):
+            for c in cached.calls:
+                    segment = buffer.narrow(0, c.offset, c.count)
+                    if c.kind == REDUCE_SCATTER:
+                        comm.reduce_scatter(segment, c.per_rank)
+                    elif c.kind == REDUCE:
+                        comm.reduce(segment, c.root)
+                    else:
+                        comm.all_reduce(segment)
+
+    def _two_level(self, cached: _CachedFlush, buffer: torch.Tensor, streams: Any, index: int) -> None:
+        """Each stage: the node ReduceScatter (node stream), then this rank's rail Reduces (rail stream, after that
+        stage's node step); see ``streams`` Note (two levels). Each call is a group of its communicator."""
+        levels = self.levels
+        assert levels is not None, "a two-level flush without node and rail communicators"
+        node, rail = levels.node, levels.rail
+        streams.levels_begin()
+        for scatter, reduces in cached.stages:
+            with streams.level(NODE), node.group(flush=index):
+                node.reduce_scatter(buffer.narrow(0, scatter.offset, scatter.count), scatter.per_rank)
+            streams.node_stage_done()
+            if reduces:
+                with streams.level(RAIL), rail.group(flush=index):
+                    for c in reduces:
+                        rail.reduce(buffer.narrow(0, c.offset, c.count), c.root)
+        streams.levels_end()
 
     def _staged(self, cached: _CachedFlush, bucket: Any) -> torch.Tensor:
         """Copy the pieces present into the bucket's staging buffer (see Note (staging)); return that buffer."""
@@ -225,12 +277,13 @@ class Flusher:
             torch._foreach_copy_(cached.dsts, sources)
             return
         has_acc = self.has_acc_grad
-        for (dst, _, ds_id), reduced in zip(cached.copy_out, sources, strict=True):
+        for (dst, _, ds_id, last), reduced in zip(cached.copy_out, sources, strict=True):
             if has_acc.get(ds_id, False):
                 dst.add_(reduced)
             else:
                 dst.copy_(reduced)
-                has_acc[ds_id] = True
+                if last:  # a buffer in segments: every segment of this flush overwrites
+                    has_acc[ds_id] = True
 
     # ---- plans (cached) ----------------------------------------------------------------------------------
 
@@ -246,7 +299,7 @@ class Flusher:
         layout = flush.layout
         grads = layout.grads[:present]
         span, staged = layout.total, ()
-        locate = {g.param_id: g.locate for g in grads}
+        locate = {g.param_id: g.segments for g in grads}
         if present == len(flush.ids):
             plan, collectives, padding, transfers = layout.plan, layout.collectives, layout.padding, layout.transfers
         else:
@@ -262,7 +315,7 @@ class Flusher:
                 span, at, moves = at, 0, []
                 for g in grads:
                     moves += [(p.bucket_offset, at + p.src_offset, p.length) for p in g.pieces]
-                    locate[g.param_id] = lambda offset, _, at=at: at + offset
+                    locate[g.param_id] = lambda offset, numel, at=at: [(at + offset, numel)]
                     at += g.numel
                 staged = tuple(moves)
         copy_out = self._copy_outs((g.param_id, locate[g.param_id]) for g in grads)
@@ -285,21 +338,27 @@ class Flusher:
         choice = choose_arrival(plan_flush(entries, self._owner_map, self._owner),
                                 self.cost.for_dtype_bytes(pending.bucket.buffer.element_size()),
                                 [FlushRange(e.offset, e.numel, None) for e in entries if e.numel])
-        copy_out = self._copy_outs((e.param_id, lambda at, _, e=e: e.offset + at) for e in entries)
+        copy_out = self._copy_outs((e.param_id, lambda at, numel, e=e: [(e.offset + at, numel)]) for e in entries)
         cached = self._make(None, list(pending.numels), choice.plan, copy_out, choice.collectives, (), (), offset)
         self._remember(key, cached)
         return cached
 
-    def _copy_outs(self, where: Iterable[tuple[int, Callable[[int, int], int]]]) -> list[_CopyOut]:
-        """The grad buffers this rank keeps among ``(param_id, locate)``, where ``locate(offset, numel)`` is the bucket
-        offset of the gradient's elements ``[offset, +numel)``. A non-empty buffer lies in what reached this rank
-        (checked at registration)."""
+    def _copy_outs(self, where: Iterable[tuple[int, Callable[[int, int], list[tuple[int, int]]]]]) -> list[_CopyOut]:
+        """The grad buffers this rank keeps among ``(param_id, locate)``, where ``locate(offset, numel)`` lists the
+        (bucket offset, elements) segments of the gradient's elements ``[offset, +numel)``. A non-empty buffer lies in
+        what reached this rank (checked at registration)."""
         copy_out = []
         for param_id, locate in where:
             param = self._params[param_id]
             dst = param.grad_buffer.view(-1)
-            if dst.numel():
-                copy_out.append(_CopyOut(dst, locate(param.offset, dst.numel()), param_id))
+            if not dst.numel():
+                continue
+            segments = locate(param.offset, dst.numel())
+            at = 0
+            for i, (offset, count) in enumerate(segments):
+                piece = dst if len(segments) == 1 else dst.narrow(0, at, count)
+                copy_out.append(_CopyOut(piece, offset, param_id, i == len(segments) - 1))
+                at += count
         return copy_out
 
     def _make(self, source: Any, numels: list[int], plan: FlushPlan, copy_out: list[_CopyOut],
@@ -315,13 +374,24 @@ class Flusher:
         split_sizes.append(span - cursor)
         p2p = tuple(_P2p(t.src == rank, t.dst if t.src == rank else t.src, t.offset, t.count)
                     for t in transfers if rank in (t.src, t.dst))
-        kinds = [c.kind for c in collectives]
+        stages: list[tuple[Collective, list[Collective]]] = []
+        if any(c.comm != WORLD for c in collectives):
+            local = self.levels.local if self.levels is not None else -1
+            for c in collectives:
+                if c.comm == NODE:
+                    stages.append((c, []))
+                elif c.comm == RAIL and c.rail == local:
+                    stages[c.stage][1].append(c)
+            # What this rank issues: its node's calls, its rail's, and the data-parallel communicator's.
+            collectives = tuple(c for c in collectives if c.comm != RAIL or c.rail == local)
+        kinds = [c.kind for c in collectives if c.comm == WORLD]
         return _CachedFlush(source=source, numels=numels, plan=plan, copy_out=tuple(copy_out), split_sizes=split_sizes,
                             dsts=[c.dst for c in copy_out], kept=sum(c.dst.numel() for c in copy_out),
-                            calls=tuple(c for c in collectives if c.kind != HANDOFF), p2p=p2p,
-                            collectives=collectives, padding=padding, span=span, algo=algo_of(kinds),
+                            calls=tuple(c for c in collectives if c.kind != HANDOFF and c.comm == WORLD), p2p=p2p,
+                            collectives=collectives, padding=padding, span=span, algo=algo_of_calls(collectives),
                             reduce_calls=kinds.count(REDUCE), all_reduce_calls=kinds.count(ALLREDUCE),
-                            reduce_scatter_calls=kinds.count(REDUCE_SCATTER), staged=staged)
+                            reduce_scatter_calls=kinds.count(REDUCE_SCATTER), staged=staged,
+                            stages=tuple((node, tuple(rail)) for node, rail in stages))
 
     def _remember(self, key: tuple[Any, ...], cached: _CachedFlush) -> None:
         if len(self._cache) >= _FLUSH_CACHE_LIMIT:
@@ -340,6 +410,11 @@ class Flusher:
         s.reduce_calls += cached.reduce_calls
         s.all_reduce_calls += cached.all_reduce_calls
         s.reduce_scatter_calls += cached.reduce_scatter_calls
+        if cached.stages:
+            s.two_level_flushes += 1
+            s.two_level_stages += len(cached.stages)
+            s.node_calls += len(cached.stages)
+            s.rail_calls += sum(len(rail) for _, rail in cached.stages)
         if cached.p2p:
             s.handoff_rounds += 1
             sends = sum(op.send for op in cached.p2p)
@@ -351,7 +426,8 @@ class Flusher:
         dtype = str(buffer.dtype).removeprefix("torch.")
         if self.record_collectives:
             for c in cached.collectives:
-                self.collective_log.append((_LOG_NAMES[c.kind], c.root, c.count, str(buffer.dtype)))
+                name = _LOG_NAMES[c.kind] if c.comm == WORLD else _LEVEL_LOG_NAMES[c.comm]
+                self.collective_log.append((name, c.root, c.count, str(buffer.dtype)))
             self.flush_log.append(FlushRecord(dtype, buffer.element_size(), plan.reduced_elems,
                                               plan.received_elems(comm.rank), cached.kept, plan.owner_elems,
                                               len(cached.collectives), cached.algo))

@@ -14,34 +14,36 @@ uses to choose each flush's algorithm (ranks per node, GPU generation).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from ..planning.calibration import ENV_VAR as CALIBRATION_ENV_VAR
 from ..planning.calibration import Calibration, format_fits
-from ..planning.collectives import NATIVE, algo_of
+from ..planning.collectives import NATIVE, TWO_LEVEL
 from ..planning.flags import OwnerReduceFlags, describe_flag_disagreement, pack_flags
 from ..planning.flush_choice import AUTO, FORCE_ENV_VAR, FORCE_VALUES, FlushCost, agreed_topology
 from ..planning.measured import MEASURE_ENV_VAR, TRIAL_ROUNDS, format_measured_line, verdicts
 from ..planning.owner_map import OwnerMap, Placement
+from ..planning.two_level import TwoLevel, two_level_of
 from ..planning.wording import count_noun
 from .accumulate import Accumulator
 from .buckets import DoubleBufferedBuckets
 from .comm import ReduceComm
 from .deadline import add_note
-from .flush import Flusher, Param
+from .flush import Flusher, Levels, Param
 from .placement import GradPlacer
 from .schedule import Schedule
 from .stats import FlushRecord, RuntimeStats, emit
-from .topology import ranks_per_node, sm_major
+from .topology import host_digest, local_rank, ranks_per_node, sm_major
 from .trial import Trial
 
 __all__ = ["FlushRecord", "OwnerReduceMismatchError", "OwnerReduceRuntime", "RuntimeSettings", "RuntimeStats",
            "emit"]
 
-_AGREEMENT_PROTOCOL = 3
+_AGREEMENT_PROTOCOL = 4
 SCHEDULE_PREFIX = "[dc-schedule][r0]"  # rank 0's line when a graph's owner-ordered schedule is learned
 
 
@@ -83,6 +85,7 @@ class OwnerReduceRuntime:
         self._profiling = False
         self._measuring = False  # the measured guard runs (agreed at init; see ``_trial_for``)
         self.on_cleanup: Any = None  # set by activation: hands get_deepcompile_handle() back
+        self._rank_facts: list[tuple[int, int]] = []  # (local rank, host digest) by rank, from the agreement
 
     # ---- what tests, the demo and the benchmark read -----------------------------------------------------
 
@@ -113,6 +116,7 @@ class OwnerReduceRuntime:
         try:
             cost = self._check_agreement(int(reduce_bucket_size))
             self.flusher.comm = self.comm
+            cost = self._make_levels(cost)
             self.flusher.cost = cost
             buckets = DoubleBufferedBuckets(int(reduce_bucket_size), bool(compile_config.double_buffer),
                                             self._bucket_limits)
@@ -122,7 +126,8 @@ class OwnerReduceRuntime:
                                      self.flusher, self.stats, cost, self._sync_streams, self._learned,
                                      self._trial_for if self._measuring else None)
         except BaseException:
-            # DeepSpeed calls cleanup() only after a successful init: release the communicator here.
+            # DeepSpeed calls cleanup() only after a successful init: release the communicators here.
+            self._close_levels()
             self.comm.close()
             self.comm = None
             raise
@@ -312,7 +317,7 @@ class OwnerReduceRuntime:
         flushes = [f for per_dtype in schedule.flushes.values() for f in per_dtype]
         choices: dict[str, int] = {}
         for f in flushes:
-            algo = algo_of(c.kind for c in f.layout.collectives)
+            algo = f.layout.algo
             choices[algo] = choices.get(algo, 0) + 1
         line = (f"{SCHEDULE_PREFIX} graph #{number}: {count_noun(len(flushes), 'flush', 'flushes')} per backward: "
                 + ", ".join(f"{a} x{n}" for a, n in choices.items()))
@@ -377,6 +382,7 @@ class OwnerReduceRuntime:
         waits within the deadline and may raise: the handle is handed back all the same, and that error is the one
         raised (see Note (cleanup always releases))."""
         comm, self.comm, self.flusher.comm = self.comm, None, None
+        levels, self.flusher.levels = self.flusher.levels, None
         self._forget_graphs()
         self._accumulator.clear()
         self._params.clear()
@@ -387,6 +393,11 @@ class OwnerReduceRuntime:
             self.placer.clear()
         self._profiling = False
         try:
+            if levels is not None:
+                try:
+                    levels.rail.close()
+                finally:
+                    levels.node.close()
             if comm is not None:
                 comm.close()
         except BaseException as error:
@@ -413,7 +424,7 @@ class OwnerReduceRuntime:
         mine = [_AGREEMENT_PROTOCOL, pack_flags(flags), bucket_size,
                 int(self.settings.owner_map.digest()[:15], 16), FORCE_VALUES.index(self.settings.flush_algo),
                 len(self.settings.map_problems), ranks_per_node(), sm_major(), int(self.settings.measure),
-                int(calibration.digest(), 16) if calibration is not None else 0]
+                int(calibration.digest(), 16) if calibration is not None else 0, local_rank(), host_digest()]
         rows = self.comm.all_gather_ints(mine)
         names = ("protocol", "flags", "reduce_bucket_size", "owner map digest", FORCE_ENV_VAR)
         problems = []
@@ -435,6 +446,14 @@ class OwnerReduceRuntime:
         if len(set(digests)) > 1:
             problems.append(f"{CALIBRATION_ENV_VAR} names different calibrations across ranks: "
                             + ", ".join(f"{f'{d:012x}' if d else 'none'} on rank {r}" for r, d in enumerate(digests)))
+        known = {row[6] for row in rows if row[6] > 0}
+        if len(known) > 1:
+            by_value: dict[int, list[int]] = {}
+            for r, row in enumerate(rows):
+                by_value.setdefault(row[6], []).append(r)
+            problems.append("ranks per node (LOCAL_WORLD_SIZE) differ across ranks: "
+                            + "; ".join(f"{v if v > 0 else 'unknown'} on rank{'s' if len(rs) > 1 else ''} "
+                                        f"{', '.join(map(str, rs))}" for v, rs in sorted(by_value.items())))
         bad_ranks = [r for r, row in enumerate(rows) if row[5]]
         if bad_ranks:
             problems.append(f"the owner map contradicts the optimizer on rank{'s' if len(bad_ranks) > 1 else ''} "
@@ -447,4 +466,86 @@ class OwnerReduceRuntime:
         if calibration is not None and topology is not None and self.comm.rank == 0:
             for line in format_fits(calibration):
                 emit(line)
+        self._rank_facts = [(row[10], row[11]) for row in rows]
         return FlushCost(topology, force=self.settings.flush_algo, calibration=calibration)
+
+    # ---- the two-level flush's communicators -------------------------------------------------------------
+
+    def _make_levels(self, cost: FlushCost) -> FlushCost:
+        """The node and rail communicators (``planning.two_level``), made once here on every rank alike, where a
+        two-level flush can run: the owner path on, the algorithm ``auto`` or ``two_level``, ranks in whole nodes of
+        more than one rank on more than one node, and in launcher order (global rank = node x ranks per node + local
+        rank, each node on one host). Otherwise two-level stays off; when it was asked for (``two_level``) or the
+        order is not the launcher's, rank 0 says why, once. Every input is the same on every rank (the agreement's
+        rows), so every rank takes the same branch."""
+        force = cost.force
+        if cost.topology is None or not self.settings.flags.reduce_to_owner or force not in (AUTO, TWO_LEVEL):
+            return cost
+        per_node = cost.topology.gpus_per_node
+        levels = two_level_of(cost.topology, per_node)
+        why = None
+        if levels is None:
+            why = (f"{self.comm.world_size} ranks in nodes of {per_node} are not two or more whole nodes of two or "
+                   f"more ranks")
+        else:
+            why = self._order_problem(levels)
+        if why is not None:
+            from deepspeed.utils import logger
+
+            if force == TWO_LEVEL and self.comm.rank == 0:
+                logger.warning(f"owner_reduce: {FORCE_ENV_VAR}=two_level cannot take effect: {why}; each flush takes "
+                               f"the cost model's choice among the other algorithms")
+            elif levels is not None and self.comm.rank == 0:
+                logger.warning(f"owner_reduce: the two-level flush is off: {why}")
+            return cost
+        started = time.monotonic()
+        free_before = _device_free_bytes()
+        node = self.comm.split(levels.node_groups())
+        try:
+            rail = self.comm.split(levels.rail_groups())
+        except BaseException:
+            node.close()
+            raise
+        self.flusher.levels = Levels(node, rail, self.comm.rank % per_node)
+        seconds = time.monotonic() - started
+        free_after = _device_free_bytes()
+        memory = ("no device memory (no CUDA device)" if free_before is None or free_after is None
+                  else f"{max(0, free_before - free_after) / 2**20:.0f} MiB of device memory")
+        line = (f"owner_reduce: two-level flush ready: {levels.nodes} nodes x {per_node} ranks; {levels.nodes} node "
+                f"communicators of {per_node} ranks and {per_node} rail communicators of {levels.nodes} ranks "
+                f"({self.comm.name}), made in {seconds:.2f} s, {memory}")
+        self.stats.two_level_line = line
+        if self.comm.rank == 0:
+            emit(line)
+        return replace(cost, two_level=levels)
+
+    def _order_problem(self, levels: TwoLevel) -> str | None:
+        """Why the ranks are not in launcher order for ``levels``, or None."""
+        per_node = levels.ranks_per_node
+        facts = self._rank_facts
+        wrong = [r for r, (local, _) in enumerate(facts) if local != r % per_node]
+        if wrong:
+            shown = ", ".join(f"rank {r} has local rank {facts[r][0]}" for r in wrong[:4])
+            return (f"ranks are not in launcher order (rank = node x {per_node} + local rank): {shown}"
+                    + (f" and {len(wrong) - 4} more" if len(wrong) > 4 else ""))
+        split = [m for m, members in enumerate(levels.node_groups()) if len({facts[r][1] for r in members}) > 1]
+        if split:
+            return (f"the ranks of node {split[0]} ({', '.join(map(str, levels.node_groups()[split[0]]))}) run on "
+                    f"different hosts")
+        return None
+
+    def _close_levels(self) -> None:
+        levels, self.flusher.levels = self.flusher.levels, None
+        if levels is not None:
+            try:
+                levels.rail.close()
+            finally:
+                levels.node.close()
+
+
+def _device_free_bytes() -> int | None:
+    """The current CUDA device's free memory (what NCCL's communicators take comes out of it), or None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    return int(torch.cuda.mem_get_info()[0])

@@ -58,7 +58,7 @@ precondition before any rank calls it, so a rank that cannot even try never leav
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any, NamedTuple
 
@@ -315,6 +315,19 @@ class CupyNcclComm(ReduceComm):
                                                             nccl_dtype(torch.int64), stream.cuda_stream))
         self.wait_until(stream.query, what, flush=None)
         return [row.tolist() for row in out.view(self.world_size, -1).cpu()]
+
+    def split(self, groups: Sequence[Sequence[int]]) -> CupyNcclComm:
+        """A new NCCL communicator per group: each group's first rank creates its unique id, every rank gathers them
+        in one ``all_gather_ints`` on this communicator (bounded by the deadline), then builds its group's with
+        ``ncclCommInitRank`` on this device, on torch's current stream at call time (the flush picks the stream)."""
+        mine = next((g for g in groups if self.rank in g), None)
+        if mine is None:
+            raise ValueError(f"owner_reduce: rank {self.rank} is in none of the groups {[list(g) for g in groups]}")
+        uid = new_unique_id() if mine[0] == self.rank else bytes(UNIQUE_ID_BYTES)
+        rows = self.all_gather_ints(list(uid))
+        sub = CupyNcclComm(bytes(rows[mine[0]]), list(mine).index(self.rank), len(mine), device=self.device)
+        sub.deadline = self.deadline
+        return sub
 
     def release_buffers(self) -> None:
         """Forget every buffer's DLPack view, so that released buckets can be freed."""

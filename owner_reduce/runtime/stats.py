@@ -49,6 +49,11 @@ class RuntimeStats:
     sends: int = 0  # this rank's sends in those rounds
     recvs: int = 0
     scheduled_flushes: int = 0  # flushes laid out in owner order (a learned schedule)
+    two_level_flushes: int = 0  # flushes run on the node and rail communicators (``planning.two_level``)
+    two_level_stages: int = 0  # their pipeline stages
+    node_calls: int = 0  # ReduceScatters this rank issued on its node communicator
+    rail_calls: int = 0  # Reduces this rank issued on its rail communicator
+    two_level_line: str | None = None  # what rank 0 printed when the node and rail communicators were made
     schedules_learned: int = 0
     schedule_fallbacks: int = 0  # backwards that left their schedule and finished in arrival order
     resets: int = 0  # DeepCompile's reset() (each step of its compile schedule): every graph learned again

@@ -18,6 +18,14 @@ into that bucket again, the current stream waits for it (once per bucket fill, n
 buffer must grow first drains the reduce stream on the host, which frees the old buffer safely (the caching
 allocator hands a freed block to the next allocation on the stream it was allocated on, the current one); buffers
 grow only in the first step that needs it (``buckets`` Note (growth)).
+Note (two levels): a two-level flush (``planning.two_level``) runs its node ReduceScatters on a node stream and its
+rail Reduces on a rail stream, both entered from the reduce stream: the node stream waits for the reduce stream once
+(pre-division and padding are behind it), each node stage records an event that the rail stream waits for before
+that stage's rail calls (stage ``k``'s rail step reads only what node step ``k`` wrote, so node step ``k + 1`` runs
+meanwhile), and at the end the reduce stream waits for both, so the copy-out, the bucket's free event and every host
+wait on the reduce stream cover them (the buckets are released or grown only after such a wait). No host wait in
+between. The GPU must run both levels' kernels at once (different communicators on different streams): NCCL's
+kernels take one block per channel, far from a GPU's SMs.
 Note (priority): the reduce stream is high priority, as z1.cpp's ``getStreamFromPool(true)``: the reduction should
 not queue behind the backward kernels it overlaps.
 Note (optimizer): ``end_backward`` waits for the reduce stream, so the grad buffers are final before step().
@@ -64,6 +72,19 @@ class HostStreams:
     def synchronize(self, wait: Callable[[Callable[[], bool]], None] | None = None) -> None:
         pass
 
+    def levels_begin(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def level(self, name: str) -> Iterator[None]:
+        yield
+
+    def node_stage_done(self) -> None:
+        pass
+
+    def levels_end(self) -> None:
+        pass
+
     @staticmethod
     def mark() -> float:
         """A point in the flush's work (``trial`` Note (timing)): the wall clock, the work being synchronous."""
@@ -82,6 +103,7 @@ class CudaStreams:
         self._cuda = cuda
         # The highest priority the device has (torch clamps a value beyond the range to its end).
         self.reduce_stream = cuda.Stream(device, priority=_HIGH_PRIORITY)
+        self._levels: dict[str, Any] = {}  # "node" / "rail" -> its stream, made by the first two-level flush
 
     def bucket_acquired(self, bucket: Any) -> None:
         """Before the first copy into ``bucket`` since its last flush: the current stream waits for that flush."""
@@ -107,6 +129,27 @@ class CudaStreams:
             self.reduce_stream.synchronize()
         else:
             wait(self.reduce_stream.query)
+
+    def levels_begin(self) -> None:
+        """Inside ``reducing()``, before a two-level flush's first stage: see Note (two levels)."""
+        if not self._levels:
+            self._levels = {name: self._cuda.Stream(self.device, priority=_HIGH_PRIORITY) for name in ("node", "rail")}
+        self._levels["node"].wait_stream(self.reduce_stream)
+
+    @contextlib.contextmanager
+    def level(self, name: str) -> Iterator[None]:
+        with self._cuda.stream(self._levels[name]):
+            yield
+
+    def node_stage_done(self) -> None:
+        """The rail stream waits for the node stage just issued (and nothing later)."""
+        event = self._cuda.Event()
+        event.record(self._levels["node"])
+        self._levels["rail"].wait_event(event)
+
+    def levels_end(self) -> None:
+        self.reduce_stream.wait_stream(self._levels["node"])
+        self.reduce_stream.wait_stream(self._levels["rail"])
 
     def mark(self) -> Any:
         """A point in the flush's work (``trial`` Note (timing)): a timing event on the reduce stream."""

@@ -7,7 +7,9 @@ runtime's agreement check (``flush_choice.agreed_topology``), never from one ran
 
 from __future__ import annotations
 
+import hashlib
 import os
+import socket
 
 import torch
 
@@ -30,3 +32,18 @@ def sm_major(device: torch.device | None = None) -> int:
     if not torch.cuda.is_available():
         return 0
     return int(torch.cuda.get_device_capability(device)[0])
+
+
+def local_rank(environ: dict[str, str] | None = None) -> int:
+    """This rank's index on its node as the launcher set it (``LOCAL_RANK``; Open MPI's), or -1 (unknown)."""
+    env = os.environ if environ is None else environ
+    for name in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        value = env.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return -1
+
+
+def host_digest() -> int:
+    """A 60-bit digest of this host's name: ranks on one node report the same (the two-level rank order check)."""
+    return int(hashlib.sha256(socket.gethostname().encode()).hexdigest()[:15], 16)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..planning.collectives import NATIVE, algo_of
+from ..planning.collectives import NATIVE
 from ..planning.measured import (
     MODEL,
     NATIVE_VARIANT,
@@ -95,7 +95,7 @@ class Trial:
         report = []
         for (number, model, native, native_us), verdict in zip(self.flushes, verdicts, strict=True):
             winner[id(model)] = native if verdict.native_wins else model
-            report.append(TrialFlush(number, algo_of(c.kind for c in model.layout.collectives),
+            report.append(TrialFlush(number, model.layout.algo,
                                      model.layout.modelled_us, native_us, verdict))
         model_schedule = self.schedules[MODEL]
         kept = {d: tuple(winner.get(id(f), f) for f in fs) for d, fs in model_schedule.flushes.items()}

@@ -1,0 +1,192 @@
+"""The two-level flush: a ReduceScatter inside each node, then each owner's region reduced across nodes on its rail,
+pipelined so that the two levels overlap.
+
+Why: at 512-1024 ranks native's AllReduce runs as NVLS_TREE (the node's reduction in the switch, the node's share up
+and down a log-depth tree across nodes), while every one-level candidate of the owner path is a ring over all ranks
+(NCCL has no NVLS or tree for a ReduceScatter or a Reduce across nodes): its latency grows with the ranks and eats
+the 2x it saves in bytes. ZeRO's owners come in runs of consecutive ranks, and consecutive ranks share a node, so a
+flush can be reduced in two steps that each run on a short communicator:
+
+1. **node**: one ReduceScatter on the node communicator (the ``ranks_per_node`` ranks of one node; NVLink, NVLS where
+   NCCL has it). The flush is laid out so that local rank ``l``'s block holds the regions of the flush's owners whose
+   local rank is ``l`` (every node's), padded to equal blocks; afterwards local rank ``l`` of each node holds its
+   node's partial sums of exactly those regions;
+2. **rail**: on the rail communicator of local rank ``l`` (rank ``l`` of every node), one Reduce per owner region to
+   the owner's node. Each NIC then carries the flush's bytes divided by the ranks per node once (NVLS_TREE carries
+   them twice), on a ring ``ranks_per_node`` times shorter.
+
+Pipelined: the blocks are cut into ``stages`` equal slices; stage ``k`` is one node ReduceScatter over slice ``k`` of
+every block (laid out contiguously: ``[stage][local rank][slice]``) and then its rail Reduces, so stage ``k + 1``'s
+node step overlaps stage ``k``'s rail step (two streams, ordered by events; ``runtime.streams``). The flush costs
+about the slower level plus one stage of the other, not their sum. The stage count is the cost model's: each stage
+pays its calls' latencies, so more stages hide more of the rail step but pay more latency.
+
+Cost (``TwoLevel.time_us``): node stage ``a`` = one ReduceScatter of ``ranks_per_node x slice`` elements on the node
+topology; rail stage ``b_k`` = the slowest rail's grouped Reduces of its owners' parts in stage ``k`` on the rail
+topology (``collective_time.rail``), both as NCCL's planner costs a group (``collective_time.group_time_us``); the
+node steps run back to back and rail step ``k`` starts when node step ``k`` and rail step ``k - 1`` have ended:
+``node_end[k] = node_end[k-1] + a``, ``rail_end[k] = max(node_end[k], rail_end[k-1]) + b_k``. Assumed: the levels use
+disjoint links (NVLink / NVSwitch for the node, the NIC for the rail), and the SMs both levels' kernels take (one
+block per channel) are free; neither is in NCCL's model, which costs one call at a time.
+
+Rank order (``requires``): global rank = node x ranks_per_node + local rank, as torchrun and DeepSpeed's launcher set
+it, whole nodes only. Pure: numbers in, a layout out; no torch.distributed, no cupy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .collective_time import REDUCE, REDUCE_SCATTER, Topology, group_time_us, nvlink_node, rail
+from .collectives import NODE, RAIL, Collective
+from .flush_plan import ALL, FlushRange
+
+STAGE_COUNTS = (1, 2, 4, 8, 16, 32)  # the pipeline depths the model compares (ties: fewer stages)
+
+
+@dataclass(frozen=True)
+class TwoLevel:
+    """The two communicators of a two-level flush and NCCL's model of each."""
+
+    ranks_per_node: int
+    nodes: int
+    node: Topology
+    rail: Topology
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks_per_node * self.nodes
+
+    def node_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The node communicators' members (data-parallel ranks), in creation order."""
+        g = self.ranks_per_node
+        return tuple(tuple(range(m * g, (m + 1) * g)) for m in range(self.nodes))
+
+    def rail_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The rail communicators' members, in creation order (rail ``l``: local rank ``l`` of every node)."""
+        g = self.ranks_per_node
+        return tuple(tuple(m * g + local for m in range(self.nodes)) for local in range(g))
+
+    def time_us(self, sizes: Sequence[int], dtype_bytes: int) -> tuple[float, int]:
+        """(modelled time, stage count) of the cheapest pipeline for owner regions of ``sizes`` elements (by rank)."""
+        blocks = rail_blocks(sizes, self.ranks_per_node)
+        longest = max((sum(b) for b in blocks), default=0)
+        best: tuple[float, int] | None = None
+        for stages in STAGE_COUNTS:
+            if stages > longest:
+                break
+            t = self._pipeline_us(blocks, -(-longest // stages), stages, dtype_bytes)
+            if best is None or t < best[0]:
+                best = (t, stages)
+        return best if best is not None else (0.0, 1)
+
+    def _pipeline_us(self, blocks: Sequence[Sequence[int]], width: int, stages: int, dtype_bytes: int) -> float:
+        node_us = group_time_us([(REDUCE_SCATTER, self.ranks_per_node * width * dtype_bytes)], self.node)
+        rail_us = [0.0] * stages
+        for block in blocks:
+            parts: list[list[tuple[str, int]]] = [[] for _ in range(stages)]
+            for stage, _, count in _parts(block, width):
+                parts[stage].append((REDUCE, count * dtype_bytes))
+            for stage, calls in enumerate(parts):
+                if calls:
+                    rail_us[stage] = max(rail_us[stage], group_time_us(calls, self.rail))
+        node_end = rail_end = 0.0
+        for stage in range(stages):
+            node_end += node_us
+            rail_end = max(node_end, rail_end) + rail_us[stage]
+        return rail_end
+
+
+def two_level_of(topology: Topology | None, ranks_per_node: int, *, rail_same_channels: bool = True
+                 ) -> TwoLevel | None:
+    """The two-level communicators for ``topology``'s ranks in nodes of ``ranks_per_node``, or None where there is no
+    second level to save on: one node, one rank per node, or a last node partly filled (rails of unequal length)."""
+    if topology is None or ranks_per_node < 2:
+        return None
+    n = topology.ranks
+    if n % ranks_per_node or n // ranks_per_node < 2:
+        return None
+    nodes = n // ranks_per_node
+    return TwoLevel(ranks_per_node, nodes, nvlink_node(ranks_per_node, generation=topology.generation,
+                                                       nvls=topology.nvls),
+                    rail(nodes, generation=topology.generation, same_channels=rail_same_channels))
+
+
+def rail_blocks(sizes: Sequence[int], ranks_per_node: int) -> list[list[int]]:
+    """Per local rank ``l``: the region sizes of owners ``l, l + G, l + 2G, ...`` in node order (``G`` ranks per
+    node): what local rank ``l``'s block holds, back to back."""
+    return [list(sizes[local::ranks_per_node]) for local in range(ranks_per_node)]
+
+
+def _parts(block: Sequence[int], width: int) -> list[tuple[int, int, int]]:
+    """(stage, node index, elements) of each owner region of ``block`` cut at the stage boundaries (``width``)."""
+    out = []
+    at = 0
+    for node, size in enumerate(block):
+        end = at + size
+        while at < end:
+            stage = at // width
+            stop = min(end, (stage + 1) * width)
+            out.append((stage, node, stop - at))
+            at = stop
+    return out
+
+
+@dataclass(frozen=True)
+class TwoLevelGeometry:
+    """Where a two-level flush puts local rank ``l``'s block position ``p``: stage ``p // width``, slice ``l``."""
+
+    ranks_per_node: int
+    stages: int
+    width: int  # elements of one block's slice per stage (the node ReduceScatter's per-rank count)
+
+    @property
+    def span(self) -> int:
+        return self.stages * self.ranks_per_node * self.width
+
+    def offset(self, local: int, position: int) -> int:
+        stage, within = divmod(position, self.width)
+        return (stage * self.ranks_per_node + local) * self.width + within
+
+    def segments(self, local: int, position: int, length: int) -> list[tuple[int, int, int]]:
+        """(bucket offset, block position, elements) of block ``local``'s ``[position, +length)``, cut per stage."""
+        out = []
+        end = position + length
+        while position < end:
+            stop = min(end, (position // self.width + 1) * self.width)
+            out.append((self.offset(local, position), position, stop - position))
+            position = stop
+        return out
+
+
+def geometry(sizes: Sequence[int], ranks_per_node: int, stages: int) -> TwoLevelGeometry:
+    longest = max((sum(b) for b in rail_blocks(sizes, ranks_per_node)), default=0)
+    width = -(-longest // stages) if longest else 0
+    return TwoLevelGeometry(ranks_per_node, stages, width)
+
+
+def two_level_calls(sizes: Sequence[int], geo: TwoLevelGeometry) -> tuple[tuple[Collective, ...],
+                                                                          tuple[FlushRange, ...],
+                                                                          tuple[FlushRange, ...]]:
+    """The calls (per stage: the node ReduceScatter, then every rail's Reduces), the ranges each owner receives, and
+    the padding (each block's tail) of owner regions of ``sizes`` laid out by ``geo``."""
+    g = geo.ranks_per_node
+    calls: list[list[Collective]] = [[Collective(REDUCE_SCATTER, s * g * geo.width, g * geo.width,
+                                                 per_rank=geo.width, comm=NODE, stage=s)]
+                                     for s in range(geo.stages)]
+    received: list[FlushRange] = []
+    padding: list[FlushRange] = []
+    for local, block in enumerate(rail_blocks(sizes, g)):
+        at = 0
+        for node, size in enumerate(block):
+            owner = node * g + local
+            for offset, position, count in geo.segments(local, at, size):
+                calls[position // geo.width].append(Collective(REDUCE, offset, count, root=node, comm=RAIL,
+                                                               rail=local, stage=position // geo.width))
+                received.append(FlushRange(offset, count, owner))
+            at += size
+        for offset, _, count in geo.segments(local, at, geo.stages * geo.width - at):
+            padding.append(FlushRange(offset, count, ALL))
+    return (tuple(c for stage in calls for c in stage), tuple(sorted(received, key=lambda r: r.offset)),
+            tuple(sorted(padding, key=lambda r: r.offset)))
