@@ -4,7 +4,9 @@ Why in the package: a comparison that cannot fail proves nothing. The acceptance
 and the tests use these to show that a wrong root, a skipped range or a misplaced slice is caught. Never
 active unless asked. Both planners the runtime uses are broken alike: ``plan_flush`` (arrival-order flushes, looked
 up in ``runtime.flush`` at call time) and ``plan_owner_layout`` (the owner-ordered schedule, looked up in
-``runtime.placement``). ``handoff_wrong_owner`` sends one piece of a hand-off to a rank that does not keep it.
+``runtime.placement``). ``handoff_wrong_owner`` sends one piece of a hand-off to a rank that does not keep it;
+``wrong_rail`` reduces one owner region of a two-level flush on another local rank's rail (which holds other partial
+sums there).
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..planning.collectives import HANDOFF, REDUCE, REDUCE_SCATTER, Collective, Transfer
+from ..planning.collectives import HANDOFF, NODE, RAIL, REDUCE, REDUCE_SCATTER, Collective, Transfer
 from ..planning.flush_plan import FlushRange
 from ..planning.owner_layout import OwnerLayout
 
-FAULTS = ("wrong_root", "skip_range", "layout_off_by_one", "handoff_wrong_owner", "show_unoptimized_params")
+FAULTS = ("wrong_root", "skip_range", "layout_off_by_one", "handoff_wrong_owner", "wrong_rail",
+          "show_unoptimized_params")
 
 
 def misroute_handoff(layout: OwnerLayout, world_size: int) -> OwnerLayout:
@@ -32,11 +35,26 @@ def misroute_handoff(layout: OwnerLayout, world_size: int) -> OwnerLayout:
     return layout
 
 
+def wrong_rail(layout: OwnerLayout) -> OwnerLayout:
+    """``layout`` with its first rail Reduce issued on the next local rank's rail instead of its own (the same on every
+    rank, so every rail's members still agree on their calls); unchanged without a two-level flush."""
+    calls = list(layout.collectives)
+    node = next((c for c in calls if c.comm == NODE), None)
+    i = next((i for i, c in enumerate(calls) if c.comm == RAIL), None)
+    if node is None or i is None:
+        return layout
+    per_node = node.count // node.per_rank
+    calls[i] = dataclasses.replace(calls[i], rail=(calls[i].rail + 1) % per_node)
+    return dataclasses.replace(layout, collectives=tuple(calls))
+
+
 def break_layout(layout: OwnerLayout, fault: str, world_size: int) -> OwnerLayout:
     """``layout`` with its first owner call broken as ``fault`` says; ``layout_off_by_one`` packs the same pieces
     one slice later (the last piece first), a valid packing that disagrees with the calls and the copy-out."""
     if fault == "handoff_wrong_owner":
         return misroute_handoff(layout, world_size)
+    if fault == "wrong_rail":
+        return wrong_rail(layout)
     if fault == "layout_off_by_one":
         pieces = sorted((p for g in layout.grads for p in g.pieces), key=lambda p: p.bucket_offset)
         moved, offset = {}, 0
@@ -83,7 +101,7 @@ def inject(fault: str, world_size: int) -> None:
         return break_layout(original_layout(*args, **kwargs), fault, world_size)
 
     placement_module.plan_owner_layout = broken_layout
-    if fault in ("layout_off_by_one", "handoff_wrong_owner"):
+    if fault in ("layout_off_by_one", "handoff_wrong_owner", "wrong_rail"):
         return
     original = flush_module.plan_flush
 

@@ -55,6 +55,9 @@ class TrainSpec:
     reuse_graph_ids: bool = False  # rank 0 reuses its graph ids after a recompile, other ranks never (graph_ids.py)
     # deepspeed.utils.safe_get_full_grad of every parameter between the boundary backward and its step
     full_grads: bool = False
+    # Ranks grouped as nodes of this many (LOCAL_WORLD_SIZE, and LOCAL_RANK = rank % it, as torchrun sets them on
+    # several nodes): the two-level flush's node and rail communicators; 0 keeps the launch's (one node).
+    ranks_per_node: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -190,6 +193,8 @@ def train(rank: int, world_size: int, spec: TrainSpec,
         reuse_graph_ids(rank)
     if spec.flush_algo is not None:
         os.environ["OWNER_REDUCE_FLUSH_ALGO"] = spec.flush_algo
+    if spec.ranks_per_node:
+        os.environ.update(LOCAL_WORLD_SIZE=str(spec.ranks_per_node), LOCAL_RANK=str(rank % spec.ranks_per_node))
     model, batch = _model_and_batches(spec, rank)
     zero: dict[str, Any] = {"stage": spec.zero_stage}
     if spec.reduce_bucket_size is not None:

@@ -1,0 +1,127 @@
+"""The two-level flush's plan, without processes: its layout and calls carry every owner's sum to the owner (a
+numeric simulation of both levels on every rank), its cost and choice, and the plan's listing in the sizing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from owner_reduce.harness.faults import wrong_rail
+from owner_reduce.planning.collective_time import rail, topology_of
+from owner_reduce.planning.collectives import NODE, RAIL, TWO_LEVEL, WORLD
+from owner_reduce.planning.flush_choice import FlushCost, parse_force
+from owner_reduce.planning.owner_layout import map_order, plan_owner_layout
+from owner_reduce.planning.sizing import issued_groups
+from owner_reduce.planning.two_level import geometry, two_level_of
+from tests.fakes import flat_map
+
+
+def _cost(world_size: int, per_node: int, force: str = TWO_LEVEL) -> FlushCost:
+    topology = topology_of(world_size, per_node)
+    return FlushCost(topology, 4, force=force, two_level=two_level_of(topology, per_node))
+
+
+def _simulate(layout, world_size: int, per_node: int) -> list[torch.Tensor]:
+    """Every rank's bucket after the layout's calls: rank r's input is ``(r + 1) * base``; node ReduceScatters sum
+    within each node into each local rank's block, rail Reduces sum across nodes into the root node's rank on that
+    rail; whatever a call leaves undefined becomes NaN. Returns the buckets."""
+    base = torch.arange(1, layout.total + 1, dtype=torch.float64)
+    bufs = [base * (r + 1) for r in range(world_size)]
+    for p in layout.padding:
+        for b in bufs:
+            b[p.offset:p.offset + p.count] = 0
+    nodes = world_size // per_node
+    for c in layout.collectives:
+        if c.comm == NODE:
+            for m in range(nodes):
+                members = range(m * per_node, (m + 1) * per_node)
+                total = sum(bufs[r][c.offset:c.offset + c.count] for r in members)
+                for r in members:
+                    local = r % per_node
+                    keep = total[local * c.per_rank:(local + 1) * c.per_rank].clone()
+                    bufs[r][c.offset:c.offset + c.count] = float("nan")
+                    bufs[r][c.offset + local * c.per_rank:c.offset + (local + 1) * c.per_rank] = keep
+        elif c.comm == RAIL:
+            members = [m * per_node + c.rail for m in range(nodes)]
+            total = sum(bufs[r][c.offset:c.offset + c.count] for r in members)
+            for r in members:
+                bufs[r][c.offset:c.offset + c.count] = total if r // per_node == c.root else float("nan")
+        else:
+            assert c.comm == WORLD
+            total = sum(b[c.offset:c.offset + c.count] for b in bufs)
+            for b in bufs:
+                b[c.offset:c.offset + c.count] = total
+    return bufs, base * sum(range(1, world_size + 1))
+
+
+@pytest.mark.parametrize(("world_size", "per_node"), [(4, 2), (6, 2), (8, 4), (16, 4)])
+def test_every_owner_receives_the_full_sum_of_its_pieces(world_size, per_node):
+    owner_map = flat_map([37, 5, 64, 3, 90, 11, 26, 8, 55], world_size)
+    grads = [(p.param_id, p.numel) for p in owner_map][::-1]
+    layout = plan_owner_layout(grads, owner_map, cost=_cost(world_size, per_node))
+    assert layout.choice == TWO_LEVEL and layout.stages >= 1 and layout.algo == TWO_LEVEL
+    bufs, want = _simulate(layout, world_size, per_node)
+    checked = 0
+    for g in layout.grads:
+        for p in g.pieces:
+            ranks = range(world_size) if p.root is None else [p.root]
+            for r in ranks:
+                got = bufs[r][p.bucket_offset:p.bucket_offset + p.length]
+                assert torch.equal(got, want[p.bucket_offset:p.bucket_offset + p.length]), (g.param_id, p, r)
+                checked += p.length
+    assert checked >= sum(n for _, n in grads)
+    # The negative control: one region reduced on the wrong rail leaves its owner without the sum.
+    broken = wrong_rail(layout)
+    bufs, want = _simulate(broken, world_size, per_node)
+    assert any(not torch.equal(bufs[p.root][p.bucket_offset:p.bucket_offset + p.length],
+                               want[p.bucket_offset:p.bucket_offset + p.length])
+               for g in broken.grads for p in g.pieces if p.root is not None)
+
+
+def test_stages_cut_owner_regions_and_copy_out_segments_cover_each_piece():
+    owner_map = flat_map([1000, 24, 600], 4)
+    layout = plan_owner_layout([(p.param_id, p.numel) for p in owner_map], owner_map, cost=_cost(4, 2))
+    geo = geometry([sum(p.length for g in layout.grads for p in g.pieces if p.root == r) for r in range(4)], 2,
+                   layout.stages)
+    assert geo.span + 0 <= layout.total
+    for g in layout.grads:
+        segments = g.segments(0, g.numel)
+        assert sum(n for _, n in segments) == g.numel
+    nodes = [c for c in layout.collectives if c.comm == NODE]
+    assert len(nodes) == layout.stages and all(c.count == 2 * c.per_rank for c in nodes)
+    assert {c.rail for c in layout.collectives if c.comm == RAIL} == {0, 1}
+
+
+def test_the_model_prefers_two_level_at_scale_and_never_where_it_cannot_apply():
+    assert two_level_of(topology_of(8, 8), 8) is None  # one node
+    assert two_level_of(topology_of(100, 8), 8) is None  # a last node partly filled
+    assert two_level_of(topology_of(64, 1), 1) is None  # one rank per node
+    levels = two_level_of(topology_of(1024, 8), 8)
+    assert levels.nodes == 128 and levels.rail.ranks == 128 and levels.node.ranks == 8
+    assert levels.rail_groups()[3] == tuple(m * 8 + 3 for m in range(128))
+    # A 1 GB bf16 flush over 76 consecutive owners at ws 1024: the pipeline beats NVLS_TREE's AllReduce.
+    per = 6_500_000
+    sizes = [per if 300 <= o < 376 else 0 for o in range(1024)]
+    t, stages = levels.time_us(sizes, 2)
+    allreduce = FlushCost(topology_of(1024, 8)).calls_us([("allreduce", sum(sizes))])
+    assert t < 0.7 * allreduce and stages > 1
+    # Conservative rail (a hop per rank for a Reduce): dearer, never cheaper.
+    slow = dataclasses.replace(levels, rail=rail(128, same_channels=False))
+    assert slow.time_us(sizes, 2)[0] > t
+    assert parse_force("two_level") == TWO_LEVEL
+
+
+def test_the_json_plan_lists_node_and_rail_calls_on_their_communicators():
+    owner_map = flat_map([37, 5, 64, 3, 90, 11, 26, 8, 55], 8)
+    layout = plan_owner_layout([(p.param_id, p.numel) for p in owner_map], owner_map, order=map_order(owner_map),
+                               cost=_cost(8, 4))
+    groups = issued_groups(layout, 8)
+    calls = [c for g in groups for c in g]
+    node = [c for c in calls if c.comm == NODE]
+    rails = [c for c in calls if c.comm == RAIL]
+    assert node and all(c.comm_size == 4 and c.kind == "reduce_scatter" for c in node)
+    assert rails and all(c.comm_size == 2 and c.kind == "reduce" and c.root in (0, 1) and 0 <= c.rail < 4
+                         for c in rails)
+    assert len(groups) >= 2 * layout.stages
