@@ -139,7 +139,7 @@ def test_forced_flush_algorithm_is_read_checked_and_never_silent(monkeypatch):
     assert activation.forced_flush_algo(on, 0, {"OWNER_REDUCE_FLUSH_ALGO": "handoff"}) == "handoff"
     assert warnings == []
     with pytest.raises(ValueError, match="OWNER_REDUCE_FLUSH_ALGO must be one of auto, reduce, allreduce, "
-                                         "handoff, native, got 'fast'"):
+                                         "handoff, native, two_level, got 'fast'"):
         activation.forced_flush_algo(on, 0, {"OWNER_REDUCE_FLUSH_ALGO": "fast"})
     assert activation.forced_flush_algo(probe_only, 1, {"OWNER_REDUCE_FLUSH_ALGO": "reduce"}) == "reduce"
     assert warnings == []  # rank 1 does not warn

@@ -50,11 +50,29 @@ class HbComm(MirrorComm):
         self._hb.access(buf, write=False, op=f"nccl send(peer={peer})")
 
 
-def _runtime(hb, algo, stage, params=PARAMS, ws=WS, rank=RANK, bucket=BUCKET):
+class LevelComm(HbComm):
+    """``HbComm`` for ranks in nodes of ``PER_NODE`` (launcher order): the agreement sees each rank's local rank, and
+    ``split`` makes the node and rail communicators (mirrors too, so the sums stay ``world_size`` times a share)."""
+
+    PER_NODE = 2
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        rows = [list(values) for _ in range(self.world_size)]
+        for r, row in enumerate(rows):
+            if len(row) > 10:
+                row[10] = r % self.PER_NODE
+        return rows
+
+    def split(self, groups):
+        members = list(next(g for g in groups if self.rank in g))
+        return HbComm(self._hb, members.index(self.rank), len(members))
+
+
+def _runtime(hb, algo, stage, params=PARAMS, ws=WS, rank=RANK, bucket=BUCKET, comm_cls=None):
     """A runtime of rank ``rank`` of ``ws`` on ``params`` with the fake CUDA streams, double-buffered as on a GPU; each
     grad buffer is this rank's slice of its parameter, in the parameter's dtype, named for the reports."""
     owner_map = flat_map([n for n, _ in params], ws)
-    comm = HbComm(hb, rank, ws)
+    comm = (comm_cls or HbComm)(hb, rank, ws)
     rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, False), owner_map, flush_algo=algo),
                             comm_factory=lambda group: comm)
     rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
@@ -128,7 +146,7 @@ def _check_values(rt, expected):
 ORDERS_LEAVING = (ARRIVAL, ARRIVAL, LEFT, ARRIVAL, ARRIVAL, LATE)
 
 
-def _run(algo, stage, ga, release, rank=RANK, steps=6, patches=(), false_queries=1):
+def _run(algo, stage, ga, release, rank=RANK, steps=6, patches=(), false_queries=1, ws=WS, comm_cls=None):
     """One training run under the checker; ``patches`` are (object, name, replacement) undone afterwards."""
     hb = HbCuda(false_queries=false_queries)
     with contextlib.ExitStack() as undo:
@@ -137,7 +155,7 @@ def _run(algo, stage, ga, release, rank=RANK, steps=6, patches=(), false_queries
             setattr(obj, name, value)
             undo.callback(setattr, obj, name, old)
         with hb:
-            rt, weights = _runtime(hb, algo, stage, rank=rank)
+            rt, weights = _runtime(hb, algo, stage, rank=rank, ws=ws, comm_cls=comm_cls)
             expected = _train(rt, weights, steps, ga, release, ORDERS_LEAVING)
             hb.synchronize()
     return hb, rt, expected
@@ -184,6 +202,41 @@ def test_no_race_while_the_measured_guard_alternates_and_times_flushes(stage, re
     assert (s.trial_steps, s.trials_decided, s.schedule_fallbacks) == (6, 1, 0), s
     assert s.trial_native_flushes >= 3, s
     _check_values(rt, expected)
+
+
+@pytest.mark.parametrize("rank", [0, 3], ids=["rail0", "rail1"])
+@pytest.mark.parametrize("release", [False, True], ids=["kept", "released"])
+@pytest.mark.parametrize("stage", [1, 2], ids=["z1", "z2"])
+def test_no_race_in_two_level_flushes_on_node_and_rail_streams(stage, release, rank, monkeypatch):
+    """Two nodes of two ranks, every owner-ordered flush two-level: the node ReduceScatters on the node stream, the
+    rail Reduces on the rail stream after each stage's event, the reduce stream joining both, across learning, leaving
+    and relearning schedules: no race, and the grad buffers hold the right sums."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    hb, rt, expected = _run("two_level", stage, 2, release, rank=rank, ws=4, comm_cls=LevelComm)
+    assert not hb.races, f"{len(hb.races)} distinct races:\n{hb.report()}"
+    s = rt.stats
+    assert s.two_level_flushes >= 6 and s.node_calls == s.two_level_stages and s.rail_calls > 0, s
+    assert s.two_level_line is not None
+    assert set(rt.placer.streams._levels) == {"node", "rail"}
+    _check_values(rt, expected)
+
+
+@pytest.mark.parametrize("drop", ["node_stage_done", "levels_end", "levels_begin"])
+def test_each_two_level_wait_is_needed(drop, monkeypatch):
+    """Negative controls: the rail step not waiting for its node stage, the reduce stream not joining the levels, or
+    the node stream not waiting for the pre-division: each is reported as a race."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    original = getattr(CudaStreams, drop)
+
+    def weakened(self):
+        if drop == "levels_begin":  # make the streams, skip the wait
+            if not self._levels:
+                original(self)
+            return
+        return None
+
+    hb, _, _ = _run("two_level", 1, 1, False, ws=4, comm_cls=LevelComm, patches=[(CudaStreams, drop, weakened)])
+    assert hb.races, f"dropping {drop} went unnoticed"
 
 
 def _drop_free_event_wait():
