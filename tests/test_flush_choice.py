@@ -141,7 +141,7 @@ def test_choose_takes_the_cheapest_then_the_fewest_calls_or_the_forced_one():
 def test_forced_algorithm_parses_or_names_the_variable():
     assert parse_force(None) == AUTO and parse_force("  ") == AUTO and parse_force("HandOff") == HANDOFF
     with pytest.raises(ValueError, match=f"{FORCE_ENV_VAR} must be one of auto, reduce, allreduce, handoff, "
-                                         "native, got 'reduce_scatter'"):
+                                         "native, two_level, got 'reduce_scatter'"):
         parse_force("reduce_scatter")
     with pytest.raises(ValueError, match="flush algorithm must be one of"):
         FlushCost(None, force="fast")

@@ -59,6 +59,7 @@ class Cluster:
     p2p_bw_scale: float = 1.0
     calibration: CallTimes | None = None
     rail_same_channels: bool = True  # False: a rail Reduce pays a hop per rank (``collective_time.rail``)
+    two_level: bool = True  # the two-level flush is a candidate where the ranks form whole nodes
 
     def __post_init__(self) -> None:
         if self.ranks_per_node < 1:
@@ -77,7 +78,8 @@ class Cluster:
         topology = self.topology(world_size)
         return FlushCost(topology, dtype_bytes, p2p_bw_scale=self.p2p_bw_scale, calibration=self.calibration,
                          two_level=two_level_of(topology, self.ranks_per_node,
-                                                rail_same_channels=self.rail_same_channels))
+                                                rail_same_channels=self.rail_same_channels)
+                         if self.two_level else None)
 
     def with_p2p_scale(self, scale: float) -> Cluster:
         return replace(self, p2p_bw_scale=scale)
