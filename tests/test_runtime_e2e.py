@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from owner_reduce.harness.launch import RankFailure, run_ranks
-from owner_reduce.harness.toy_training import TrainSpec, train
+from owner_reduce.harness.toy_training import TrainSpec, train, train_each
 
 PROBE_RE = re.compile(r"^\[dc-probe\]\[r(\d+)\] flushReduceBucket #(\d+) dtype=Float tasks=(\d+) reduced_elems=(\d+) "
                       r"kept_elems=(\d+) discarded=(\d+\.\d)% pre_div=1 owner_tasks=(\d+) owner_elems=(\d+) "
@@ -24,20 +24,6 @@ N_PARAMS = 6  # OddMLP: three weights, three biases
 _RESULTS: dict[tuple[int, TrainSpec], tuple] = {}  # (world size, spec) -> results by rank, for this session
 
 
-def _train_each(rank: int, world_size: int, specs: tuple[TrainSpec, ...]) -> list[dict]:
-    """Several runs, one after the other, in these ranks; each starts from the environment the launch gave (a run's
-    ``flush_algo`` sets OWNER_REDUCE_FLUSH_ALGO)."""
-    import os
-
-    environ = dict(os.environ)
-    results = []
-    for spec in specs:
-        results.append(train(rank, world_size, spec))
-        os.environ.clear()
-        os.environ.update(environ)
-    return results
-
-
 def _run_all(world_size: int, specs: list[TrainSpec]) -> list[tuple]:
     """Each spec's results by rank, run once per session: the ones not run yet in one launch, in the given order.
 
@@ -48,7 +34,7 @@ def _run_all(world_size: int, specs: list[TrainSpec]) -> list[tuple]:
     if sum(s.mode == "owner" for s in todo) > 1 or any(s.inject_fault for s in todo[:-1]):
         raise ValueError(f"these runs cannot share one launch: {todo}")
     if todo:
-        by_rank = run_ranks(_train_each, world_size, args=(tuple(todo),), timeout=240)
+        by_rank = run_ranks(train_each, world_size, args=(tuple(todo),), timeout=240)
         for i, spec in enumerate(todo):
             _RESULTS[world_size, spec] = tuple(r[i] for r in by_rank)
     return [_RESULTS[world_size, s] for s in specs]

@@ -15,22 +15,10 @@ import pytest
 import torch
 
 from owner_reduce.harness.launch import run_ranks
-from owner_reduce.harness.toy_training import TrainSpec, train
+from owner_reduce.harness.toy_training import TrainSpec, train_each
 
 TWO_LEVEL = TrainSpec(flush_algo="two_level", steps=4, record_collectives=True, reduce_probe=True, ranks_per_node=2,
                       param_groups=2)
-
-
-def _train_each(rank: int, world_size: int, specs: tuple[TrainSpec, ...]) -> list[dict]:
-    import os
-
-    environ = dict(os.environ)
-    results = []
-    for spec in specs:
-        results.append(train(rank, world_size, spec))
-        os.environ.clear()
-        os.environ.update(environ)
-    return results
 
 
 def _reference(spec: TrainSpec) -> TrainSpec:
@@ -40,7 +28,7 @@ def _reference(spec: TrainSpec) -> TrainSpec:
 
 def _run(world_size: int, spec: TrainSpec) -> tuple[tuple, tuple]:
     """(the two-level run, plain ZeRO on the same data) by rank, in one launch."""
-    plain, run = zip(*run_ranks(_train_each, world_size, args=((_reference(spec), spec),), timeout=240),
+    plain, run = zip(*run_ranks(train_each, world_size, args=((_reference(spec), spec),), timeout=240),
                      strict=True)
     return run, plain
 

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from fakes import flat_map
 
 from owner_reduce.harness.faults import wrong_rail
 from owner_reduce.planning.collective_time import rail, topology_of
@@ -14,8 +15,7 @@ from owner_reduce.planning.collectives import NODE, RAIL, TWO_LEVEL, WORLD
 from owner_reduce.planning.flush_choice import FlushCost, parse_force
 from owner_reduce.planning.owner_layout import map_order, plan_owner_layout
 from owner_reduce.planning.sizing import issued_groups
-from owner_reduce.planning.two_level import geometry, two_level_of
-from tests.fakes import flat_map
+from owner_reduce.planning.two_level import two_level_of
 
 
 def _cost(world_size: int, per_node: int, force: str = TWO_LEVEL) -> FlushCost:
@@ -83,9 +83,9 @@ def test_every_owner_receives_the_full_sum_of_its_pieces(world_size, per_node):
 def test_stages_cut_owner_regions_and_copy_out_segments_cover_each_piece():
     owner_map = flat_map([1000, 24, 600], 4)
     layout = plan_owner_layout([(p.param_id, p.numel) for p in owner_map], owner_map, cost=_cost(4, 2))
-    geo = geometry([sum(p.length for g in layout.grads for p in g.pieces if p.root == r) for r in range(4)], 2,
-                   layout.stages)
-    assert geo.span + 0 <= layout.total
+    sizes = [sum(p.length for g in layout.grads for p in g.pieces if p.root == r) for r in range(4)]
+    _, geo = _cost(4, 2).two_level_us(sizes)
+    assert geo.stages == layout.stages and geo.span <= layout.total
     for g in layout.grads:
         segments = g.segments(0, g.numel)
         assert sum(n for _, n in segments) == g.numel
@@ -104,9 +104,9 @@ def test_the_model_prefers_two_level_at_scale_and_never_where_it_cannot_apply():
     # A 1 GB bf16 flush over 76 consecutive owners at ws 1024: the pipeline beats NVLS_TREE's AllReduce.
     per = 6_500_000
     sizes = [per if 300 <= o < 376 else 0 for o in range(1024)]
-    t, stages = levels.time_us(sizes, 2)
+    t, geo = levels.time_us(sizes, 2)
     allreduce = FlushCost(topology_of(1024, 8)).calls_us([("allreduce", sum(sizes))])
-    assert t < 0.7 * allreduce and stages > 1
+    assert t < 0.7 * allreduce and geo.stages > 1
     # Conservative rail (a hop per rank for a Reduce): dearer, never cheaper.
     slow = dataclasses.replace(levels, rail=rail(128, same_channels=False))
     assert slow.time_us(sizes, 2)[0] > t

@@ -66,6 +66,18 @@ class TrainSpec:
             raise ValueError("TrainSpec.save_at and TrainSpec.resume need TrainSpec.checkpoint_dir")
 
 
+def train_each(rank: int, world_size: int, specs: tuple[TrainSpec, ...]) -> list[dict]:
+    """Several runs, one after the other, in these ranks (``run_ranks``' function); each starts from the environment
+    the launch gave (a run's ``flush_algo`` or ``ranks_per_node`` sets variables for itself only)."""
+    environ = dict(os.environ)
+    results = []
+    for spec in specs:
+        results.append(train(rank, world_size, spec))
+        os.environ.clear()
+        os.environ.update(environ)
+    return results
+
+
 def _compile_schedule(spec: TrainSpec) -> list | None:
     """``spec.compile_steps`` as DeepCompile's schedule: its own stage-1/2 reduce pass at each step, as a user writes
     it (owner_reduce swaps in its own pass when a flag is on)."""

@@ -44,7 +44,7 @@ from .collectives import (
     collectives_of,
 )
 from .flush_plan import ALL, FlushPlan, FlushRange, merge_ranges
-from .two_level import TwoLevel
+from .two_level import TwoLevel, TwoLevelGeometry
 
 AUTO = "auto"
 CANDIDATES = (REDUCE_SCATTER, REDUCE, ALLREDUCE, HANDOFF, NATIVE, TWO_LEVEL)  # the order ties go (fewest calls first)
@@ -121,8 +121,8 @@ class FlushCost:
             return self.calibration.p2p_round_us(load.peers, max(load.remote_bytes, load.local_bytes))
         return p2p_round_us(load, self.topology, self.p2p_bw_scale)
 
-    def two_level_us(self, sizes: Sequence[int]) -> tuple[float, int] | None:
-        """(modelled time, pipeline stages) of a two-level flush of owner regions of ``sizes`` elements, or None
+    def two_level_us(self, sizes: Sequence[int]) -> tuple[float, TwoLevelGeometry] | None:
+        """(modelled time, layout) of a two-level flush of owner regions of ``sizes`` elements, or None
         where it is not a candidate (see the class docstring)."""
         if self.two_level is None or (self.calibration is not None and self.force != TWO_LEVEL):
             return None

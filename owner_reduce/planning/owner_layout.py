@@ -38,7 +38,7 @@ from .collectives import (
 from .flush_choice import FlushCost, choose
 from .flush_plan import ALL, BucketEntry, FlushPlan, FlushRange, merge_ranges, plan_flush
 from .owner_map import OwnerMap, Placement
-from .two_level import geometry, two_level_calls
+from .two_level import TwoLevelGeometry, two_level_calls
 
 __all__ = ["ALLREDUCE", "HANDOFF", "NATIVE", "REDUCE", "REDUCE_SCATTER", "Collective", "OwnerLayout", "PlacedGrad",
            "PlacedPiece", "Transfer", "algo_of", "collectives_of", "default_cost", "map_order",
@@ -196,20 +196,16 @@ def plan_owner_layout(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, red
             fits = capacity is None or n * per_rank + all_elems <= capacity
             if all(sizes) and fits and pad <= max_padding_share * counted.reduced_elems:
                 costs[REDUCE_SCATTER] = cost.calls_us([(REDUCE_SCATTER, n * per_rank)] + everyone_call)
-    stages = 0
-    if owner_elems and n > 1:
-        two_level = cost.two_level_us(sizes)
-        if two_level is not None and (cost.force == TWO_LEVEL or geometry(
-                sizes, cost.two_level.ranks_per_node, two_level[1]).span - owner_elems
-                <= TWO_LEVEL_MAX_PADDING_SHARE * counted.reduced_elems):
-            costs[TWO_LEVEL] = two_level[0] + (cost.calls_us(everyone_call) if everyone_call else 0.0)
-            stages = two_level[1]
+    two_level = cost.two_level_us(sizes) if owner_elems and n > 1 else None
+    if two_level is not None:
+        two_level_us, geo = two_level
+        if cost.force == TWO_LEVEL or geo.span - owner_elems <= TWO_LEVEL_MAX_PADDING_SHARE * counted.reduced_elems:
+            costs[TWO_LEVEL] = two_level_us + (cost.calls_us(everyone_call) if everyone_call else 0.0)
     choice = choose(costs, cost.force)
     if choice == NATIVE:
         return _native_layout(entries, counted, costs)
     if choice == TWO_LEVEL:
-        return _two_level_layout(entries, counted, costs, regions, sizes, everyone, cost.two_level.ranks_per_node,
-                                 stages)
+        return _two_level_layout(entries, counted, costs, regions, sizes, everyone, geo)
 
     placed: dict[int, list[PlacedPiece]] = {e.param_id: [] for e in entries}
     ranges: list[FlushRange] = []
@@ -260,10 +256,10 @@ def plan_owner_layout(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, red
 
 def _two_level_layout(entries: Sequence[BucketEntry], counted: FlushPlan, costs: dict[str, float],
                       regions: Sequence[Sequence[tuple[tuple[int, int], int, int, int]]], sizes: Sequence[int],
-                      everyone: Sequence[tuple[int, int, int]], ranks_per_node: int, stages: int) -> OwnerLayout:
-    """The two-level flush (``two_level``): owner regions in their local rank's block, blocks cut into ``stages``
-    slices laid out ``[stage][local rank][slice]``, each block's tail zero-padded; the AllReduce region after them."""
-    geo = geometry(sizes, ranks_per_node, stages)
+                      everyone: Sequence[tuple[int, int, int]], geo: TwoLevelGeometry) -> OwnerLayout:
+    """The two-level flush (``two_level``): owner regions in their local rank's block, blocks cut into ``geo``'s
+    stages laid out ``[stage][local rank][slice]``, each block's tail zero-padded; the AllReduce region after them."""
+    ranks_per_node = geo.ranks_per_node
     placed: dict[int, list[PlacedPiece]] = {e.param_id: [] for e in entries}
     positions = [0] * ranks_per_node  # where the next owner region starts in each block
     for owner in sorted(range(len(regions)), key=lambda o: (o % ranks_per_node, o)):
@@ -288,7 +284,7 @@ def _two_level_layout(entries: Sequence[BucketEntry], counted: FlushPlan, costs:
                 for e in entries)
     return OwnerLayout(grads=out, plan=replace(counted, ranges=tuple(ranges)), collectives=tuple(collectives),
                        padding=padding, total=offset, choice=TWO_LEVEL, modelled_us=costs[TWO_LEVEL],
-                       costs=tuple(sorted(costs.items())), stages=stages)
+                       costs=tuple(sorted(costs.items())), stages=geo.stages)
 
 
 def _native_layout(entries: Sequence[BucketEntry], counted: FlushPlan, costs: dict[str, float]) -> OwnerLayout:

@@ -68,18 +68,19 @@ class TwoLevel:
         g = self.ranks_per_node
         return tuple(tuple(m * g + local for m in range(self.nodes)) for local in range(g))
 
-    def time_us(self, sizes: Sequence[int], dtype_bytes: int) -> tuple[float, int]:
-        """(modelled time, stage count) of the cheapest pipeline for owner regions of ``sizes`` elements (by rank)."""
+    def time_us(self, sizes: Sequence[int], dtype_bytes: int) -> tuple[float, TwoLevelGeometry]:
+        """(modelled time, layout) of the cheapest pipeline for owner regions of ``sizes`` elements (by rank)."""
         blocks = rail_blocks(sizes, self.ranks_per_node)
         longest = max((sum(b) for b in blocks), default=0)
-        best: tuple[float, int] | None = None
+        best: tuple[float, TwoLevelGeometry] | None = None
         for stages in STAGE_COUNTS:
             if stages > longest:
                 break
-            t = self._pipeline_us(blocks, -(-longest // stages), stages, dtype_bytes)
+            geo = TwoLevelGeometry(self.ranks_per_node, stages, -(-longest // stages))
+            t = self._pipeline_us(blocks, geo.width, stages, dtype_bytes)
             if best is None or t < best[0]:
-                best = (t, stages)
-        return best if best is not None else (0.0, 1)
+                best = (t, geo)
+        return best if best is not None else (0.0, TwoLevelGeometry(self.ranks_per_node, 1, 0))
 
     def _pipeline_us(self, blocks: Sequence[Sequence[int]], width: int, stages: int, dtype_bytes: int) -> float:
         node_us = group_time_us([(REDUCE_SCATTER, self.ranks_per_node * width * dtype_bytes)], self.node)
@@ -158,12 +159,6 @@ class TwoLevelGeometry:
             out.append((self.offset(local, position), position, stop - position))
             position = stop
         return out
-
-
-def geometry(sizes: Sequence[int], ranks_per_node: int, stages: int) -> TwoLevelGeometry:
-    longest = max((sum(b) for b in rail_blocks(sizes, ranks_per_node)), default=0)
-    width = -(-longest // stages) if longest else 0
-    return TwoLevelGeometry(ranks_per_node, stages, width)
 
 
 def two_level_calls(sizes: Sequence[int], geo: TwoLevelGeometry) -> tuple[tuple[Collective, ...],

@@ -89,12 +89,15 @@ class Pending:
 
 
 class Levels(NamedTuple):
-    """A two-level flush's communicators (``planning.two_level``): this rank's node and rail, and its local rank
-    (the rail it is on)."""
+    """A two-level flush's communicators (``planning.two_level``): this rank's node and rail."""
 
     node: ReduceComm
     rail: ReduceComm
-    local: int
+
+    @property
+    def local(self) -> int:
+        """This rank's local rank, the rail it is on: its rank in its node communicator (nodes are consecutive)."""
+        return self.node.rank
 
 
 class _CopyOut(NamedTuple):
@@ -218,13 +221,13 @@ class Flusher:
         """The flush's calls on the data-parallel communicator, in one group."""
         with comm.group(flush=index):
             for c in cached.calls:
-                    segment = buffer.narrow(0, c.offset, c.count)
-                    if c.kind == REDUCE_SCATTER:
-                        comm.reduce_scatter(segment, c.per_rank)
-                    elif c.kind == REDUCE:
-                        comm.reduce(segment, c.root)
-                    else:
-                        comm.all_reduce(segment)
+                segment = buffer.narrow(0, c.offset, c.count)
+                if c.kind == REDUCE_SCATTER:
+                    comm.reduce_scatter(segment, c.per_rank)
+                elif c.kind == REDUCE:
+                    comm.reduce(segment, c.root)
+                else:
+                    comm.all_reduce(segment)
 
     def _two_level(self, cached: _CachedFlush, buffer: torch.Tensor, streams: Any, index: int) -> None:
         """Each stage: the node ReduceScatter (node stream), then this rank's rail Reduces (rail stream, after that

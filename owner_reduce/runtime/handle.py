@@ -85,7 +85,6 @@ class OwnerReduceRuntime:
         self._profiling = False
         self._measuring = False  # the measured guard runs (agreed at init; see ``_trial_for``)
         self.on_cleanup: Any = None  # set by activation: hands get_deepcompile_handle() back
-        self._rank_facts: list[tuple[int, int]] = []  # (local rank, host digest) by rank, from the agreement
 
     # ---- what tests, the demo and the benchmark read -----------------------------------------------------
 
@@ -114,9 +113,9 @@ class OwnerReduceRuntime:
     def init(self, process_group: Any, compile_config: Any, reduce_bucket_size: int) -> None:
         self.comm = self._comm_factory(process_group)
         try:
-            cost = self._check_agreement(int(reduce_bucket_size))
+            cost, facts = self._check_agreement(int(reduce_bucket_size))
             self.flusher.comm = self.comm
-            cost = self._make_levels(cost)
+            cost = self._make_levels(cost, facts)
             self.flusher.cost = cost
             buckets = DoubleBufferedBuckets(int(reduce_bucket_size), bool(compile_config.double_buffer),
                                             self._bucket_limits)
@@ -382,7 +381,6 @@ class OwnerReduceRuntime:
         waits within the deadline and may raise: the handle is handed back all the same, and that error is the one
         raised (see Note (cleanup always releases))."""
         comm, self.comm, self.flusher.comm = self.comm, None, None
-        levels, self.flusher.levels = self.flusher.levels, None
         self._forget_graphs()
         self._accumulator.clear()
         self._params.clear()
@@ -393,13 +391,11 @@ class OwnerReduceRuntime:
             self.placer.clear()
         self._profiling = False
         try:
-            if levels is not None:
-                try:
-                    levels.rail.close()
-                finally:
-                    levels.node.close()
-            if comm is not None:
-                comm.close()
+            try:
+                self._close_levels()
+            finally:
+                if comm is not None:
+                    comm.close()
         except BaseException as error:
             try:
                 self._hand_back()
@@ -414,7 +410,7 @@ class OwnerReduceRuntime:
 
     # ---- agreement across ranks --------------------------------------------------------------------------
 
-    def _check_agreement(self, bucket_size: int) -> FlushCost:
+    def _check_agreement(self, bucket_size: int) -> tuple[FlushCost, list[tuple[int, int]]]:
         """One all_gather of eight integers; every rank raises on any mismatch, so no rank is left hanging. Returns
         the flush cost model every rank derives from the same gathered facts."""
         flags = self.settings.flags
@@ -466,12 +462,12 @@ class OwnerReduceRuntime:
         if calibration is not None and topology is not None and self.comm.rank == 0:
             for line in format_fits(calibration):
                 emit(line)
-        self._rank_facts = [(row[10], row[11]) for row in rows]
-        return FlushCost(topology, force=self.settings.flush_algo, calibration=calibration)
+        facts = [(row[10], row[11]) for row in rows]
+        return FlushCost(topology, force=self.settings.flush_algo, calibration=calibration), facts
 
     # ---- the two-level flush's communicators -------------------------------------------------------------
 
-    def _make_levels(self, cost: FlushCost) -> FlushCost:
+    def _make_levels(self, cost: FlushCost, facts: list[tuple[int, int]]) -> FlushCost:
         """The node and rail communicators (``planning.two_level``), made once here on every rank alike, where a
         two-level flush can run: the owner path on, the algorithm ``auto`` or ``two_level``, ranks in whole nodes of
         more than one rank on more than one node, and in launcher order (global rank = node x ranks per node + local
@@ -483,12 +479,11 @@ class OwnerReduceRuntime:
             return cost
         per_node = cost.topology.gpus_per_node
         levels = two_level_of(cost.topology, per_node)
-        why = None
         if levels is None:
             why = (f"{self.comm.world_size} ranks in nodes of {per_node} are not two or more whole nodes of two or "
                    f"more ranks")
         else:
-            why = self._order_problem(levels)
+            why = _order_problem(levels, facts)
         if why is not None:
             from deepspeed.utils import logger
 
@@ -506,7 +501,7 @@ class OwnerReduceRuntime:
         except BaseException:
             node.close()
             raise
-        self.flusher.levels = Levels(node, rail, self.comm.rank % per_node)
+        self.flusher.levels = Levels(node, rail)
         seconds = time.monotonic() - started
         free_after = _device_free_bytes()
         memory = ("no device memory (no CUDA device)" if free_before is None or free_after is None
@@ -519,21 +514,6 @@ class OwnerReduceRuntime:
             emit(line)
         return replace(cost, two_level=levels)
 
-    def _order_problem(self, levels: TwoLevel) -> str | None:
-        """Why the ranks are not in launcher order for ``levels``, or None."""
-        per_node = levels.ranks_per_node
-        facts = self._rank_facts
-        wrong = [r for r, (local, _) in enumerate(facts) if local != r % per_node]
-        if wrong:
-            shown = ", ".join(f"rank {r} has local rank {facts[r][0]}" for r in wrong[:4])
-            return (f"ranks are not in launcher order (rank = node x {per_node} + local rank): {shown}"
-                    + (f" and {len(wrong) - 4} more" if len(wrong) > 4 else ""))
-        split = [m for m, members in enumerate(levels.node_groups()) if len({facts[r][1] for r in members}) > 1]
-        if split:
-            return (f"the ranks of node {split[0]} ({', '.join(map(str, levels.node_groups()[split[0]]))}) run on "
-                    f"different hosts")
-        return None
-
     def _close_levels(self) -> None:
         levels, self.flusher.levels = self.flusher.levels, None
         if levels is not None:
@@ -541,6 +521,21 @@ class OwnerReduceRuntime:
                 levels.rail.close()
             finally:
                 levels.node.close()
+
+
+def _order_problem(levels: TwoLevel, facts: list[tuple[int, int]]) -> str | None:
+    """Why the ranks are not in launcher order for ``levels`` given every rank's (local rank, host digest), or None."""
+    per_node = levels.ranks_per_node
+    wrong = [r for r, (local, _) in enumerate(facts) if local != r % per_node]
+    if wrong:
+        shown = ", ".join(f"rank {r} has local rank {facts[r][0]}" for r in wrong[:4])
+        return (f"ranks are not in launcher order (rank = node x {per_node} + local rank): {shown}"
+                + (f" and {len(wrong) - 4} more" if len(wrong) > 4 else ""))
+    split = [m for m, members in enumerate(levels.node_groups()) if len({facts[r][1] for r in members}) > 1]
+    if split:
+        return (f"the ranks of node {split[0]} ({', '.join(map(str, levels.node_groups()[split[0]]))}) run on "
+                f"different hosts")
+    return None
 
 
 def _device_free_bytes() -> int | None:
