@@ -215,7 +215,7 @@ def test_no_race_in_two_level_flushes_on_node_and_rail_streams(stage, release, r
     hb, rt, expected = _run("two_level", stage, 2, release, rank=rank, ws=4, comm_cls=LevelComm)
     assert not hb.races, f"{len(hb.races)} distinct races:\n{hb.report()}"
     s = rt.stats
-    assert s.two_level_flushes >= 6 and s.node_calls == s.two_level_stages and s.rail_calls > 0, s
+    assert s.two_level_flushes >= 6 and s.node_calls >= s.two_level_stages and s.rail_calls > 0, s
     assert s.two_level_line is not None
     assert set(rt.placer.streams._levels) == {"node", "rail"}
     _check_values(rt, expected)

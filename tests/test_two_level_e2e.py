@@ -43,10 +43,10 @@ def _assert_two_level_ran(run: tuple, spec: TrainSpec, world_size: int) -> None:
     for rank, r in enumerate(run):
         s = r["stats"]
         assert s.two_level_flushes > 0 and s.scheduled_flushes > 0, (rank, s)
-        assert s.node_calls == s.two_level_stages > 0, (rank, s)
+        assert s.node_calls >= s.two_level_stages > 0, (rank, s)  # a tail stage: a node Reduce per long block
         assert s.rail_calls > 0 and s.schedule_fallbacks == 0, (rank, s)
         names = {name for name, *_ in r["collective_log"]}
-        assert {"node_reduce_scatter", "rail_reduce"} <= names, names
+        assert "rail_reduce" in names and names & {"node_reduce_scatter", "node_reduce"}, names
         assert any("algo=two_level" in line for line in s.probe_lines), s.probe_lines
     line = run[0]["stats"].two_level_line
     assert line and f"{world_size // per_node} nodes x {per_node} ranks" in line, line

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..planning.collectives import HANDOFF, NODE, RAIL, REDUCE, REDUCE_SCATTER, Collective, Transfer
+from ..planning.collectives import HANDOFF, RAIL, REDUCE, REDUCE_SCATTER, Collective, Transfer
 from ..planning.flush_plan import FlushRange
 from ..planning.owner_layout import OwnerLayout
 
@@ -39,12 +39,10 @@ def wrong_rail(layout: OwnerLayout) -> OwnerLayout:
     """``layout`` with its first rail Reduce issued on the next local rank's rail instead of its own (the same on every
     rank, so every rail's members still agree on their calls); unchanged without a two-level flush."""
     calls = list(layout.collectives)
-    node = next((c for c in calls if c.comm == NODE), None)
     i = next((i for i, c in enumerate(calls) if c.comm == RAIL), None)
-    if node is None or i is None:
+    if not layout.ranks_per_node or i is None:
         return layout
-    per_node = node.count // node.per_rank
-    calls[i] = dataclasses.replace(calls[i], rail=(calls[i].rail + 1) % per_node)
+    calls[i] = dataclasses.replace(calls[i], rail=(calls[i].rail + 1) % layout.ranks_per_node)
     return dataclasses.replace(layout, collectives=tuple(calls))
 
 

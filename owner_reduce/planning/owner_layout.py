@@ -45,8 +45,9 @@ __all__ = ["ALLREDUCE", "HANDOFF", "NATIVE", "REDUCE", "REDUCE_SCATTER", "Collec
            "plan_owner_layout", "plan_placed"]
 
 MAX_PADDING_SHARE = 0.01  # a padded ReduceScatter may pad the short regions by at most 1% of the flush's elements
-# A two-level flush pads each node block to the longest (blocks hold different owners' regions); the padding grows
-# the bucket and the node step's bytes (the latter costed), so it is bounded: at most an eighth of the flush.
+# A two-level flush may pad the shorter node blocks (blocks hold different owners' regions); the padding grows the
+# bucket and the node step's bytes (the latter costed), so it is bounded: at most an eighth of the flush. Past the
+# bound the longer blocks' tails run as node Reduces instead (two_level Note (unequal blocks)).
 TWO_LEVEL_MAX_PADDING_SHARE = 0.125
 
 
@@ -104,6 +105,7 @@ class OwnerLayout:
     modelled_us: float = 0.0  # its alpha-beta time
     costs: tuple[tuple[str, float], ...] = ()  # every candidate considered and its modelled time
     stages: int = 0  # a two-level flush's pipeline stages (0: not two-level)
+    ranks_per_node: int = 0  # a two-level flush's node communicator size (0: not two-level)
 
     @property
     def calls(self) -> int:
@@ -196,11 +198,11 @@ def plan_owner_layout(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, red
             fits = capacity is None or n * per_rank + all_elems <= capacity
             if all(sizes) and fits and pad <= max_padding_share * counted.reduced_elems:
                 costs[REDUCE_SCATTER] = cost.calls_us([(REDUCE_SCATTER, n * per_rank)] + everyone_call)
-    two_level = cost.two_level_us(sizes) if owner_elems and n > 1 else None
+    two_level = (cost.two_level_us(sizes, int(TWO_LEVEL_MAX_PADDING_SHARE * counted.reduced_elems))
+                 if owner_elems and n > 1 else None)
     if two_level is not None:
         two_level_us, geo = two_level
-        if cost.force == TWO_LEVEL or geo.span - owner_elems <= TWO_LEVEL_MAX_PADDING_SHARE * counted.reduced_elems:
-            costs[TWO_LEVEL] = two_level_us + (cost.calls_us(everyone_call) if everyone_call else 0.0)
+        costs[TWO_LEVEL] = two_level_us + (cost.calls_us(everyone_call) if everyone_call else 0.0)
     choice = choose(costs, cost.force)
     if choice == NATIVE:
         return _native_layout(entries, counted, costs)
@@ -284,7 +286,8 @@ def _two_level_layout(entries: Sequence[BucketEntry], counted: FlushPlan, costs:
                 for e in entries)
     return OwnerLayout(grads=out, plan=replace(counted, ranges=tuple(ranges)), collectives=tuple(collectives),
                        padding=padding, total=offset, choice=TWO_LEVEL, modelled_us=costs[TWO_LEVEL],
-                       costs=tuple(sorted(costs.items())), stages=geo.stages)
+                       costs=tuple(sorted(costs.items())), stages=geo.stages,
+                       ranks_per_node=ranks_per_node)
 
 
 def _native_layout(entries: Sequence[BucketEntry], counted: FlushPlan, costs: dict[str, float]) -> OwnerLayout:

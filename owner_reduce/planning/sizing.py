@@ -286,11 +286,14 @@ def issued_groups(layout: OwnerLayout, world_size: int) -> tuple[tuple[IssuedCal
 def _two_level_groups(layout: OwnerLayout, world_size: int) -> tuple[tuple[IssuedCall, ...], ...]:
     stages: list[list[IssuedCall]] = [[] for _ in range(2 * layout.stages)]
     world = []
-    per_node = next(c.count // c.per_rank for c in layout.collectives if c.comm == NODE)
+    per_node = layout.ranks_per_node
     nodes = world_size // per_node
     for c in layout.collectives:
-        if c.comm == NODE:
+        if c.comm == NODE and c.kind == REDUCE_SCATTER:
             stages[2 * c.stage].append(IssuedCall(REDUCE_SCATTER, c.per_rank, comm=NODE, comm_size=per_node,
+                                                  stage=c.stage))
+        elif c.comm == NODE:
+            stages[2 * c.stage].append(IssuedCall(REDUCE, c.count, root=c.root, comm=NODE, comm_size=per_node,
                                                   stage=c.stage))
         elif c.comm == RAIL:
             stages[2 * c.stage + 1].append(IssuedCall(REDUCE, c.count, root=c.root, comm=RAIL, comm_size=nodes,

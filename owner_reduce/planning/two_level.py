@@ -36,7 +36,7 @@ it, whole nodes only. Pure: numbers in, a layout out; no torch.distributed, no c
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .collective_time import REDUCE, REDUCE_SCATTER, Topology, group_time_us, nvlink_node, rail
 from .collectives import NODE, RAIL, Collective
@@ -68,35 +68,51 @@ class TwoLevel:
         g = self.ranks_per_node
         return tuple(tuple(m * g + local for m in range(self.nodes)) for local in range(g))
 
-    def time_us(self, sizes: Sequence[int], dtype_bytes: int) -> tuple[float, TwoLevelGeometry]:
-        """(modelled time, layout) of the cheapest pipeline for owner regions of ``sizes`` elements (by rank)."""
-        blocks = rail_blocks(sizes, self.ranks_per_node)
-        longest = max((sum(b) for b in blocks), default=0)
+    def time_us(self, sizes: Sequence[int], dtype_bytes: int, max_padding: int | None = None
+                ) -> tuple[float, TwoLevelGeometry]:
+        """(modelled time, layout) of the cheapest pipeline for owner regions of ``sizes`` elements (by rank) that pads
+        at most ``max_padding`` elements (None: any). Compared: every stage count of ``STAGE_COUNTS`` and, for each,
+        every number of leading stages that run a node ReduceScatter (see Note (unequal blocks)); ties go to fewer
+        stages, then to more ReduceScatter stages."""
+        lengths = tuple(sum(b) for b in rail_blocks(sizes, self.ranks_per_node))
+        longest = max(lengths, default=0)
         best: tuple[float, TwoLevelGeometry] | None = None
-        for stages in STAGE_COUNTS:
-            if stages > longest:
-                break
-            geo = TwoLevelGeometry(self.ranks_per_node, stages, -(-longest // stages))
-            t = self._pipeline_us(blocks, geo.width, stages, dtype_bytes)
-            if best is None or t < best[0]:
-                best = (t, geo)
-        return best if best is not None else (0.0, TwoLevelGeometry(self.ranks_per_node, 1, 0))
+        tried = set()
+        for count in STAGE_COUNTS:
+            width = -(-longest // count) if longest else 0
+            stages = -(-longest // width) if width else 0  # every stage holds part of the longest block
+            if not stages or stages in tried:
+                continue
+            tried.add(stages)
+            node_rs, node_tail, rail_us = self._stage_costs(sizes, lengths, width, stages, dtype_bytes)
+            for scattered in range(stages, -1, -1):
+                if max_padding is not None and sum(max(0, scattered * width - n) for n in lengths) > max_padding:
+                    continue
+                node_end = rail_end = 0.0
+                for stage in range(stages):
+                    node_end += node_rs if stage < scattered else node_tail[stage]
+                    rail_end = max(node_end, rail_end) + rail_us[stage]
+                if best is None or rail_end < best[0]:
+                    best = (rail_end, TwoLevelGeometry(self.ranks_per_node, stages, width, scattered, lengths))
+        return best if best is not None else (0.0, TwoLevelGeometry(self.ranks_per_node, 0, 0, 0, lengths))
 
-    def _pipeline_us(self, blocks: Sequence[Sequence[int]], width: int, stages: int, dtype_bytes: int) -> float:
-        node_us = group_time_us([(REDUCE_SCATTER, self.ranks_per_node * width * dtype_bytes)], self.node)
+    def _stage_costs(self, sizes: Sequence[int], lengths: Sequence[int], width: int, stages: int, dtype_bytes: int
+                     ) -> tuple[float, list[float], list[float]]:
+        """Per stage of ``width``: the node ReduceScatter's time (the same in every stage), the node Reduces' time if
+        the stage is a tail stage, and the slowest rail's grouped Reduces (the same either way)."""
+        g = self.ranks_per_node
+        node_rs = group_time_us([(REDUCE_SCATTER, g * width * dtype_bytes)], self.node)
+        node_tail = [group_time_us([(REDUCE, _slice(n, stage, width) * dtype_bytes) for n in lengths
+                                    if _slice(n, stage, width)], self.node) for stage in range(stages)]
         rail_us = [0.0] * stages
-        for block in blocks:
+        for block in rail_blocks(sizes, g):
             parts: list[list[tuple[str, int]]] = [[] for _ in range(stages)]
             for stage, _, count in _parts(block, width):
                 parts[stage].append((REDUCE, count * dtype_bytes))
             for stage, calls in enumerate(parts):
                 if calls:
                     rail_us[stage] = max(rail_us[stage], group_time_us(calls, self.rail))
-        node_end = rail_end = 0.0
-        for stage in range(stages):
-            node_end += node_us
-            rail_end = max(node_end, rail_end) + rail_us[stage]
-        return rail_end
+        return node_rs, node_tail, rail_us
 
 
 def two_level_of(topology: Topology | None, ranks_per_node: int, *, rail_same_channels: bool = True
@@ -134,21 +150,49 @@ def _parts(block: Sequence[int], width: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def _slice(length: int, stage: int, width: int) -> int:
+    """Elements of a block of ``length`` in stage ``stage`` (slices of ``width``)."""
+    return min(max(length - stage * width, 0), width)
+
+
 @dataclass(frozen=True)
 class TwoLevelGeometry:
-    """Where a two-level flush puts local rank ``l``'s block position ``p``: stage ``p // width``, slice ``l``."""
+    """Where a two-level flush puts local rank ``l``'s block position ``p``: stage ``s = p // width``; in the first
+    ``scattered`` stages at slice ``l`` of the stage's ReduceScatter (``[stage][local rank][slice]``), after them
+    packed: each tail stage holds, local rank by local rank, only the blocks that reach it.
+
+    Note (unequal blocks): a node ReduceScatter needs equal blocks, but a flush's owners rarely fall evenly on the
+    local ranks (about 20 owners of a 5e8 bucket over 8 local ranks: some blocks hold 3 regions, others 2). Padding
+    every block to the longest would grow the bucket and the node step by up to a third; so the stages past
+    ``scattered`` carry only the longer blocks' tails, each reduced to its local rank by a node Reduce (grouped, one
+    per block that reaches the stage), and the rail step is the same either way. The cost model picks ``scattered``
+    (all stages: today's padded layout where its padding is within the bound; none: Reduces only)."""
 
     ranks_per_node: int
     stages: int
     width: int  # elements of one block's slice per stage (the node ReduceScatter's per-rank count)
+    scattered: int  # the leading stages that run a node ReduceScatter; the rest run node Reduces
+    lengths: tuple[int, ...]  # each block's elements (local rank order)
+    tail_starts: tuple[tuple[int, ...], ...] = field(init=False)  # tail stage, local rank -> bucket offset
+    span: int = field(init=False)  # the bucket elements the blocks take, padding included
 
-    @property
-    def span(self) -> int:
-        return self.stages * self.ranks_per_node * self.width
+    def __post_init__(self) -> None:
+        at = self.scattered * self.ranks_per_node * self.width
+        starts = []
+        for stage in range(self.scattered, self.stages):
+            row = []
+            for length in self.lengths:
+                row.append(at)
+                at += _slice(length, stage, self.width)
+            starts.append(tuple(row))
+        object.__setattr__(self, "tail_starts", tuple(starts))
+        object.__setattr__(self, "span", at)
 
     def offset(self, local: int, position: int) -> int:
         stage, within = divmod(position, self.width)
-        return (stage * self.ranks_per_node + local) * self.width + within
+        if stage < self.scattered:
+            return (stage * self.ranks_per_node + local) * self.width + within
+        return self.tail_starts[stage - self.scattered][local] + within
 
     def segments(self, local: int, position: int, length: int) -> list[tuple[int, int, int]]:
         """(bucket offset, block position, elements) of block ``local``'s ``[position, +length)``, cut per stage."""
@@ -160,16 +204,23 @@ class TwoLevelGeometry:
             position = stop
         return out
 
+    def padding(self, local: int) -> int:
+        """Zeros at the end of block ``local`` (its part of the ReduceScatter stages it does not fill)."""
+        return max(0, self.scattered * self.width - self.lengths[local])
+
 
 def two_level_calls(sizes: Sequence[int], geo: TwoLevelGeometry) -> tuple[tuple[Collective, ...],
                                                                           tuple[FlushRange, ...],
                                                                           tuple[FlushRange, ...]]:
-    """The calls (per stage: the node ReduceScatter, then every rail's Reduces), the ranges each owner receives, and
-    the padding (each block's tail) of owner regions of ``sizes`` laid out by ``geo``."""
-    g = geo.ranks_per_node
-    calls: list[list[Collective]] = [[Collective(REDUCE_SCATTER, s * g * geo.width, g * geo.width,
-                                                 per_rank=geo.width, comm=NODE, stage=s)]
-                                     for s in range(geo.stages)]
+    """The calls (per stage: the node ReduceScatter or the node Reduces of the blocks that reach a tail stage, then
+    every rail's Reduces), the ranges each owner receives, and the padding of owner regions of ``sizes`` laid out by
+    ``geo``."""
+    g, w = geo.ranks_per_node, geo.width
+    calls: list[list[Collective]] = [[Collective(REDUCE_SCATTER, s * g * w, g * w, per_rank=w, comm=NODE, stage=s)]
+                                     for s in range(geo.scattered)]
+    for s in range(geo.scattered, geo.stages):
+        calls.append([Collective(REDUCE, geo.offset(local, s * w), _slice(n, s, w), root=local, comm=NODE, stage=s)
+                      for local, n in enumerate(geo.lengths) if _slice(n, s, w)])
     received: list[FlushRange] = []
     padding: list[FlushRange] = []
     for local, block in enumerate(rail_blocks(sizes, g)):
@@ -177,11 +228,11 @@ def two_level_calls(sizes: Sequence[int], geo: TwoLevelGeometry) -> tuple[tuple[
         for node, size in enumerate(block):
             owner = node * g + local
             for offset, position, count in geo.segments(local, at, size):
-                calls[position // geo.width].append(Collective(REDUCE, offset, count, root=node, comm=RAIL,
-                                                               rail=local, stage=position // geo.width))
+                calls[position // w].append(Collective(REDUCE, offset, count, root=node, comm=RAIL, rail=local,
+                                                       stage=position // w))
                 received.append(FlushRange(offset, count, owner))
             at += size
-        for offset, _, count in geo.segments(local, at, geo.stages * geo.width - at):
+        for offset, _, count in geo.segments(local, at, geo.padding(local)):
             padding.append(FlushRange(offset, count, ALL))
     return (tuple(c for stage in calls for c in stage), tuple(sorted(received, key=lambda r: r.offset)),
             tuple(sorted(padding, key=lambda r: r.offset)))

@@ -55,7 +55,8 @@ from .comm import ReduceComm
 from .stats import FlushRecord, RuntimeStats, emit
 
 _LOG_NAMES = {REDUCE: "reduce", REDUCE_SCATTER: "reduce_scatter", ALLREDUCE: "all_reduce", HANDOFF: "handoff"}
-_LEVEL_LOG_NAMES = {NODE: "node_reduce_scatter", RAIL: "rail_reduce"}
+_LEVEL_LOG_NAMES = {(NODE, REDUCE_SCATTER): "node_reduce_scatter", (NODE, REDUCE): "node_reduce",
+                    (RAIL, REDUCE): "rail_reduce"}
 _FLUSH_CACHE_LIMIT = 256  # distinct bucket contents remembered; beyond it the cache starts over
 _VIEWS_PER_BUCKET_LIMIT = 512  # plans whose copy-out views one bucket keeps; beyond it they start over
 
@@ -135,7 +136,8 @@ class _CachedFlush:
     all_reduce_calls: int
     reduce_scatter_calls: int
     staged: tuple[tuple[int, int, int], ...] = ()  # (bucket offset, staging offset, elements): Note (staging)
-    stages: tuple[tuple[Collective, tuple[Collective, ...]], ...] = ()  # two-level: (node call, this rail's calls)
+    # two-level, per stage: (the node calls: one ReduceScatter or a tail's Reduces, this rank's rail's calls)
+    stages: tuple[tuple[tuple[Collective, ...], tuple[Collective, ...]], ...] = ()
 
 
 class Flusher:
@@ -230,15 +232,20 @@ class Flusher:
                     comm.all_reduce(segment)
 
     def _two_level(self, cached: _CachedFlush, buffer: torch.Tensor, streams: Any, index: int) -> None:
-        """Each stage: the node ReduceScatter (node stream), then this rank's rail Reduces (rail stream, after that
-        stage's node step); see ``streams`` Note (two levels). Each call is a group of its communicator."""
+        """Each stage: the node ReduceScatter or the tail's node Reduces (node stream), then this rank's rail Reduces
+        (rail stream, after that stage's node step); see ``streams`` Note (two levels). Each stage's calls on one
+        communicator are one group."""
         levels = self.levels
         assert levels is not None, "a two-level flush without node and rail communicators"
         node, rail = levels.node, levels.rail
         streams.levels_begin()
-        for scatter, reduces in cached.stages:
+        for node_calls, reduces in cached.stages:
             with streams.level(NODE), node.group(flush=index):
-                node.reduce_scatter(buffer.narrow(0, scatter.offset, scatter.count), scatter.per_rank)
+                for c in node_calls:
+                    if c.kind == REDUCE_SCATTER:
+                        node.reduce_scatter(buffer.narrow(0, c.offset, c.count), c.per_rank)
+                    else:
+                        node.reduce(buffer.narrow(0, c.offset, c.count), c.root)
             streams.node_stage_done()
             if reduces:
                 with streams.level(RAIL), rail.group(flush=index):
@@ -377,12 +384,13 @@ class Flusher:
         split_sizes.append(span - cursor)
         p2p = tuple(_P2p(t.src == rank, t.dst if t.src == rank else t.src, t.offset, t.count)
                     for t in transfers if rank in (t.src, t.dst))
-        stages: list[tuple[Collective, list[Collective]]] = []
+        stages: list[tuple[list[Collective], list[Collective]]] = []
         if any(c.comm != WORLD for c in collectives):
             local = self.levels.local if self.levels is not None else -1
+            stages = [([], []) for _ in range(1 + max(c.stage for c in collectives if c.comm == NODE))]
             for c in collectives:
                 if c.comm == NODE:
-                    stages.append((c, []))
+                    stages[c.stage][0].append(c)
                 elif c.comm == RAIL and c.rail == local:
                     stages[c.stage][1].append(c)
             # What this rank issues: its node's calls, its rail's, and the data-parallel communicator's.
@@ -394,7 +402,7 @@ class Flusher:
                             collectives=collectives, padding=padding, span=span, algo=algo_of_calls(collectives),
                             reduce_calls=kinds.count(REDUCE), all_reduce_calls=kinds.count(ALLREDUCE),
                             reduce_scatter_calls=kinds.count(REDUCE_SCATTER), staged=staged,
-                            stages=tuple((node, tuple(rail)) for node, rail in stages))
+                            stages=tuple((tuple(node), tuple(rail)) for node, rail in stages))
 
     def _remember(self, key: tuple[Any, ...], cached: _CachedFlush) -> None:
         if len(self._cache) >= _FLUSH_CACHE_LIMIT:
@@ -416,7 +424,7 @@ class Flusher:
         if cached.stages:
             s.two_level_flushes += 1
             s.two_level_stages += len(cached.stages)
-            s.node_calls += len(cached.stages)
+            s.node_calls += sum(len(node) for node, _ in cached.stages)
             s.rail_calls += sum(len(rail) for _, rail in cached.stages)
         if cached.p2p:
             s.handoff_rounds += 1
@@ -429,7 +437,7 @@ class Flusher:
         dtype = str(buffer.dtype).removeprefix("torch.")
         if self.record_collectives:
             for c in cached.collectives:
-                name = _LOG_NAMES[c.kind] if c.comm == WORLD else _LEVEL_LOG_NAMES[c.comm]
+                name = _LOG_NAMES[c.kind] if c.comm == WORLD else _LEVEL_LOG_NAMES[c.comm, c.kind]
                 self.collective_log.append((name, c.root, c.count, str(buffer.dtype)))
             self.flush_log.append(FlushRecord(dtype, buffer.element_size(), plan.reduced_elems,
                                               plan.received_elems(comm.rank), cached.kept, plan.owner_elems,

@@ -51,7 +51,7 @@ class RuntimeStats:
     scheduled_flushes: int = 0  # flushes laid out in owner order (a learned schedule)
     two_level_flushes: int = 0  # flushes run on the node and rail communicators (``planning.two_level``)
     two_level_stages: int = 0  # their pipeline stages
-    node_calls: int = 0  # ReduceScatters this rank issued on its node communicator
+    node_calls: int = 0  # ReduceScatters and (tail stages) Reduces this rank issued on its node communicator
     rail_calls: int = 0  # Reduces this rank issued on its rail communicator
     two_level_line: str | None = None  # what rank 0 printed when the node and rail communicators were made
     schedules_learned: int = 0
