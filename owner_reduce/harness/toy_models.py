@@ -36,6 +36,35 @@ class OddMLP(nn.Module):
         return nn.functional.mse_loss(out, y)
 
 
+class ExactLinear(nn.Module):
+    """Linear layers of odd widths, each applied to the input, and a loss linear in their outputs.
+
+    Why: bitwise comparisons where a reduction adds the ranks' shares in another order than the reference (two levels
+    of three nodes, or of four ranks each, against gloo's ring). Every gradient here is a sum over the batch of
+    target x input products and never depends on the weights, so with inputs and targets of a few bits (``batch``)
+    every gradient, every share (the division by 6 or 8 included) and every partial sum of every reduction is exact:
+    no order of addition can change a bit, while a share lost or counted twice changes many."""
+
+    def __init__(self, d_in: int = 12, widths: tuple[int, ...] = (23, 7, 17)) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d_in, w) for w in widths)
+
+    @property
+    def d_out(self) -> int:
+        return sum(layer.out_features for layer in self.layers)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return (torch.cat([layer(x) for layer in self.layers], dim=1) * t).sum()
+
+    @staticmethod
+    def batch(micro_batch: int, d_in: int, d_out: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+        """Inputs of 4 bits over 8, targets 3 times that: a weight's gradient is 3k / 64, a bias's 3k / 8, so its
+        share at 6 or 8 ranks is exact too."""
+        x = torch.randint(-8, 9, (micro_batch, d_in), generator=generator).float() / 8
+        t = torch.randint(-8, 9, (micro_batch, d_out), generator=generator).float() * 3 / 8
+        return x, t
+
+
 class TinyTransformer(nn.Module):
     """A transformer-like stack (embedding, attention-ish mixing, MLPs, norms, head) for the demo."""
 

@@ -28,7 +28,7 @@ class TrainSpec:
     reduce_to_owner: bool = True
     reduce_probe: bool = True
     reduce_bucket_size: int | None = None
-    model: str = "odd_mlp"  # or "tiny_transformer", "few_big_tensors", "tied_lm"
+    model: str = "odd_mlp"  # or "tiny_transformer", "few_big_tensors", "tied_lm", "exact_linear"
     model_kwargs: tuple[tuple[str, Any], ...] = ()  # (name, value) pairs: specs stay hashable
     micro_batch: int = 4
     zero_stage: int = 1
@@ -92,7 +92,7 @@ def _compile_schedule(spec: TrainSpec) -> list | None:
 def _model_and_batches(spec: TrainSpec, rank: int) -> tuple[Any, Any]:
     import torch
 
-    from .toy_models import FewBigTensors, OddMLP, TiedLM, TinyTransformer
+    from .toy_models import ExactLinear, FewBigTensors, OddMLP, TiedLM, TinyTransformer
 
     torch.manual_seed(spec.seed)
     generator = torch.Generator().manual_seed(1234 + (0 if spec.same_data else 7919 * (rank + 1)))
@@ -115,6 +115,12 @@ def _model_and_batches(spec: TrainSpec, rank: int) -> tuple[Any, Any]:
         def batch() -> tuple[Any, Any]:
             tokens = torch.randint(0, vocab, (spec.micro_batch, seq + 1), generator=generator)
             return tokens[:, :-1], tokens[:, 1:]
+    elif spec.model == "exact_linear":
+        model = ExactLinear(**dict(spec.model_kwargs))
+        d_in, d_out = model.layers[0].in_features, model.d_out
+
+        def batch() -> tuple[Any, Any]:
+            return ExactLinear.batch(spec.micro_batch, d_in, d_out, generator)
     elif spec.model == "few_big_tensors":
         model = FewBigTensors(**dict(spec.model_kwargs))
         dim = model.weights[0].shape[0]
@@ -123,8 +129,8 @@ def _model_and_batches(spec: TrainSpec, rank: int) -> tuple[Any, Any]:
             return (torch.randn(spec.micro_batch, dim, generator=generator),
                     torch.randn(spec.micro_batch, dim, generator=generator))
     else:
-        raise ValueError(f"TrainSpec.model must be 'odd_mlp', 'tiny_transformer', 'few_big_tensors' or 'tied_lm', "
-                         f"got {spec.model!r}")
+        raise ValueError(f"TrainSpec.model must be 'odd_mlp', 'tiny_transformer', 'few_big_tensors', 'tied_lm' or "
+                         f"'exact_linear', got {spec.model!r}")
     return model, batch
 
 
