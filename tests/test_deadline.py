@@ -635,6 +635,68 @@ def test_torch_dist_on_nccl_sync_point_returns_when_the_works_complete_and_names
     assert time.monotonic() - start < SHORT.seconds and group.aborts == 1
 
 
+def _levels(dp, node_complete: bool, rail_complete: bool):
+    """The data-parallel communicator's node and rail communicators, made through ``split`` (so it keeps them)."""
+    from owner_reduce.runtime.comm import TorchDistComm
+
+    made = iter([TorchDistComm(FakeGroup(), tdist=FakeTdist(complete=node_complete)),
+                 TorchDistComm(FakeGroup(), tdist=FakeTdist(complete=rail_complete))])
+    dp._split = lambda groups: next(made)
+    node, rail = dp.split([[0, 1]], "node"), dp.split([[0, 1]], "rail")
+    for sub in (node, rail):
+        sub.deadline = dp.deadline
+    return node, rail
+
+
+def _two_level_flush(node, rail, flush: int) -> None:
+    with node.group(flush=flush):
+        node.reduce_scatter(DeviceBuf(8), 4)
+    with rail.group(flush=flush):
+        rail.reduce(DeviceBuf(4), 1)
+
+
+def test_a_stalled_rail_fails_the_data_parallel_wait_naming_it_and_aborts_every_level():
+    """The runtime waits on the data-parallel communicator only; a two-level flush's rail Reduce that never ends must
+    still fail that wait within the deadline, name the rail's call and flush, and abort all three communicators (a
+    kernel left on the node or rail communicator would keep the GPU after the error)."""
+    from owner_reduce.runtime.comm import TorchDistComm
+
+    dp = TorchDistComm(FakeGroup(), tdist=FakeTdist(complete=True))
+    dp.deadline = SHORT
+    node, rail = _levels(dp, node_complete=True, rail_complete=False)
+    _two_level_flush(node, rail, 5)
+    start = time.monotonic()
+    with pytest.raises(OwnerReduceCommError) as caught:
+        dp.wait_until(lambda: True, "end_backward")  # the reduce stream reports done; the rail's work does not
+    assert SHORT.seconds <= time.monotonic() - start < SHORT.seconds + 1.0
+    assert str(caught.value).startswith("owner_reduce: rank 0, flush #5: end_backward, waiting for reduce(root=1, "
+                                        "count=4, dtype=float32) on the rail communicator timed out")
+    assert [c._group.aborts for c in (dp, node, rail)] == [1, 1, 1]
+    assert node._in_flight == [] and rail._in_flight == []
+    dp.close_subs()
+    assert dp.subs == []
+
+
+def test_a_failed_node_call_is_reported_as_the_node_communicators_and_a_finished_flush_leaves_nothing_in_flight():
+    from owner_reduce.runtime.comm import TorchDistComm
+
+    dp = TorchDistComm(FakeGroup(), tdist=FakeTdist(complete=True))
+    dp.deadline = SHORT
+    node, rail = _levels(dp, node_complete=True, rail_complete=True)
+    for flush in (1, 2, 3):
+        _two_level_flush(node, rail, flush)
+    dp.wait_until(lambda: True, "end_backward")  # every sub-communicator's works are forgotten at the sync point
+    assert node._in_flight == [] and rail._in_flight == []
+    assert [c._group.aborts for c in (dp, node, rail)] == [0, 0, 0]
+    _two_level_flush(node, rail, 4)
+    node._in_flight[0].work.error = RuntimeError("NCCL error: unhandled system error\nmore")
+    with pytest.raises(OwnerReduceCommError, match=r"flush #4: end_backward.* failed: node communicator: "
+                                                   r"reduce_scatter\(count=8, dtype=float32\).*: RuntimeError: NCCL "
+                                                   r"error: unhandled system error"):
+        dp.wait_until(lambda: True, "end_backward")
+    assert [c._group.aborts for c in (dp, node, rail)] == [1, 1, 1]
+
+
 def test_torch_dist_on_nccl_names_a_coalesced_send_recv_round():
     """NCCL's batch_isend_irecv returns one work for the whole round (torch coalesces it): still one call, named."""
     from owner_reduce.runtime.comm import TorchDistComm

@@ -63,7 +63,7 @@ class LevelComm(HbComm):
                 row[10] = r % self.PER_NODE
         return rows
 
-    def split(self, groups):
+    def _split(self, groups):
         members = list(next(g for g in groups if self.rank in g))
         return HbComm(self._hb, members.index(self.rank), len(members))
 

@@ -14,6 +14,12 @@ the seconds waited; ``wait_until`` is the one place that waits on the device.
 Note (failure inside a group): when anything raises inside ``group()``, the group is closed through
 ``_group_failed`` (never ``_group_end``'s normal path: no more work is issued or waited for), and the error
 raised inside stays the one raised; a failure while closing is only added to it as a note.
+
+Note (sub-communicators): the node and rail communicators ``split`` makes (a two-level flush) run on their own
+streams, which the reduce stream joins; the runtime's bounded waits are on this (the data-parallel) communicator.
+So this communicator's ``wait_until`` covers them too: it waits for their works in flight, reports their errors
+(``node communicator: ...``), names their unfinished call, and on failure aborts every one of them with itself, so
+that no kernel of a stalled level keeps the GPU after the error. ``close_subs`` releases them.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ class ReduceComm(ABC):
         self._in_group = False
         self.deadline = deadlines.from_environment() if deadline is None else deadline
         self.flush: int | None = None  # the flush being issued or last issued (error messages)
+        self.role = "data-parallel"  # or "node" / "rail": a sub-communicator's part in a two-level flush
+        self.subs: list[ReduceComm] = []  # made by split(): see Note (sub-communicators)
 
     @contextlib.contextmanager
     def group(self, flush: int | None = None) -> Iterator[None]:
@@ -69,11 +77,60 @@ class ReduceComm(ABC):
         self._group_end()
 
     def wait_until(self, done: Callable[[], bool], call: str, flush: int | None = None) -> None:
-        """Poll ``done`` (a CUDA stream's or event's ``query``) within the deadline; on a timeout or an error
-        of this communicator, abort it and raise ``OwnerReduceCommError``."""
-        deadlines.poll_until_done(done, deadline=self.deadline, rank=self.rank,
-                                  flush=self.flush if flush is None else flush, call=call,
-                                  check_error=self._async_error, abort=self._abort)
+        """Poll ``done`` (a CUDA stream's or event's ``query``) and this communicator's and its sub-communicators'
+        works in flight within the deadline; on a timeout or an error of any of them, abort them all and raise
+        ``OwnerReduceCommError`` naming the call still unfinished (see Note (sub-communicators))."""
+        comms = (self, *self.subs)
+        if flush is None:  # the oldest flush still in flight on any of them, else the last one issued here
+            flush = next((f for c in comms if (f := c._oldest_in_flight()) is not None), self.flush)
+        reported = flush
+        deadlines.poll_until_done(lambda: all(c._works_done() for c in comms) and done(), deadline=self.deadline,
+                                  rank=self.rank, flush=reported, call=lambda: self._waiting_for(call, reported),
+                                  check_error=self._any_async_error, abort=self._abort_all)
+
+    def _works_done(self) -> bool:
+        """Forget the works in flight that completed; True when none is left (none are kept by default)."""
+        return True
+
+    def _oldest_in_flight(self) -> int | None:
+        """The flush of the oldest work this communicator keeps in flight, or None."""
+        return None
+
+    def _pending_call(self, flush: int | None) -> str | None:
+        """The name of the oldest call still in flight (``flush``: the one the error names), or None."""
+        return None
+
+    def _waiting_for(self, call: str, flush: int | None) -> str:
+        """``end_backward, waiting for all_reduce(count=8, dtype=float32) (call 2 of 3)``, or ``... on the rail
+        communicator``: formatted on failure."""
+        for comm in (self, *self.subs):
+            pending = comm._pending_call(flush)
+            if pending is not None:
+                where = "" if comm is self else f" on the {comm.role} communicator"
+                return f"{call}, waiting for {pending}{where}"
+        return call
+
+    def _any_async_error(self) -> str | None:
+        """This communicator's asynchronous error, else the first sub-communicator's, named."""
+        error = self._async_error()
+        if error is not None:
+            return error
+        for sub in self.subs:
+            error = sub._async_error()
+            if error is not None:
+                return f"{sub.role} communicator: {error}"
+        return None
+
+    def _abort_all(self) -> None:
+        """Abort this communicator and every sub-communicator, each tried; the first failure is raised."""
+        first: BaseException | None = None
+        for comm in (self, *self.subs):
+            try:
+                comm._abort()
+            except Exception as error:  # noqa: BLE001 - every communicator is aborted; the first failure reported
+                first = first or error
+        if first is not None:
+            raise first
 
     def _async_error(self) -> str | None:
         """An error the communicator reported asynchronously (NCCL), or None."""
@@ -129,11 +186,33 @@ class ReduceComm(ABC):
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (same length everywhere), by rank: the init-time agreement check."""
 
-    def split(self, groups: Sequence[Sequence[int]]) -> ReduceComm:
+    def split(self, groups: Sequence[Sequence[int]], role: str) -> ReduceComm:
         """A communicator over the ranks of ``groups`` that holds this rank (ranks of this communicator; every rank
-        in exactly one group), with ranks numbered in the group's order: a two-level flush's node or rail
-        communicator. Collective: every rank calls it with the same ``groups``."""
+        in exactly one group), with ranks numbered in the group's order: a two-level flush's ``role`` ("node" or
+        "rail") communicator, kept in ``subs`` (see Note (sub-communicators)). Collective: every rank calls it with
+        the same ``groups``."""
+        sub = self._split(groups)
+        sub.role = role
+        self.subs.append(sub)
+        return sub
+
+    def _split(self, groups: Sequence[Sequence[int]]) -> ReduceComm:
         raise NotImplementedError(f"{self.name}: this communicator cannot make sub-communicators (two-level flush)")
+
+    def close_subs(self) -> None:
+        """Close the sub-communicators, the last made first; every one is tried, the first failure raised."""
+        subs, self.subs = self.subs, []
+        first: BaseException | None = None
+        for sub in reversed(subs):
+            try:
+                sub.close()
+            except BaseException as error:
+                if first is None:
+                    first = error
+                else:
+                    deadlines.add_note(first, f"closing the {sub.role} communicator failed too", error)
+        if first is not None:
+            raise first
 
     def release_buffers(self) -> None:  # noqa: B027 - optional hook
         """Drop whatever this communicator keeps per buffer (the runtime released its buckets)."""
@@ -332,7 +411,7 @@ class TorchDistComm(ReduceComm):
             self.wait_until(lambda: True, "all_gather_ints", flush=None)
         return [g.tolist() for g in gathered]
 
-    def split(self, groups: Sequence[Sequence[int]]) -> TorchDistComm:
+    def _split(self, groups: Sequence[Sequence[int]]) -> TorchDistComm:
         """One ``new_group`` per group, created in ``groups``' order on every rank (torch.distributed needs every rank
         of the parent group to create every group), each with the deadline as its timeout; this rank's is returned.
         """
@@ -372,17 +451,8 @@ class TorchDistComm(ReduceComm):
             deadlines.wait_work(work, deadline=self.deadline, started=started, rank=self.rank, flush=flush,
                                 call=lambda call=call, i=i: _call_name(call, i, len(works)))
 
-    def wait_until(self, done: Callable[[], bool], call: str, flush: int | None = None) -> None:
-        """As ``ReduceComm.wait_until``, and also until every device work in flight has completed: the error then
-        names the flush and the call still unfinished (``end_backward, waiting for all_reduce(...)``)."""
-        in_flight = self._in_flight
-        if not in_flight:
-            super().wait_until(done, call, flush)
-            return
-        reported = in_flight[0].flush if flush is None else flush  # the oldest flush still in flight
-        deadlines.poll_until_done(lambda: self._works_done() and done(), deadline=self.deadline, rank=self.rank,
-                                  flush=reported, call=lambda: self._waiting_for(call, reported),
-                                  check_error=self._async_error, abort=self._abort)
+    def _oldest_in_flight(self) -> int | None:
+        return self._in_flight[0].flush if self._in_flight else None
 
     def _works_done(self) -> bool:
         """Forget the works in flight that completed (in issue order); True when none is left. A work that failed
@@ -406,10 +476,9 @@ class TorchDistComm(ReduceComm):
                             f"{deadlines.first_line(error)}")
         return None
 
-    def _waiting_for(self, call: str, flush: int | None) -> str:
-        """``end_backward, waiting for all_reduce(count=8, dtype=float32) (call 2 of 3)``: formatted on failure."""
+    def _pending_call(self, flush: int | None) -> str | None:
         pending = next((e for e in self._in_flight if not e.work.is_completed()), None)
-        return call if pending is None else f"{call}, waiting for {_in_flight_name(pending, flush)}"
+        return None if pending is None else _in_flight_name(pending, flush)
 
     def _abort(self) -> None:
         """After a failed wait on device works: abort the process group (once), so that its NCCL kernels stop."""

@@ -22,7 +22,7 @@ import torch
 
 from ..planning.calibration import ENV_VAR as CALIBRATION_ENV_VAR
 from ..planning.calibration import Calibration, format_fits
-from ..planning.collectives import NATIVE, TWO_LEVEL
+from ..planning.collectives import NATIVE, NODE, RAIL, TWO_LEVEL
 from ..planning.flags import OwnerReduceFlags, describe_flag_disagreement, pack_flags
 from ..planning.flush_choice import AUTO, FORCE_ENV_VAR, FORCE_VALUES, FlushCost, agreed_topology
 from ..planning.measured import MEASURE_ENV_VAR, TRIAL_ROUNDS, format_measured_line, verdicts
@@ -124,10 +124,16 @@ class OwnerReduceRuntime:
             self.placer = GradPlacer(self.settings.owner_map, self.settings.flags.reduce_to_owner, buckets,
                                      self.flusher, self.stats, cost, self._sync_streams, self._learned,
                                      self._trial_for if self._measuring else None)
-        except BaseException:
-            # DeepSpeed calls cleanup() only after a successful init: release the communicators here.
-            self._close_levels()
-            self.comm.close()
+        except BaseException as error:
+            # DeepSpeed calls cleanup() only after a successful init: release the communicators here; a failure
+            # doing so is a note on the error that stopped init.
+            try:
+                try:
+                    self._close_levels()
+                finally:
+                    self.comm.close()
+            except BaseException as close_error:
+                add_note(error, "releasing the communicators afterwards failed too", close_error)
             self.comm = None
             raise
         if self.comm.rank == 0:
@@ -495,12 +501,8 @@ class OwnerReduceRuntime:
             return cost
         started = time.monotonic()
         free_before = _device_free_bytes()
-        node = self.comm.split(levels.node_groups())
-        try:
-            rail = self.comm.split(levels.rail_groups())
-        except BaseException:
-            node.close()
-            raise
+        node = self.comm.split(levels.node_groups(), NODE)  # a failure later in init closes it (_close_levels)
+        rail = self.comm.split(levels.rail_groups(), RAIL)
         self.flusher.levels = Levels(node, rail)
         seconds = time.monotonic() - started
         free_after = _device_free_bytes()
@@ -515,12 +517,10 @@ class OwnerReduceRuntime:
         return replace(cost, two_level=levels)
 
     def _close_levels(self) -> None:
-        levels, self.flusher.levels = self.flusher.levels, None
-        if levels is not None:
-            try:
-                levels.rail.close()
-            finally:
-                levels.node.close()
+        """Close the node and rail communicators (the data-parallel one stays)."""
+        self.flusher.levels = None
+        if self.comm is not None:
+            self.comm.close_subs()
 
 
 def _order_problem(levels: TwoLevel, facts: list[tuple[int, int]]) -> str | None:

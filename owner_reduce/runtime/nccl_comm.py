@@ -316,7 +316,7 @@ class CupyNcclComm(ReduceComm):
         self.wait_until(stream.query, what, flush=None)
         return [row.tolist() for row in out.view(self.world_size, -1).cpu()]
 
-    def split(self, groups: Sequence[Sequence[int]]) -> CupyNcclComm:
+    def _split(self, groups: Sequence[Sequence[int]]) -> CupyNcclComm:
         """A new NCCL communicator per group: each group's first rank creates its unique id, every rank gathers them
         in one ``all_gather_ints`` on this communicator (bounded by the deadline), then builds its group's with
         ``ncclCommInitRank`` on this device, on torch's current stream at call time (the flush picks the stream)."""
