@@ -18,7 +18,8 @@
 #   6. the bf16 167M model (dim 1024, 8 layers, vocab 32000, whole-model bucket 5e8) at ws 4: owner and native step
 #      times, host us per reduce_grad, peak memory; every rank prints its phases, and a mode past its bound fails
 #      naming each rank's phase (issue 17: this run did not finish in 70 s);
-#   7. gpu_e2e at ws 4 (as 4);  8. ws 1, optional. GPU_CHECK_BUDGET_S=540 fits a 600 s device call.
+#   7. gpu_e2e at ws 4 (as 4);  7b. the two-level flush at ws 4 as two nodes of two (exact data: bitwise), optional;
+#   8. ws 1, optional. GPU_CHECK_BUDGET_S=540 fits a 600 s device call.
 #   Without NCCL >= 2.30 in both: ws 1 only (nccl_check, pytest -m cuda, gpu_e2e), and the check fails, saying why.
 # Writes ${OUT:-out}/gpu_summary.txt (every number, and what was and was not measured) and ${OUT:-out}/gpu_check.log.
 # Exit code: 0 when every required step ran and passed, 1 otherwise.
@@ -108,7 +109,7 @@ manifest_field() { "$PLAN_PY" -c "import json,sys; print(json.load(open(sys.argv
 
 # The steps: name:limit_s:required. The limits add up to more than the budget: a step never starts past it.
 MULTI_PLAN=("nccl_ws2:60:required" "nccl_ws4:75:required" "e2e_ws2:160:required" "pytest_cuda:150:required"
-            "bf16_ws4:175:required" "e2e_ws4:130:required" "e2e_ws1:70:optional")
+            "bf16_ws4:175:required" "e2e_ws4:130:required" "two_level_ws4:120:optional" "e2e_ws1:70:optional")
 SINGLE_PLAN=("nccl_ws1:90:required" "pytest_cuda:150:required" "e2e_ws1:150:required")
 PLAN=()
 limit_of() { local s; for s in "${PLAN[@]}"; do [ "${s%%:*}" = "$1" ] && { s=${s#*:}; echo "${s%%:*}"; }; done; }
@@ -123,6 +124,7 @@ command_of() {  # the command line of a step, for the dry run and the run alike 
     e2e_ws1) echo "scripts/gpu_e2e.py --world-size 1 ${E2E_SMALL[*]} --modes plain,owner,native --timeout 50 --total-timeout $(( $(limit_of e2e_ws1) - 15 ))";;
     e2e_ws2) echo "scripts/gpu_e2e.py --world-size 2 ${E2E_SMALL[*]} --modes plain,owner,handoff,native --timeout 60 --total-timeout 145";;
     e2e_ws4) echo "scripts/gpu_e2e.py --world-size 4 ${E2E_SMALL[*]} --modes plain,owner,native --timeout 70 --total-timeout 115";;
+    two_level_ws4) echo "scripts/gpu_e2e.py --world-size 4 --ranks-per-node 2 --model exact_linear --steps 4 --require-bitwise --modes plain,two_level --timeout 60 --total-timeout 105";;
     bf16_ws4) echo "scripts/gpu_e2e.py --world-size 4 --steps 4 ${BF16_MODEL[*]} --modes owner,native --timeout 120 --total-timeout 160";;
     pytest_cuda) echo "-m pytest -q -m cuda -p no:cacheprovider -k 'not ws4_bf16' tests (the ws 4 bf16 test is step bf16_ws4)";;
   esac
@@ -302,6 +304,7 @@ if [ "$WS2" = 1 ]; then
   need_ds pytest_cuda && run_step pytest_cuda -m pytest "${PYTEST_ARGS[@]}"
   e2e_step bf16_ws4
   e2e_step e2e_ws4
+  e2e_step two_level_ws4
   e2e_step e2e_ws1
 else
   note "ws 2 and ws 4 on one GPU: SKIPPED: ${WHY_NOT_WS2:-see above}; issue 17 needs them: the check fails"
@@ -334,6 +337,9 @@ if [ "$WS2" = 1 ]; then
   for m in owner native; do
     has bf16_ws4 "^RESULT gpu_e2e mode=$m ws=4 " || note "  - the bf16 167M model at ws 4: $m (step time, host us, peak memory)"
   done
+fi
+if [ "$WS2" = 1 ]; then
+  has two_level_ws4 "^RESULT gpu_e2e mode=two_level ws=4 " || note "  - the two-level flush at ws 4 (two nodes of two)"
 fi
 for m in plain owner native; do has e2e_ws1 "^RESULT gpu_e2e mode=$m ws=1 " || note "  - gpu_e2e $m at ws 1"; done
 note "  - any interconnect: ranks share one GPU (its memory and SMs), so no timing here is an NVLink/IB measurement"

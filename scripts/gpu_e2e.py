@@ -38,7 +38,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-MODES = ("plain", "owner", "handoff", "native")  # handoff: the owner path with OWNER_REDUCE_FLUSH_ALGO=handoff
+MODES = ("plain", "owner", "handoff", "native", "two_level")  # handoff, two_level: the owner path with
+# OWNER_REDUCE_FLUSH_ALGO set so (two_level needs --ranks-per-node: ranks grouped as nodes)
+MODELS = ("tiny_transformer", "exact_linear")  # exact_linear: every sum exact, bitwise whatever the order
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,8 @@ class Job:
     seed: int = 0
     deterministic: bool = False
     pg_probe_iters: int = 20  # tiny all_reduce + .item() round trips timed before training (0: none)
+    model: str = "tiny_transformer"
+    ranks_per_node: int = 0  # ranks grouped as nodes of this many (the two-level flush's node and rail)
 
 
 def pg_allreduce_item_ms(iters: int, device: Any) -> float | None:
@@ -97,12 +101,14 @@ def _train(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     counter.install()
     if job.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    spec = TrainSpec(mode="owner" if job.mode == "handoff" else job.mode, backend=job.backend, steps=job.steps,
-                     micro_batch=job.micro_batch, flush_algo="handoff" if job.mode == "handoff" else None,
-                     model="tiny_transformer",
-                     model_kwargs=(("vocab", job.vocab), ("dim", job.dim), ("layers", job.layers), ("seq", job.seq)),
+    forced = job.mode in ("handoff", "two_level")
+    kwargs = (("vocab", job.vocab), ("dim", job.dim), ("layers", job.layers), ("seq", job.seq))
+    spec = TrainSpec(mode="owner" if forced else job.mode, backend=job.backend, steps=job.steps,
+                     micro_batch=job.micro_batch, flush_algo=job.mode if forced else None, model=job.model,
+                     model_kwargs=kwargs if job.model == "tiny_transformer" else (),
+                     same_data=job.model != "exact_linear", ranks_per_node=job.ranks_per_node,
                      reduce_bucket_size=job.bucket, bf16=job.bf16, lr=1e-3, seed=job.seed, reduce_probe=True,
-                     time_runtime=job.mode in ("owner", "handoff"))
+                     time_runtime=job.mode in ("owner", "handoff", "two_level"))
     if not job.cpu:
         torch.cuda.reset_peak_memory_stats()
     try:
@@ -110,13 +116,15 @@ def _train(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     finally:
         counter.uninstall()
     deadline = None
-    if job.mode in ("owner", "handoff"):  # the bounded waits' deadline, read from this run's default process group
+    # The bounded waits' deadline, read from this run's default process group.
+    if job.mode in ("owner", "handoff", "two_level"):
         from owner_reduce.wiring.ops import active_runtime_or_none
 
         runtime = active_runtime_or_none()
         deadline = None if runtime is None or runtime.comm is None else runtime.comm.deadline.describe()
     dc_pass_s: dict[str, float] = {}
-    if job.mode in ("owner", "handoff", "native"):  # DeepCompile's own record: seconds in passes + profiling
+    # DeepCompile's own record: seconds in passes + profiling.
+    if job.mode in ("owner", "handoff", "two_level", "native"):
         from deepspeed.compile import backend as dc_backend
 
         for kind, _index, _graph, seconds in getattr(dc_backend, "opt_pass_times", []):
@@ -220,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="reduce_bucket_size in elements (whole model: 500000000)")
     parser.add_argument("--pg-probe-iters", type=int, default=Job.pg_probe_iters,
                         help="all_reduce + .item() round trips timed in each rank before training (0: none)")
+    parser.add_argument("--model", choices=MODELS, default=MODELS[0],
+                        help="exact_linear: gradients of a few bits, different data per rank (bitwise in any order)")
+    parser.add_argument("--ranks-per-node", type=int, default=0,
+                        help="group the ranks as nodes of this many (LOCAL_WORLD_SIZE; mode two_level)")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per mode")
     parser.add_argument("--total-timeout", type=float, default=None,
                         help="seconds for all modes; a mode that would start with under 30s left is skipped")
@@ -231,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     if set(modes) - set(MODES) or not modes or len(set(modes)) != len(modes):
         parser.error(f"--modes: a comma list of distinct modes from {MODES}")
+    if "two_level" in modes and (args.ranks_per_node < 2 or args.world_size % args.ranks_per_node
+                                 or args.world_size // args.ranks_per_node < 2):
+        parser.error(f"--modes two_level needs --ranks-per-node >= 2 making two or more whole nodes of "
+                     f"--world-size {args.world_size}, got {args.ranks_per_node}")
     reference = "plain" if "plain" in modes else modes[0]
     modes = [reference] + [m for m in modes if m != reference]
     if not args.cpu:
@@ -269,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         job = Job(mode=mode, steps=args.steps, micro_batch=args.micro_batch, dim=args.dim, layers=args.layers,
                   vocab=args.vocab, seq=args.seq, bucket=args.bucket, backend=args.backend, bf16=args.bf16,
-                  cpu=args.cpu, deterministic=args.require_bitwise, pg_probe_iters=args.pg_probe_iters)
+                  cpu=args.cpu, deterministic=args.require_bitwise, pg_probe_iters=args.pg_probe_iters,
+                  model=args.model, ranks_per_node=args.ranks_per_node)
         start = time.monotonic()
         try:
             runs[mode] = launch(job, args.world_size, limit)
@@ -282,7 +299,9 @@ def main(argv: list[str] | None = None) -> int:
         if mode != reference and reference in runs:
             # The hand-off's ReduceScatter cuts the flush into other chunks than plain ZeRO's: NCCL's ring may sum an
             # element in another order, except at two ranks (a + b == b + a).
-            bitwise = mode == "owner" or (mode == "handoff" and args.world_size <= 2)
+            # A two-level flush adds each node's sum first: bitwise where every sum is exact (exact_linear).
+            bitwise = (mode == "owner" or (mode == "handoff" and args.world_size <= 2)
+                       or (mode == "two_level" and args.model == "exact_linear"))
             rows.append(compare(f"{mode} vs {reference}", runs[mode][0], runs[reference][0], atol,
                                 require_bitwise=args.require_bitwise and reference == "plain" and bitwise))
             if mode == "handoff":
@@ -290,6 +309,13 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"comparison": "handoff ran (send/recv rounds, all ranks)", "ok": rounds > 0,
                              "rounds": rounds})
                 print(f"gpu_e2e: handoff: {rounds} send/recv rounds over all ranks", flush=True)
+            if mode == "two_level":
+                counts = {k: sum((r["stats"] or {}).get(k, 0) for r in runs[mode])
+                          for k in ("two_level_flushes", "node_calls", "rail_calls")}
+                rows.append({"comparison": "two_level ran (flushes, node and rail calls, all ranks)",
+                             "ok": all(counts.values()), **counts})
+                line = (runs[mode][0]["stats"] or {}).get("two_level_line")
+                print(f"gpu_e2e: two_level: {counts}; {line}", flush=True)
         if args.json:
             _write_json(args.json, args.world_size, rows, errors, runs)
     if args.json:

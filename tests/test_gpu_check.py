@@ -65,7 +65,7 @@ def test_an_arch_with_a_dot_is_refused_naming_the_value():
     assert "--arch must be a compute capability without the dot (90 for sm_90), got '9.0'" in done.stderr
 
 
-PLAN_WS2 = ("nccl_ws2", "nccl_ws4", "e2e_ws2", "pytest_cuda", "bf16_ws4", "e2e_ws4", "e2e_ws1")
+PLAN_WS2 = ("nccl_ws2", "nccl_ws4", "e2e_ws2", "pytest_cuda", "bf16_ws4", "e2e_ws4", "two_level_ws4", "e2e_ws1")
 
 
 @pytest.mark.timeout(240)
@@ -98,6 +98,8 @@ def test_dry_run_shows_the_carry_the_nccl_install_the_versions_and_the_ws2_ws4_p
     assert ("--world-size 4 --steps 4 --bf16 --dim 1024 --layers 8 --vocab 32000 --bucket 500000000 "
             "--modes owner,native") in step["bf16_ws4"]
     assert "-m pytest -q -m cuda" in step["pytest_cuda"] and ", optional:" in step["e2e_ws1"]
+    assert ("--world-size 4 --ranks-per-node 2 --model exact_linear --steps 4 --require-bitwise --modes "
+            "plain,two_level") in step["two_level_ws4"] and ", optional:" in step["two_level_ws4"]
     assert "required" in step["bf16_ws4"] and "TORCH_CUDA_ARCH_LIST from the GPU, e.g. 9.0" in text
     assert not (tmp_path / "out").exists(), "a dry run writes nothing"
 

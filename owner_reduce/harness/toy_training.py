@@ -185,6 +185,23 @@ def _first_flush_phases(runtime: Any, on_phase: Callable[[str], None]) -> None:
     flusher.flush = flush_with_phases
 
 
+def _group_as_nodes(rank: int, ranks_per_node: int) -> None:
+    """Make this rank look like local rank ``rank % ranks_per_node`` of a node of ``ranks_per_node`` (what torchrun
+    sets on several nodes). On the CPU through ``LOCAL_RANK`` itself. Where ranks share a GPU (the launchers here
+    give every rank one visible device, ``LOCAL_RANK`` 0, the device DeepSpeed binds), ``LOCAL_RANK`` must stay:
+    only the owner_reduce runtime's reading of it is replaced, for this process."""
+    import torch
+
+    local = rank % ranks_per_node
+    os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)
+    if torch.cuda.is_available():
+        from ..runtime import handle
+
+        handle.local_rank = lambda environ=None: local
+    else:
+        os.environ["LOCAL_RANK"] = str(local)
+
+
 def train(rank: int, world_size: int, spec: TrainSpec,
           on_phase: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Train ``spec.steps`` optimizer steps; return losses, final parameters, runtime counters and log lines.
@@ -212,7 +229,7 @@ def train(rank: int, world_size: int, spec: TrainSpec,
     if spec.flush_algo is not None:
         os.environ["OWNER_REDUCE_FLUSH_ALGO"] = spec.flush_algo
     if spec.ranks_per_node:
-        os.environ.update(LOCAL_WORLD_SIZE=str(spec.ranks_per_node), LOCAL_RANK=str(rank % spec.ranks_per_node))
+        _group_as_nodes(rank, spec.ranks_per_node)
     model, batch = _model_and_batches(spec, rank)
     zero: dict[str, Any] = {"stage": spec.zero_stage}
     if spec.reduce_bucket_size is not None:

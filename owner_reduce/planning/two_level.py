@@ -21,13 +21,18 @@ node step overlaps stage ``k``'s rail step (two streams, ordered by events; ``ru
 about the slower level plus one stage of the other, not their sum. The stage count is the cost model's: each stage
 pays its calls' latencies, so more stages hide more of the rail step but pay more latency.
 
-Cost (``TwoLevel.time_us``): node stage ``a`` = one ReduceScatter of ``ranks_per_node x slice`` elements on the node
-topology; rail stage ``b_k`` = the slowest rail's grouped Reduces of its owners' parts in stage ``k`` on the rail
-topology (``collective_time.rail``), both as NCCL's planner costs a group (``collective_time.group_time_us``); the
-node steps run back to back and rail step ``k`` starts when node step ``k`` and rail step ``k - 1`` have ended:
-``node_end[k] = node_end[k-1] + a``, ``rail_end[k] = max(node_end[k], rail_end[k-1]) + b_k``. Assumed: the levels use
-disjoint links (NVLink / NVSwitch for the node, the NIC for the rail), and the SMs both levels' kernels take (one
-block per channel) are free; neither is in NCCL's model, which costs one call at a time.
+Unequal blocks (``TwoLevelGeometry`` Note (unequal blocks)): a flush's owners rarely fall evenly on the local ranks;
+the first ``scattered`` stages run the node ReduceScatter (shorter blocks padded, at most an eighth of the flush), the
+rest reduce only the longer blocks' tails, each with a node Reduce to its local rank; the rail step is the same.
+
+Cost (``TwoLevel.time_us``): node stage ``a_k`` = one ReduceScatter of ``ranks_per_node x slice`` elements on the
+node topology (a tail stage: its node Reduces, grouped); rail stage ``b_k`` = the slowest rail's grouped Reduces of
+its owners' parts in stage ``k`` on the rail topology (``collective_time.rail``), both as NCCL's planner costs a group
+(``collective_time.group_time_us``); the node steps run back to back and rail step ``k`` starts when node step ``k``
+and rail step ``k - 1`` have ended: ``node_end[k] = node_end[k-1] + a_k``,
+``rail_end[k] = max(node_end[k], rail_end[k-1]) + b_k``. Assumed: the levels use disjoint links (NVLink / NVSwitch
+for the node, the NIC for the rail), and the SMs both levels' kernels take (one block per channel) are free; neither
+is in NCCL's model, which costs one call at a time.
 
 Rank order (``requires``): global rank = node x ranks_per_node + local rank, as torchrun and DeepSpeed's launcher set
 it, whole nodes only. Pure: numbers in, a layout out; no torch.distributed, no cupy.
