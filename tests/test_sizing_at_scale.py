@@ -231,8 +231,8 @@ def _size_models(names: list[str], world_size: int) -> list:
 @pytest.mark.parametrize("world_size", [64, 512, 1024])
 def test_no_flush_slower_than_grouped_native_and_the_win_at_64_ranks(world_size):
     """Against native as NCCL plans it (one group per flush, aggregated, NVLS_TREE on Hopper) no flush and no step
-    is modelled slower; the 0.6x of the per-call baseline is gone (issue 20): what is left at the default bucket is
-    0.63-0.66x at ws 64 and 0.78-0.98x at 512-1024 (docs/reduce_to_owner.md, scale table)."""
+    is modelled slower; at the default bucket the step is at most 0.7x native at ws 64 and, with the two-level flush,
+    0.8x at 512-1024 (docs/reduce_to_owner.md, scale table: 0.55-0.66x)."""
     names = ["1b", "llama-7b"]
     with ProcessPoolExecutor(max_workers=1, mp_context=fresh_process_context()) as pool:
         reports = pool.submit(_size_models, names, world_size).result()
@@ -243,7 +243,7 @@ def test_no_flush_slower_than_grouped_native_and_the_win_at_64_ranks(world_size)
             assert worst.layout_over_native <= 1.0 + 1e-9, (name, world_size, b.bucket_size, worst)
             assert b.us_ratio("layout") <= 1.0
             assert "NVLS_TREE" in b.topology
-        if world_size == 64:
-            assert default.us_ratio("layout") <= 0.7, (name, default.us_ratio("layout"), default.choices())
+        limit = 0.7 if world_size == 64 else 0.8
+        assert default.us_ratio("layout") <= limit, (name, default.us_ratio("layout"), default.choices())
         # Before the per-flush choice the same layout cost more wherever a flush held part of the model.
         assert default.us_ratio("previous") >= default.us_ratio("layout")
