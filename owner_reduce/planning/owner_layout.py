@@ -26,6 +26,7 @@ from .collectives import (
     ALLREDUCE,
     HANDOFF,
     NATIVE,
+    RAIL,
     REDUCE,
     REDUCE_SCATTER,
     TWO_LEVEL,
@@ -109,7 +110,13 @@ class OwnerLayout:
 
     @property
     def calls(self) -> int:
-        return len(self.collectives)
+        """The calls one rank issues for this flush (the hand-off round counted as one; a two-level flush: its node's
+        calls, the busiest rail's and the data-parallel ones, not every rail's), as the runtime's probe counts them."""
+        rails: dict[int | None, int] = {}
+        for c in self.collectives:
+            if c.comm == RAIL:
+                rails[c.rail] = rails.get(c.rail, 0) + 1
+        return sum(c.comm != RAIL for c in self.collectives) + max(rails.values(), default=0)
 
     @property
     def algo(self) -> str:
