@@ -83,9 +83,8 @@ class ReduceComm(ABC):
         comms = (self, *self.subs)
         if flush is None:  # the oldest flush still in flight on any of them, else the last one issued here
             flush = next((f for c in comms if (f := c._oldest_in_flight()) is not None), self.flush)
-        reported = flush
         deadlines.poll_until_done(lambda: all(c._works_done() for c in comms) and done(), deadline=self.deadline,
-                                  rank=self.rank, flush=reported, call=lambda: self._waiting_for(call, reported),
+                                  rank=self.rank, flush=flush, call=lambda: self._waiting_for(call, flush),
                                   check_error=self._any_async_error, abort=self._abort_all)
 
     def _works_done(self) -> bool:
