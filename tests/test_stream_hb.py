@@ -208,14 +208,17 @@ def test_no_race_while_the_measured_guard_alternates_and_times_flushes(stage, re
 @pytest.mark.parametrize("release", [False, True], ids=["kept", "released"])
 @pytest.mark.parametrize("stage", [1, 2], ids=["z1", "z2"])
 def test_no_race_in_two_level_flushes_on_node_and_rail_streams(stage, release, rank, monkeypatch):
-    """Two nodes of two ranks, every owner-ordered flush two-level: the node ReduceScatters on the node stream, the
-    rail Reduces on the rail stream after each stage's event, the reduce stream joining both, across learning, leaving
-    and relearning schedules: no race, and the grad buffers hold the right sums."""
+    """Two nodes of two ranks, every owner-ordered flush two-level: the node ReduceScatters (and tail stages' node
+    Reduces) on the node stream, the rail Reduces on the rail stream after each stage's event, the reduce stream
+    joining both, across learning, leaving and relearning schedules: no race, and the grad buffers hold the right
+    sums."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     hb, rt, expected = _run("two_level", stage, 2, release, rank=rank, ws=4, comm_cls=LevelComm)
     assert not hb.races, f"{len(hb.races)} distinct races:\n{hb.report()}"
     s = rt.stats
     assert s.two_level_flushes >= 6 and s.node_calls >= s.two_level_stages and s.rail_calls > 0, s
+    # Both kinds of node step ran: ReduceScatter stages and tail stages' node Reduces (unequal blocks).
+    assert {"node_reduce_scatter", "node_reduce"} <= {name for name, *_ in rt.collective_log}
     assert s.two_level_line is not None
     assert set(rt.placer.streams._levels) == {"node", "rail"}
     _check_values(rt, expected)
