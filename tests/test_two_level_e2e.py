@@ -10,6 +10,7 @@ communicator, and a region reduced on the wrong rail (negative control) must sho
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -94,3 +95,21 @@ def test_negative_control_region_reduced_on_the_wrong_rail_is_caught():
     run, plain = _run(8, spec)
     assert all(r["stats"].two_level_flushes > 0 for r in run)
     assert _differs(run, plain) > 1e-4, "a region reduced on the wrong rail went unnoticed"
+
+
+def test_ranks_sharing_a_gpu_are_grouped_as_nodes_without_moving_local_rank(monkeypatch):
+    """The GPU check's two nodes of two on one GPU: every rank keeps ``LOCAL_RANK`` 0 (the device DeepSpeed binds)
+    and the runtime reads its node-local index from the harness instead (checked here with CUDA faked present)."""
+    from owner_reduce.harness import toy_training
+    from owner_reduce.runtime import handle
+
+    monkeypatch.setattr(handle, "local_rank", handle.local_rank)  # restored after the test
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    toy_training._group_as_nodes(3, 2)
+    assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == ("0", "2")
+    assert handle.local_rank() == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    toy_training._group_as_nodes(3, 2)  # on the CPU through LOCAL_RANK itself
+    assert os.environ["LOCAL_RANK"] == "1"
