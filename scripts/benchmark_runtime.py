@@ -229,6 +229,57 @@ def _comm_costs(rounds: int, calls: int) -> dict[str, float]:
     return {name: statistics.median(s) / 1e3 for name, s in samples.items()}
 
 
+def _two_level_issue_costs(rounds: int, stage_counts: tuple[int, ...] = (1, 8, 32), rail_calls: int = 3
+                           ) -> dict[int, tuple[float, float]]:
+    """Median µs of host time per stage to issue a two-level flush (``Flusher._views`` + ``Flusher._two_level``: the
+    stage loop, its two groups and the views of the bucket each call reduces in) on no-op node and rail
+    communicators and host streams, nodes of 8, ``rail_calls`` rail Reduces per stage: what the pipeline's stage
+    count costs the host on top of NCCL's own per-call cost. Two variants, interleaved: the views kept with the
+    bucket (what runs), and made afresh for every flush (the cache emptied first: what it saves)."""
+    import torch
+
+    from owner_reduce.planning.collectives import NODE, RAIL, REDUCE, REDUCE_SCATTER, Collective
+    from owner_reduce.runtime.flush import Flusher
+    from owner_reduce.runtime.streams import HostStreams
+
+    class NoOp:
+        @contextlib.contextmanager
+        def group(self, flush: int | None = None) -> Any:
+            yield
+
+        def reduce(self, buf: Any, root: int) -> None:
+            pass
+
+        def reduce_scatter(self, buf: Any, per_rank: int) -> None:
+            pass
+
+    width, per_node = 1000, 8
+    flusher = Flusher.__new__(Flusher)
+    flusher.levels = types.SimpleNamespace(node=NoOp(), rail=NoOp())
+    streams = HostStreams()
+    buffer = torch.zeros(max(stage_counts) * per_node * width)
+    out = {}
+    for stages in stage_counts:
+        plan = types.SimpleNamespace(copy_out=(), split_sizes=[], stages=tuple(
+            ((Collective(REDUCE_SCATTER, s * per_node * width, per_node * width, per_rank=width, comm=NODE,
+                         stage=s),),
+             tuple(Collective(REDUCE, s * per_node * width + 10 * i, 10, root=i, comm=RAIL, rail=0, stage=s)
+                   for i in range(rail_calls)))
+            for s in range(stages)))
+        bucket = types.SimpleNamespace(views={})
+        samples: dict[bool, list[int]] = {True: [], False: []}
+        for _ in range(rounds):
+            for kept in (True, False):
+                if not kept:
+                    bucket.views.clear()
+                start = time.perf_counter_ns()
+                _, views = Flusher._views(plan, bucket, buffer)
+                flusher._two_level(plan, views, streams, 1)
+                samples[kept].append(time.perf_counter_ns() - start)
+        out[stages] = tuple(statistics.median(samples[kept]) / 1e3 / stages for kept in (True, False))
+    return out
+
+
 def _allocated_bytes(fn: Any) -> int:
     """Bytes of every tensor storage created while ``fn`` runs (views and in-place results do not count)."""
     import torch
@@ -290,6 +341,7 @@ def main() -> int:
     flush = _flush_costs((148, 1000), rounds=100)
     memory = _memory()
     comm = _comm_costs(rounds=20, calls=50)
+    two_level = _two_level_issue_costs(rounds=300)
 
     step: dict[str, list[float]] = {"plain": [], "allreduce": [], "owner": []}
     ratios: dict[str, list[float]] = {"allreduce": [], "owner": []}
@@ -328,6 +380,9 @@ def main() -> int:
           f"deepspeed.comm {comm['deepspeed.comm']:.2f} us, TorchDistComm in a group {comm['TorchDistComm']:.2f} us")
     for n, ms in flush.items():
         print(f"flush host time, {n:4d} gradients (ws 4, no-op comm): {ms:8.3f} ms")
+    for stages, (kept, fresh) in two_level.items():
+        print(f"two-level flush, host time per stage ({stages:2d} stages, 1 node + 3 rail calls, no-op comms): "
+              f"{kept:6.2f} us with the views kept, {fresh:6.2f} us made per flush ({kept / fresh:.2f}x)")
     for (ga, release), (nbytes, grad_bytes) in memory.items():
         what = "release_reduce_buckets" if release else "buckets kept          "
         print(f"bytes allocated per steady step, GA {ga}, {what}: {nbytes:12,d} "

@@ -57,6 +57,8 @@ from .stats import FlushRecord, RuntimeStats, emit
 _LOG_NAMES = {REDUCE: "reduce", REDUCE_SCATTER: "reduce_scatter", ALLREDUCE: "all_reduce", HANDOFF: "handoff"}
 _LEVEL_LOG_NAMES = {(NODE, REDUCE_SCATTER): "node_reduce_scatter", (NODE, REDUCE): "node_reduce",
                     (RAIL, REDUCE): "rail_reduce"}
+# Per two-level stage: (its node calls' buffers, this rank's rail calls' buffers), views of the bucket.
+_LevelViews = tuple[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]], ...]
 _FLUSH_CACHE_LIMIT = 256  # distinct bucket contents remembered; beyond it the cache starts over
 _VIEWS_PER_BUCKET_LIMIT = 512  # plans whose copy-out views one bucket keeps; beyond it they start over
 
@@ -200,8 +202,9 @@ class Flusher:
                 buffer.narrow(0, pad.offset, pad.count).zero_()
             if self.pre_div:
                 used.div_(comm.world_size)
+            sources, levels = self._views(cached, bucket, used)
             if cached.stages:
-                self._two_level(cached, buffer, streams, index)
+                self._two_level(cached, levels, streams, index)
             if cached.calls:
                 self._world_calls(comm, cached, buffer, index)
             if cached.p2p:
@@ -212,7 +215,7 @@ class Flusher:
                             comm.send(piece, op.peer)
                         else:
                             comm.recv(piece, op.peer)
-            self._copy_out(cached, self._sources(cached, bucket, used))
+            self._copy_out(cached, sources)
             if key is not None:
                 self.marks.append((key, start, streams.mark()))
             streams.bucket_released(bucket)
@@ -231,7 +234,7 @@ class Flusher:
                 else:
                     comm.all_reduce(segment)
 
-    def _two_level(self, cached: _CachedFlush, buffer: torch.Tensor, streams: Any, index: int) -> None:
+    def _two_level(self, cached: _CachedFlush, views: _LevelViews, streams: Any, index: int) -> None:
         """Each stage: the node ReduceScatter or the tail's node Reduces (node stream), then this rank's rail Reduces
         (rail stream, after that stage's node step); see ``streams`` Note (two levels). Each stage's calls on one
         communicator are one group."""
@@ -239,18 +242,18 @@ class Flusher:
         assert levels is not None, "a two-level flush without node and rail communicators"
         node, rail = levels.node, levels.rail
         streams.levels_begin()
-        for node_calls, reduces in cached.stages:
+        for (node_calls, reduces), (node_views, rail_views) in zip(cached.stages, views, strict=True):
             with streams.level(NODE), node.group(flush=index):
-                for c in node_calls:
+                for c, view in zip(node_calls, node_views, strict=True):
                     if c.kind == REDUCE_SCATTER:
-                        node.reduce_scatter(buffer.narrow(0, c.offset, c.count), c.per_rank)
+                        node.reduce_scatter(view, c.per_rank)
                     else:
-                        node.reduce(buffer.narrow(0, c.offset, c.count), c.root)
+                        node.reduce(view, c.root)
             streams.node_stage_done()
             if reduces:
                 with streams.level(RAIL), rail.group(flush=index):
-                    for c in reduces:
-                        rail.reduce(buffer.narrow(0, c.offset, c.count), c.root)
+                    for c, view in zip(reduces, rail_views, strict=True):
+                        rail.reduce(view, c.root)
         streams.levels_end()
 
     def _staged(self, cached: _CachedFlush, bucket: Any) -> torch.Tensor:
@@ -265,19 +268,24 @@ class Flusher:
         return staging
 
     @staticmethod
-    def _sources(cached: _CachedFlush, bucket: Any, used: torch.Tensor) -> Sequence[torch.Tensor]:
-        """The bucket views that ``cached``'s copy-out reads, made once per (bucket buffer, plan) and kept with the
-        bucket (``ReduceBucket.views``, which holds the plan too, so its id is not reused meanwhile)."""
-        if not cached.copy_out:
-            return ()
+    def _views(cached: _CachedFlush, bucket: Any, used: torch.Tensor
+               ) -> tuple[Sequence[torch.Tensor], _LevelViews]:
+        """The bucket views ``cached`` reads: its copy-out's sources and (two-level) every stage's call buffers, made
+        once per (bucket buffer, plan) and kept with the bucket (``ReduceBucket.views``, which holds the plan too, so
+        its id is not reused meanwhile): a two-level flush of 32 stages would otherwise make a view per call."""
+        if not cached.copy_out and not cached.stages:
+            return (), ()
         entry = bucket.views.get(id(cached))
         if entry is not None and entry[0] is cached:
             return entry[1]
         if len(bucket.views) >= _VIEWS_PER_BUCKET_LIMIT:  # contents that keep changing: start over
             bucket.views.clear()
-        sources = used.split_with_sizes(cached.split_sizes)[1::2]
-        bucket.views[id(cached)] = (cached, sources)
-        return sources
+        sources = used.split_with_sizes(cached.split_sizes)[1::2] if cached.copy_out else ()
+        levels = tuple((tuple(used.narrow(0, c.offset, c.count) for c in node),
+                        tuple(used.narrow(0, c.offset, c.count) for c in rail)) for node, rail in cached.stages)
+        views = (sources, levels)
+        bucket.views[id(cached)] = (cached, views)
+        return views
 
     def _copy_out(self, cached: _CachedFlush, sources: Sequence[torch.Tensor]) -> None:
         """Copy what this rank keeps into its grad buffers (stage 2: add into them after the first micro-step)."""
