@@ -14,7 +14,7 @@ from collections import Counter
 
 import pytest
 import torch
-from fakes import flat_map, mirror_runtime
+from fakes import MirrorComm, flat_map, mirror_runtime
 
 from owner_reduce.runtime.streams import CudaStreams
 
@@ -134,6 +134,51 @@ def test_the_measured_guard_times_each_trial_flush_with_two_events_and_stops_aft
         calls, _, flushes = per_step[step]
         assert calls == steady[-1][0] + 5 * flushes, (step, per_step, steady)
     assert all(calls == steady[-1][0] for calls, _, _ in per_step[7:]), (per_step, steady)
+
+
+class _NodesOfTwo(MirrorComm):
+    """The mirror communicator for ranks in nodes of two (launcher order): the agreement sees each rank's local rank,
+    and ``split`` makes the node and rail communicators (mirrors too)."""
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        rows = [list(values) for _ in range(self.world_size)]
+        for r, row in enumerate(rows):
+            if len(row) > 10:
+                row[10] = r % 2
+        return rows
+
+    def _split(self, groups):
+        members = list(next(g for g in groups if self.rank in g))
+        return MirrorComm(rank=members.index(self.rank), world_size=len(members))
+
+
+def test_a_two_level_flush_adds_a_few_cuda_calls_per_stage_and_none_per_gradient(monkeypatch):
+    """Two nodes of two, every owner-ordered flush two-level: per stage a switch to each level's stream and one
+    record and wait of the stage event (made once: no event per stage); per flush the node stream's wait for the
+    reduce stream and the reduce stream's waits for both levels; the level streams made once, nothing per gradient."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    m = flat_map(NUMELS, 4)
+    rt, _ = mirror_runtime(m, rank=1, bucket=60, algo="two_level", comm=_NodesOfTwo(rank=1, world_size=4))
+    cuda = FakeCuda()
+    rt.placer.streams = CudaStreams(torch.device("cpu"), cuda=cuda)
+    grads = {p.param_id: torch.arange(1.0, p.numel + 1) for p in m}
+    for step in range(4):
+        before, flushes, stages = Counter(cuda.calls), rt.stats.flushes, rt.stats.two_level_stages
+        rt.start_backward(True)
+        for pid in reversed(range(len(NUMELS))):
+            rt.reduce_grad(grads[pid], 11, pid)
+        rt.end_backward(11, False)
+        calls = cuda.calls - before
+        flushes, stages = rt.stats.flushes - flushes, rt.stats.two_level_stages - stages
+        if step >= 2:  # scheduled (learned in step 0), every flush two-level; the level streams exist
+            assert flushes > 1 and stages >= flushes, (step, flushes, stages)
+            assert calls["Event"] == flushes, calls  # the buckets' free events only
+            assert calls["Event.record"] == flushes + stages, calls
+            assert calls["wait_event"] <= flushes + stages, calls
+            assert calls["wait_stream"] == 4 * flushes, calls  # reducing(), levels_begin, levels_end x2
+            assert calls["stream switch"] <= flushes + 2 * stages, calls
+            assert sum(calls.values()) <= 7 * flushes + 1 + 3 * flushes + 4 * stages, calls
+    assert cuda.calls["Stream"] == 3  # the reduce stream and the two level streams, once
 
 
 def test_the_counter_sees_a_per_gradient_call():

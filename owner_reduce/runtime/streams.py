@@ -22,10 +22,11 @@ Note (two levels): a two-level flush (``planning.two_level``) runs its node Redu
 rail Reduces on a rail stream, both entered from the reduce stream: the node stream waits for the reduce stream once
 (pre-division and padding are behind it), each node stage records an event that the rail stream waits for before
 that stage's rail calls (stage ``k``'s rail step reads only what node step ``k`` wrote, so node step ``k + 1`` runs
-meanwhile), and at the end the reduce stream waits for both, so the copy-out, the bucket's free event and every host
-wait on the reduce stream cover them (the buckets are released or grown only after such a wait). No host wait in
-between. The GPU must run both levels' kernels at once (different communicators on different streams): NCCL's
-kernels take one block per channel, far from a GPU's SMs.
+meanwhile; one event serves every stage and flush: a wait takes the event's last record when it is enqueued, and
+each record is waited for at once), and at the end the reduce stream waits for both, so the copy-out, the bucket's
+free event and every host wait on the reduce stream cover them (the buckets are released or grown only after such a
+wait). No host wait in between. The GPU must run both levels' kernels at once (different communicators on different
+streams): NCCL's kernels take one block per channel, far from a GPU's SMs.
 Note (priority): the reduce stream is high priority, as z1.cpp's ``getStreamFromPool(true)``: the reduction should
 not queue behind the backward kernels it overlaps.
 Note (optimizer): ``end_backward`` waits for the reduce stream, so the grad buffers are final before step().
@@ -104,6 +105,7 @@ class CudaStreams:
         # The highest priority the device has (torch clamps a value beyond the range to its end).
         self.reduce_stream = cuda.Stream(device, priority=_HIGH_PRIORITY)
         self._levels: dict[str, Any] = {}  # "node" / "rail" -> its stream, made by the first two-level flush
+        self._stage_event: Any = None  # recorded after every node stage: see Note (two levels)
 
     def bucket_acquired(self, bucket: Any) -> None:
         """Before the first copy into ``bucket`` since its last flush: the current stream waits for that flush."""
@@ -142,8 +144,11 @@ class CudaStreams:
             yield
 
     def node_stage_done(self) -> None:
-        """The rail stream waits for the node stage just issued (and nothing later)."""
-        event = self._cuda.Event()
+        """The rail stream waits for the node stage just issued (and nothing later), through the one stage event: see
+        Note (two levels)."""
+        event = self._stage_event
+        if event is None:
+            event = self._stage_event = self._cuda.Event()
         event.record(self._levels["node"])
         self._levels["rail"].wait_event(event)
 
