@@ -72,14 +72,6 @@ class PlacedGrad:
     numel: int
     pieces: tuple[PlacedPiece, ...]
 
-    def locate(self, src_offset: int, length: int) -> int:
-        """Bucket offset of the gradient's elements ``[src_offset, +length)``, which must lie in one piece."""
-        for piece in self.pieces:
-            if piece.src_offset <= src_offset and src_offset + length <= piece.src_offset + piece.length:
-                return piece.bucket_offset + src_offset - piece.src_offset
-        raise ValueError(f"param_id {self.param_id}: elements [{src_offset}, +{length}) are not in one placed piece "
-                         f"({[(p.src_offset, p.length) for p in self.pieces]})")
-
     def segments(self, src_offset: int, length: int) -> list[tuple[int, int]]:
         """(bucket offset, elements) of the gradient's elements ``[src_offset, +length)``, in source order: one per
         piece they cross (a two-level flush cuts an owner's region at its pipeline stages)."""
@@ -242,13 +234,9 @@ def plan_owner_layout(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, red
             padding.append(FlushRange(offset, packed_span - offset, ALL))
             offset = packed_span
         collectives.insert(0, Collective(REDUCE_SCATTER, 0, packed_span, per_rank=chunk))
-    if all_elems:
-        ranges.append(FlushRange(offset, all_elems, ALL))
-        if choice != ALLREDUCE:
-            collectives.append(Collective(ALLREDUCE, offset, all_elems))
-        for param_id, src_offset, length in everyone:
-            placed[param_id].append(PlacedPiece(param_id, src_offset, length, offset, ALL))
-            offset += length
+    if all_elems and choice != ALLREDUCE:
+        collectives.append(Collective(ALLREDUCE, offset, all_elems))
+    offset = _place_everyone(everyone, placed, ranges, offset)
     if choice == ALLREDUCE and offset:
         collectives.append(Collective(ALLREDUCE, 0, offset))
     if choice == HANDOFF and transfers:  # chunks that fall exactly on their owners' regions need no hand-off
@@ -256,9 +244,8 @@ def plan_owner_layout(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, red
     plan = replace(counted, ranges=merge_ranges(ranges) if choice == ALLREDUCE else tuple(ranges))
     if choice == ALLREDUCE:
         plan = replace(plan, owner_tasks=0, owner_elems=0)
-    out = tuple(PlacedGrad(e.param_id, e.numel, tuple(sorted(placed[e.param_id], key=lambda p: p.src_offset)))
-                for e in entries)
-    return OwnerLayout(grads=out, plan=plan, collectives=tuple(collectives), padding=tuple(padding), total=offset,
+    return OwnerLayout(grads=_placed_grads(entries, placed), plan=plan, collectives=tuple(collectives),
+                       padding=tuple(padding), total=offset,
                        transfers=transfers if choice == HANDOFF else (), choice=choice,
                        modelled_us=costs[choice], costs=tuple(sorted(costs.items())))
 
@@ -267,7 +254,8 @@ def _two_level_layout(entries: Sequence[BucketEntry], counted: FlushPlan, costs:
                       regions: Sequence[Sequence[tuple[tuple[int, int], int, int, int]]], sizes: Sequence[int],
                       everyone: Sequence[tuple[int, int, int]], geo: TwoLevelGeometry) -> OwnerLayout:
     """The two-level flush (``two_level``): owner regions in their local rank's block, blocks cut into ``geo``'s
-    stages laid out ``[stage][local rank][slice]``, each block's tail zero-padded; the AllReduce region after them."""
+    stages (``TwoLevelGeometry``: ReduceScatter stages ``[stage][local rank][slice]``, the shorter blocks zero-padded
+    there, then the longer blocks' tails packed); the AllReduce region after them."""
     ranks_per_node = geo.ranks_per_node
     placed: dict[int, list[PlacedPiece]] = {e.param_id: [] for e in entries}
     positions = [0] * ranks_per_node  # where the next owner region starts in each block
@@ -281,20 +269,33 @@ def _two_level_layout(entries: Sequence[BucketEntry], counted: FlushPlan, costs:
         positions[local] = at
     collectives, ranges, padding = two_level_calls(sizes, geo)
     collectives, ranges = list(collectives), list(ranges)
-    offset = geo.span
+    all_elems = sum(p[2] for p in everyone)
+    if all_elems:
+        collectives.append(Collective(ALLREDUCE, geo.span, all_elems))
+    offset = _place_everyone(everyone, placed, ranges, geo.span)
+    return OwnerLayout(grads=_placed_grads(entries, placed), plan=replace(counted, ranges=tuple(ranges)),
+                       collectives=tuple(collectives), padding=padding, total=offset, choice=TWO_LEVEL,
+                       modelled_us=costs[TWO_LEVEL], costs=tuple(sorted(costs.items())), stages=geo.stages,
+                       ranks_per_node=ranks_per_node)
+
+
+def _place_everyone(everyone: Sequence[tuple[int, int, int]], placed: dict[int, list[PlacedPiece]],
+                    ranges: list[FlushRange], offset: int) -> int:
+    """Place the gradients that reach every rank back to back from ``offset`` (their range appended to ``ranges``);
+    return the offset after them."""
     all_elems = sum(p[2] for p in everyone)
     if all_elems:
         ranges.append(FlushRange(offset, all_elems, ALL))
-        collectives.append(Collective(ALLREDUCE, offset, all_elems))
-        for param_id, src_offset, length in everyone:
-            placed[param_id].append(PlacedPiece(param_id, src_offset, length, offset, ALL))
-            offset += length
-    out = tuple(PlacedGrad(e.param_id, e.numel, tuple(sorted(placed[e.param_id], key=lambda p: p.src_offset)))
-                for e in entries)
-    return OwnerLayout(grads=out, plan=replace(counted, ranges=tuple(ranges)), collectives=tuple(collectives),
-                       padding=padding, total=offset, choice=TWO_LEVEL, modelled_us=costs[TWO_LEVEL],
-                       costs=tuple(sorted(costs.items())), stages=geo.stages,
-                       ranks_per_node=ranks_per_node)
+    for param_id, src_offset, length in everyone:
+        placed[param_id].append(PlacedPiece(param_id, src_offset, length, offset, ALL))
+        offset += length
+    return offset
+
+
+def _placed_grads(entries: Sequence[BucketEntry], placed: dict[int, list[PlacedPiece]]) -> tuple[PlacedGrad, ...]:
+    """Every gradient of the flush with its pieces in source order."""
+    return tuple(PlacedGrad(e.param_id, e.numel, tuple(sorted(placed[e.param_id], key=lambda p: p.src_offset)))
+                 for e in entries)
 
 
 def _native_layout(entries: Sequence[BucketEntry], counted: FlushPlan, costs: dict[str, float]) -> OwnerLayout:
