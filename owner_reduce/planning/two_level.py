@@ -79,7 +79,8 @@ class TwoLevel:
         at most ``max_padding`` elements (None: any). Compared: every stage count of ``STAGE_COUNTS`` and, for each,
         every number of leading stages that run a node ReduceScatter (see Note (unequal blocks)); ties go to fewer
         stages, then to more ReduceScatter stages."""
-        lengths = tuple(sum(b) for b in rail_blocks(sizes, self.ranks_per_node))
+        blocks = rail_blocks(sizes, self.ranks_per_node)
+        lengths = tuple(sum(b) for b in blocks)
         longest = max(lengths, default=0)
         best: tuple[float, TwoLevelGeometry] | None = None
         tried = set()
@@ -89,7 +90,7 @@ class TwoLevel:
             if not stages or stages in tried:
                 continue
             tried.add(stages)
-            node_rs, node_tail, rail_us = self._stage_costs(sizes, lengths, width, stages, dtype_bytes)
+            node_rs, node_tail, rail_us = self._stage_costs(blocks, lengths, width, stages, dtype_bytes)
             for scattered in range(stages, -1, -1):
                 if max_padding is not None and sum(max(0, scattered * width - n) for n in lengths) > max_padding:
                     continue
@@ -101,8 +102,8 @@ class TwoLevel:
                     best = (rail_end, TwoLevelGeometry(self.ranks_per_node, stages, width, scattered, lengths))
         return best if best is not None else (0.0, TwoLevelGeometry(self.ranks_per_node, 0, 0, 0, lengths))
 
-    def _stage_costs(self, sizes: Sequence[int], lengths: Sequence[int], width: int, stages: int, dtype_bytes: int
-                     ) -> tuple[float, list[float], list[float]]:
+    def _stage_costs(self, blocks: Sequence[Sequence[int]], lengths: Sequence[int], width: int, stages: int,
+                     dtype_bytes: int) -> tuple[float, list[float], list[float]]:
         """Per stage of ``width``: the node ReduceScatter's time (the same in every stage), the node Reduces' time if
         the stage is a tail stage, and the slowest rail's grouped Reduces (the same either way)."""
         g = self.ranks_per_node
@@ -110,7 +111,7 @@ class TwoLevel:
         node_tail = [group_time_us([(REDUCE, _slice(n, stage, width) * dtype_bytes) for n in lengths
                                     if _slice(n, stage, width)], self.node) for stage in range(stages)]
         rail_us = [0.0] * stages
-        for block in rail_blocks(sizes, g):
+        for block in blocks:
             parts: list[list[tuple[str, int]]] = [[] for _ in range(stages)]
             for stage, _, count in _parts(block, width):
                 parts[stage].append((REDUCE, count * dtype_bytes))
