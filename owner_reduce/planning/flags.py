@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .wording import ranks_phrase
+
 SECTION = "compile"
 REDUCE_TO_OWNER = "reduce_to_owner"
 REDUCE_PROBE = "reduce_probe"
@@ -104,7 +106,7 @@ def describe_flag_disagreement(packed_by_rank: Sequence[int]) -> list[str]:
         for rank, packed in enumerate(packed_by_rank):
             ranks_by_value[bool(packed >> i & 1)].append(rank)
         if ranks_by_value[True] and ranks_by_value[False]:
-            parts = [f"{str(value).lower()} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+            parts = [f"{str(value).lower()} on {ranks_phrase(ranks)}"
                      for value, ranks in sorted(ranks_by_value.items(), key=lambda item: item[1][0])]
             sentences.append(f"{SECTION}.{key} differs across ranks: {', '.join(parts)}")
     return sentences

@@ -28,7 +28,7 @@ from ..planning.flush_choice import AUTO, FORCE_ENV_VAR, FORCE_VALUES, FlushCost
 from ..planning.measured import MEASURE_ENV_VAR, TRIAL_ROUNDS, format_measured_line, verdicts
 from ..planning.owner_map import OwnerMap, Placement
 from ..planning.two_level import TwoLevel, two_level_of
-from ..planning.wording import count_noun
+from ..planning.wording import count_noun, ranks_phrase
 from .accumulate import Accumulator
 from .buckets import DoubleBufferedBuckets
 from .comm import ReduceComm
@@ -454,12 +454,11 @@ class OwnerReduceRuntime:
             for r, row in enumerate(rows):
                 by_value.setdefault(row[6], []).append(r)
             problems.append("ranks per node (LOCAL_WORLD_SIZE) differ across ranks: "
-                            + "; ".join(f"{v if v > 0 else 'unknown'} on rank{'s' if len(rs) > 1 else ''} "
-                                        f"{', '.join(map(str, rs))}" for v, rs in sorted(by_value.items())))
+                            + "; ".join(f"{v if v > 0 else 'unknown'} on {ranks_phrase(rs)}"
+                                        for v, rs in sorted(by_value.items())))
         bad_ranks = [r for r, row in enumerate(rows) if row[5]]
         if bad_ranks:
-            problems.append(f"the owner map contradicts the optimizer on rank{'s' if len(bad_ranks) > 1 else ''} "
-                            f"{', '.join(map(str, bad_ranks))}"
+            problems.append(f"the owner map contradicts the optimizer on {ranks_phrase(bad_ranks)}"
                             + (f": {list(self.settings.map_problems)[:3]}" if self.settings.map_problems else ""))
         if problems:
             raise OwnerReduceMismatchError(f"owner_reduce on rank {self.comm.rank}: refusing to start: "
