@@ -113,6 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cluster.add_argument("--ranks-per-node", type=int, default=8, help="GPUs (ranks) per node (default 8)")
     cluster.add_argument("--gpu-generation", choices=("hopper", "ampere"), default="hopper",
                          help="NCCL's tuning constants for this generation (default hopper)")
+    cluster.add_argument("--nvlinks", type=int, default=None, metavar="N",
+                         help="NVLinks per GPU (default: the generation's: 18 on Hopper, 12 on Ampere as the A100 "
+                              "SXM; the A800 has 8)")
     cluster.add_argument("--no-nvls", dest="nvls", action="store_false",
                          help="no NVSwitch multicast: native's AllReduce without NVLS / NVLS_TREE (any Ampere "
                               "cluster; Hopper without NVLS)")
@@ -143,6 +146,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--world-size must be at least 1")
     if args.ranks_per_node < 1:
         parser.error("--ranks-per-node must be at least 1")
+    if args.nvlinks is not None and args.nvlinks < 1:
+        parser.error(f"--nvlinks must be at least 1, got {args.nvlinks}")
     if args.gpu_generation != "hopper" and args.nvls:
         args.nvls = False  # NVLS exists from Hopper on (search.cc): Ampere has none to turn off
     tied = True if args.tied_head else False if args.untied_head else None
@@ -174,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"size_the_win.py: error: --calibration {args.calibration}: {exc}", file=sys.stderr)
             return 2
     cluster = Cluster(args.ranks_per_node, args.gpu_generation, args.nvls, calibration=calibration,
-                      rail_same_channels=args.rail_same_channels)
+                      rail_same_channels=args.rail_same_channels, nvlinks=args.nvlinks)
     sensitivity = HANDOFF_SENSITIVITY if args.handoff_sensitivity else ()
     sizer = size_model if len(args.world_size) == 1 else size_in_subprocess
     with _stdout_to_stderr():

@@ -368,6 +368,33 @@ def test_alpha_beta_model_reproduces_nccl_formulas():
         ct.topology_for(12)
 
 
+def test_ring_graphs_follow_nccls_search_per_generation_and_nvlinks():
+    """search.cc: the intra-node ring starts at the fastest speed the NVLinks carry and fits as many rings as they
+    hold, then ncclTopoDupChannels; across nodes one channel per NIC at 48 GB/s where (G - 1) x 48 fits a GPU's
+    NVLinks, else as many as fit, stopping once the total reaches the NVLinks'."""
+    from owner_reduce.planning import collective_time as ct
+
+    assert ct.ring_channels(18 * 20.6, "hopper") == (12, 30.0)  # 6 x 60, duplicated
+    assert ct.ring_channels(12 * 20.0, "ampere") == (12, 20.0)  # A100: 6 x 40, duplicated
+    assert ct.ring_channels(8 * 20.0, "ampere") == (8, 20.0)  # A800: 4 x 40, duplicated
+    assert ct.network_channels(18 * 20.6, 8, 48.0, "hopper") == (8, 48.0)  # 7 x 48 <= 370.8; not duplicated
+    assert ct.network_channels(12 * 20.0, 8, 48.0, "ampere") == (10, 24.0)  # 5 x 48 = 240 (the NVLinks), duplicated
+    assert ct.network_channels(8 * 20.0, 8, 48.0, "ampere") == (8, 20.0)  # 3 x 48, 5 x 30, 6 x 24 < 8 x 20 = 160
+    assert ct.network_channels(18 * 20.6, 8, 24.0, "hopper") == (8, 24.0)  # a 200 Gb/s NIC per GPU
+    # The default Hopper cluster is what it was; Ampere's NVLinks bound its ring; the A800 node keeps its 8 x 20.
+    assert ct.topology_of(64, 8).bus_bw == 8 * 48.0
+    a100 = ct.topology_of(64, 8, "ampere", nvls=False)
+    assert (a100.channels, a100.bw_inter, a100.bus_bw, a100.n_comm_channels) == (10, 24.0, 240.0, 20)
+    a800 = ct.topology_of(64, 8, "ampere", nvls=False, links=8)
+    assert (a800.channels, a800.bus_bw, ct.nvlinks_of(a800)) == (8, 160.0, 8)
+    assert (ct.A800_NODE.channels, ct.A800_NODE.bus_bw) == (8, 160.0)
+    assert ct.nvlink_node(8, generation="ampere").bus_bw == 240.0
+    # The two-level flush's node is the cluster's node.
+    from owner_reduce.planning.two_level import two_level_of
+
+    assert two_level_of(a800, 8).node.bus_bw == 160.0 and two_level_of(a100, 8).node.bus_bw == 240.0
+
+
 @pytest.mark.timeout(30)
 def test_published_check_shape():
     check = published_check(_map())

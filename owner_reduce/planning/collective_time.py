@@ -77,8 +77,14 @@ RING_PLATEAU = 1.4  # tuning.cc 647-649: multi-node ring/Simple AllReduce latenc
 MAX_DEV_WORK_BATCH_COLLS = 8  # device.h 389-390: 1024 bytes / sizeof(ncclDevWorkColl)
 SM80_NVLINK_BW = 20.0  # topo.h, GB/s per NVLink (A100/A800)
 SM90_NVLINK_BW = 20.6  # topo.h, GB/s per NVLink (H100)
-SM90_SPEED_INTRA = (60.0, 50.0, 40.0, 30.0, 24.0, 20.0, 15.0, 12.0, 11.0, 6.0, 3.0)  # search.cc 1057
-SM90_MAX_INTER_SPEED = 48.0  # search.cc 1058 sm90SpeedArrayInter[0], GB/s per channel across nodes
+SM90_SPEED_INTRA = (60.0, 50.0, 40.0, 30.0, 24.0, 20.0, 15.0, 12.0, 11.0, 6.0, 3.0)  # search.cc 1056
+SM90_SPEED_INTER = (48.0, 45.0, 42.0, 40.0, 30.0, 24.0, 22.0, 20.0, 17.5, 15.0, 12.0, 6.0, 3.0, 2.4, 1.2, 0.24,
+                    0.12)  # search.cc 1057-1058
+SPEED_INTRA = (40.0, 30.0, 20.0, 18.0, 15.0, 12.0, 10.0, 9.0, 7.0, 6.0, 5.0, 4.0, 3.0)  # search.cc 1050 (sm_8x)
+SPEED_INTER = (48.0, 30.0, 28.0, 24.0, 20.0, 18.0, 15.0, 12.0, 10.0, 9.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.4, 1.2, 0.24,
+               0.12)  # search.cc 1051-1052
+SM90_MAX_INTER_SPEED = SM90_SPEED_INTER[0]  # GB/s per channel across nodes
+NVLINKS = {"hopper": 18, "ampere": 12}  # NVLinks per GPU: H100/H200 SXM, A100 SXM (the A800 has 8)
 NIC_BW = 48.0  # GB/s: one 400 Gb/s NIC per GPU, as NCCL rates it (the inter-node speed it starts its search at)
 
 P2P_MAX_PER_BATCH = 8  # device.h 391 NCCL_MAX_DEV_WORK_P2P_PER_BATCH: p2p operations one channel runs at once
@@ -132,14 +138,24 @@ class Topology:
         return self.comm_channels or min(MAX_CHANNELS, 2 * self.channels)
 
 
-def nvlink_node(gpus: int = 8, *, generation: str = "hopper", links: int = 18, channels: int | None = None,
+def nvlinks_of(topo: Topology) -> int | None:
+    """The NVLinks per GPU ``topo`` was made with (None: none recorded)."""
+    per_link = SM90_NVLINK_BW if topo.generation == "hopper" else SM80_NVLINK_BW
+    return round(topo.nvlink_bw / per_link) if topo.nvlink_bw else None
+
+
+def nvlink_node(gpus: int = 8, *, generation: str = "hopper", links: int | None = None, channels: int | None = None,
                 nvls: bool | None = None) -> Topology:
-    """One node of ``gpus`` GPUs on NVSwitch. Hopper: 6 rings at 60 GB/s duplicated into 12 at 30 (see the module
-    docstring); other generations: ``channels`` rings sharing the NVLinks. NVLS on Hopper unless told otherwise."""
+    """One node of ``gpus`` GPUs on NVSwitch, ``links`` NVLinks per GPU (default: 18 on Hopper, H100/H200; 12 on
+    Ampere, A100 SXM; the A800 has 8). The ring graph as ``ring_channels`` finds it (Hopper: 6 rings at 60 GB/s
+    duplicated into 12 at 30; A100: 6 at 40 into 12 at 20), unless ``channels`` says. NVLS on Hopper unless told
+    otherwise."""
     per_link = SM90_NVLINK_BW if generation == "hopper" else SM80_NVLINK_BW
+    if links is None:
+        links = NVLINKS[generation]
     nvlink = links * per_link
     if channels is None:
-        channels = 12 if generation == "hopper" else 8
+        channels = ring_channels(nvlink, generation)[0]
     nvls = generation == "hopper" if nvls is None else nvls
     heads = gpus
     total = nvlink * heads / max(heads - 1, 1)  # search.cc 1151: non-ring patterns inflate totalBw by n / (n - 1)
@@ -151,16 +167,62 @@ def nvlink_node(gpus: int = 8, *, generation: str = "hopper", links: int = 18, c
                     nvlink_bw=nvlink)
 
 
-def network(nodes: int, gpus_per_node: int = 8, *, channels: int = 8, nvls: bool = True,
-            generation: str = "hopper") -> Topology:
-    """``nodes`` NVLink nodes of ``gpus_per_node`` GPUs over a network, one 400 Gb/s NIC per GPU: ``channels``
-    rings at search.cc's fastest inter-node speed per channel; NVLS_TREE for AllReduce when ``nvls``."""
-    intra = nvlink_node(gpus_per_node, generation=generation)
+def ring_channels(nvlink: float, generation: str) -> tuple[int, float]:
+    """(channels, GB/s each) of NCCL's ring graph inside one NVSwitch node whose GPUs have ``nvlink`` GB/s of
+    NVLinks: the search starts at the fastest speed a GPU's NVLinks carry (search.cc 1160-1168: ``sm90SpeedArrayIntra``
+    on Hopper, ``speedArrayIntra`` below, 1050-1057) and fits as many rings as they hold (a ring through the switch
+    takes its speed from every GPU's links once), then ``ncclTopoDupChannels`` (search.cc 1036-1049) doubles them when
+    a ring carries 25 GB/s or more, except on sm_90+ below 50 GB/s with more than 4 rings."""
+    speeds = SM90_SPEED_INTRA if generation == "hopper" else SPEED_INTRA
+    speed = next((s for s in speeds if s <= nvlink), speeds[-1])
+    rings = max(1, int(nvlink // speed))
+    return _dup_channels(rings, speed, generation)
+
+
+def network_channels(nvlink: float, gpus_per_node: int, nic_bw: float, generation: str) -> tuple[int, float]:
+    """(channels, GB/s each) of NCCL's ring graph across nodes of ``gpus_per_node`` GPUs (``nvlink`` GB/s of NVLinks
+    each, one NIC of ``nic_bw`` per GPU). A channel enters a node at one NIC, passes every GPU through the switch and
+    leaves at another NIC, taking its speed from the links of every GPU but the last. The search (search.cc 1160-1245)
+    starts at the fastest inter-node speed a NIC carries (``sm90SpeedArrayInter`` / ``speedArrayInter``, 1050-1058),
+    fits as many channels as the NICs and NVLinks hold (one per NIC; ``G`` channels need ``(G - 1) x speed`` of a
+    GPU's links, fewer need ``channels x speed``), stops once channels x speed reaches the GPU's total NVLink bandwidth
+    (``system->totalBw``, search.cc 30-38 and 1192), else tries the next lower speed while it is above 0.49x the best
+    found so far, keeping the best total; then ``ncclTopoDupChannels``. Hopper, 18 NVLinks: 8 x 48 GB/s, not
+    duplicated; A100, 12 NVLinks: 5 x 48, duplicated into 10 x 24 (the NVLinks, 240 GB/s, bound the ring)."""
+    speeds = SM90_SPEED_INTER if generation == "hopper" else SPEED_INTER
+    g = gpus_per_node
+    best = (0, 0.0)
+    for speed in (s for s in speeds if s <= nic_bw):
+        if best[0] and speed / best[1] <= 0.49:
+            break
+        fits = g if (g - 1) * speed <= nvlink else min(g - 1, int(nvlink // speed))
+        if fits * speed > best[0] * best[1]:
+            best = (fits, speed)
+        if best[0] * best[1] >= nvlink:
+            break
+    if not best[0]:
+        raise ValueError(f"no ring fits NVLinks of {nvlink:g} GB/s and NICs of {nic_bw:g} GB/s")
+    return _dup_channels(best[0], best[1], generation)
+
+
+def _dup_channels(channels: int, speed: float, generation: str) -> tuple[int, float]:
+    """search.cc 1036-1049 ``ncclTopoDupChannels`` (maxChannels is not reached here)."""
+    if speed < 25.0 or (generation == "hopper" and speed < 50.0 and channels > 4):
+        return channels, speed
+    return 2 * channels, speed / 2
+
+
+def network(nodes: int, gpus_per_node: int = 8, *, nvls: bool = True, generation: str = "hopper",
+            links: int | None = None) -> Topology:
+    """``nodes`` NVLink nodes of ``gpus_per_node`` GPUs over a network, one 400 Gb/s NIC per GPU: the ring graph's
+    channels as ``network_channels`` finds them (Hopper: 8 at 48 GB/s); NVLS_TREE for AllReduce when ``nvls``."""
+    intra = nvlink_node(gpus_per_node, generation=generation, links=links)
     nvls = nvls and generation == "hopper" and gpus_per_node > 1
-    return Topology(name=f"{nodes} nodes x {gpus_per_node} GPUs, network ({channels} x {SM90_MAX_INTER_SPEED:g} GB/s"
+    channels, per_channel = network_channels(intra.nvlink_bw, gpus_per_node, NIC_BW, generation)
+    return Topology(name=f"{nodes} nodes x {gpus_per_node} GPUs, network ({channels} x {per_channel:g} GB/s"
                          f"{', NVLS_TREE' if nvls else ', no NVLS'})",
                     gpus_per_node=gpus_per_node, nodes=nodes, channels=channels,
-                    bw_intra=intra.bus_bw / channels, bw_inter=SM90_MAX_INTER_SPEED, generation=generation,
+                    bw_intra=intra.bus_bw / channels, bw_inter=per_channel, generation=generation,
                     nvls=nvls, nvls_channels=gpus_per_node, nvls_bw=SM90_MAX_INTER_SPEED,
                     nvlink_bw=intra.nvlink_bw)
 
@@ -186,7 +248,7 @@ def rail(nodes: int, *, generation: str = "hopper", same_channels: bool = True) 
                     nvls_channels=0, nvls_bw=0.0, nvlink_bw=0.0)
 
 
-A800_NODE = nvlink_node(8, generation="ampere", links=8, channels=8)  # the published measurement's machine
+A800_NODE = nvlink_node(8, generation="ampere", links=8)  # the published measurement's machine: 8 x 20 GB/s
 
 
 def named_topology(world_size: int, *, nvls: bool = True) -> Topology | None:
@@ -203,17 +265,19 @@ def topology_for(world_size: int) -> Topology:
     return topology_of(world_size, 8)
 
 
-def topology_of(world_size: int, gpus_per_node: int, generation: str = "hopper", *, nvls: bool = True) -> Topology:
+def topology_of(world_size: int, gpus_per_node: int, generation: str = "hopper", *, nvls: bool = True,
+                links: int | None = None) -> Topology:
     """The topology for ``world_size`` ranks with ``gpus_per_node`` on each node: one NVLink node when they all fit,
     else nodes over a network. A world size that is not a whole number of nodes keeps ``gpus_per_node`` per node
-    and rounds the node count up (NCCL's model sees the node count and ranks; the last node is partly filled)."""
+    and rounds the node count up (NCCL's model sees the node count and ranks; the last node is partly filled).
+    ``links``: NVLinks per GPU (default: the generation's, ``NVLINKS``)."""
     if world_size < 1 or gpus_per_node < 1:
         raise ValueError(f"world size {world_size} and GPUs per node {gpus_per_node} must be at least 1")
     nvls = nvls and generation == "hopper"
     if world_size <= gpus_per_node:
-        return nvlink_node(world_size, generation=generation, nvls=nvls)
+        return nvlink_node(world_size, generation=generation, nvls=nvls, links=links)
     nodes = -(-world_size // gpus_per_node)
-    topo = network(nodes, gpus_per_node, nvls=nvls, generation=generation)
+    topo = network(nodes, gpus_per_node, nvls=nvls, generation=generation, links=links)
     if nodes * gpus_per_node != world_size:
         topo = _partial(topo, world_size)
     return topo

@@ -60,19 +60,22 @@ class Cluster:
     calibration: CallTimes | None = None
     rail_same_channels: bool = True  # False: a rail Reduce pays a hop per rank (``collective_time.rail``)
     two_level: bool = True  # the two-level flush is a candidate where the ranks form whole nodes
+    nvlinks: int | None = None  # NVLinks per GPU (None: the generation's, ``collective_time.NVLINKS``)
 
     def __post_init__(self) -> None:
         if self.ranks_per_node < 1:
             raise ValueError(f"ranks per node must be at least 1, got {self.ranks_per_node}")
         if self.nvls and self.generation != "hopper":
             raise ValueError(f"NVLS needs Hopper or later; GPU generation {self.generation!r} has none (--no-nvls)")
+        if self.nvlinks is not None and self.nvlinks < 1:
+            raise ValueError(f"NVLinks per GPU must be at least 1, got {self.nvlinks}")
 
     def topology(self, world_size: int) -> Topology | None:
         """NCCL's model of ``world_size`` ranks on this cluster (None for one rank: nothing to cost). Any world
         size works: a last node partly filled is modelled as such (``collective_time.topology_of``)."""
         if world_size <= 1:
             return None
-        return topology_of(world_size, self.ranks_per_node, self.generation, nvls=self.nvls)
+        return topology_of(world_size, self.ranks_per_node, self.generation, nvls=self.nvls, links=self.nvlinks)
 
     def cost(self, world_size: int, dtype_bytes: int) -> FlushCost:
         topology = self.topology(world_size)

@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .collective_time import REDUCE, REDUCE_SCATTER, Topology, group_time_us, nvlink_node, rail
+from .collective_time import REDUCE, REDUCE_SCATTER, Topology, group_time_us, nvlink_node, nvlinks_of, rail
 from .collectives import NODE, RAIL, Collective
 from .flush_plan import ALL, FlushRange
 
@@ -132,7 +132,7 @@ def two_level_of(topology: Topology | None, ranks_per_node: int, *, rail_same_ch
         return None
     nodes = n // ranks_per_node
     return TwoLevel(ranks_per_node, nodes, nvlink_node(ranks_per_node, generation=topology.generation,
-                                                       nvls=topology.nvls),
+                                                       nvls=topology.nvls, links=nvlinks_of(topology)),
                     rail(nodes, generation=topology.generation, same_channels=rail_same_channels))
 
 
