@@ -77,12 +77,12 @@ RING_PLATEAU = 1.4  # tuning.cc 647-649: multi-node ring/Simple AllReduce latenc
 MAX_DEV_WORK_BATCH_COLLS = 8  # device.h 389-390: 1024 bytes / sizeof(ncclDevWorkColl)
 SM80_NVLINK_BW = 20.0  # topo.h, GB/s per NVLink (A100/A800)
 SM90_NVLINK_BW = 20.6  # topo.h, GB/s per NVLink (H100)
-SM90_SPEED_INTRA = (60.0, 50.0, 40.0, 30.0, 24.0, 20.0, 15.0, 12.0, 11.0, 6.0, 3.0)  # search.cc 1056
+SM90_SPEED_INTRA = (60.0, 50.0, 40.0, 30.0, 24.0, 20.0, 15.0, 12.0, 11.0, 6.0, 3.0)  # search.cc 1057
 SM90_SPEED_INTER = (48.0, 45.0, 42.0, 40.0, 30.0, 24.0, 22.0, 20.0, 17.5, 15.0, 12.0, 6.0, 3.0, 2.4, 1.2, 0.24,
-                    0.12)  # search.cc 1057-1058
-SPEED_INTRA = (40.0, 30.0, 20.0, 18.0, 15.0, 12.0, 10.0, 9.0, 7.0, 6.0, 5.0, 4.0, 3.0)  # search.cc 1050 (sm_8x)
+                    0.12)  # search.cc 1058-1059
+SPEED_INTRA = (40.0, 30.0, 20.0, 18.0, 15.0, 12.0, 10.0, 9.0, 7.0, 6.0, 5.0, 4.0, 3.0)  # search.cc 1051 (below sm_90)
 SPEED_INTER = (48.0, 30.0, 28.0, 24.0, 20.0, 18.0, 15.0, 12.0, 10.0, 9.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.4, 1.2, 0.24,
-               0.12)  # search.cc 1051-1052
+               0.12)  # search.cc 1052-1053
 SM90_MAX_INTER_SPEED = SM90_SPEED_INTER[0]  # GB/s per channel across nodes
 NVLINKS = {"hopper": 18, "ampere": 12}  # NVLinks per GPU: H100/H200 SXM, A100 SXM (the A800 has 8)
 NIC_BW = 48.0  # GB/s: one 400 Gb/s NIC per GPU, as NCCL rates it (the inter-node speed it starts its search at)
@@ -170,7 +170,7 @@ def nvlink_node(gpus: int = 8, *, generation: str = "hopper", links: int | None 
 def ring_channels(nvlink: float, generation: str) -> tuple[int, float]:
     """(channels, GB/s each) of NCCL's ring graph inside one NVSwitch node whose GPUs have ``nvlink`` GB/s of
     NVLinks: the search starts at the fastest speed a GPU's NVLinks carry (search.cc 1160-1168: ``sm90SpeedArrayIntra``
-    on Hopper, ``speedArrayIntra`` below, 1050-1057) and fits as many rings as they hold (a ring through the switch
+    on Hopper, ``speedArrayIntra`` below, 1051-1057) and fits as many rings as they hold (a ring through the switch
     takes its speed from every GPU's links once), then ``ncclTopoDupChannels`` (search.cc 1036-1049) doubles them when
     a ring carries 25 GB/s or more, except on sm_90+ below 50 GB/s with more than 4 rings."""
     speeds = SM90_SPEED_INTRA if generation == "hopper" else SPEED_INTRA
@@ -182,13 +182,15 @@ def ring_channels(nvlink: float, generation: str) -> tuple[int, float]:
 def network_channels(nvlink: float, gpus_per_node: int, nic_bw: float, generation: str) -> tuple[int, float]:
     """(channels, GB/s each) of NCCL's ring graph across nodes of ``gpus_per_node`` GPUs (``nvlink`` GB/s of NVLinks
     each, one NIC of ``nic_bw`` per GPU). A channel enters a node at one NIC, passes every GPU through the switch and
-    leaves at another NIC, taking its speed from the links of every GPU but the last. The search (search.cc 1160-1245)
-    starts at the fastest inter-node speed a NIC carries (``sm90SpeedArrayInter`` / ``speedArrayInter``, 1050-1058),
-    fits as many channels as the NICs and NVLinks hold (one per NIC; ``G`` channels need ``(G - 1) x speed`` of a
-    GPU's links, fewer need ``channels x speed``), stops once channels x speed reaches the GPU's total NVLink bandwidth
-    (``system->totalBw``, search.cc 30-38 and 1192), else tries the next lower speed while it is above 0.49x the best
-    found so far, keeping the best total; then ``ncclTopoDupChannels``. Hopper, 18 NVLinks: 8 x 48 GB/s, not
-    duplicated; A100, 12 NVLinks: 5 x 48, duplicated into 10 x 24 (the NVLinks, 240 GB/s, bound the ring)."""
+    leaves at another NIC, taking its speed from the links of every GPU but the last. The search (search.cc
+    1160-1258) starts at the fastest inter-node speed a NIC carries (``sm90SpeedArrayInter`` / ``speedArrayInter``,
+    1052-1059) and fits as many channels as the NICs and NVLinks hold: ``G`` channels (one per NIC) need
+    ``(G - 1) x speed`` of a GPU's links, fewer need ``channels x speed``. It stops once channels x speed reaches the
+    GPU's total NVLink bandwidth (``system->totalBw``, search.cc 30-38 and 1198), else tries the next lower speed
+    while it is above 0.49x the best found (1245-1248), keeping the best total; then ``ncclTopoDupChannels`` (1258).
+    Hopper, 18 NVLinks: 8 x 48 GB/s, not duplicated; A100, 12 NVLinks: 5 x 48 (the NVLinks' 240 GB/s bound the
+    ring), duplicated into 10 x 24; A800, 8 NVLinks: 8 x 20. Simplified: one channel per NIC (the search stops at the
+    NVLinks' total before a NIC would carry two here), no PXN, no cross-NIC rings."""
     speeds = SM90_SPEED_INTER if generation == "hopper" else SPEED_INTER
     g = gpus_per_node
     best = (0, 0.0)
