@@ -180,6 +180,13 @@ def test_agreed_topology_from_every_ranks_facts():
     assert agreed_topology(4, [1] * 4, [0] * 4).nodes == 4  # one rank per node
     odd = agreed_topology(12, [8] * 12, [9] * 12)  # 12 ranks are not whole nodes of 8: the last node part-filled
     assert (odd.nodes, odd.gpus_per_node, odd.ranks) == (2, 8, 12)
+    # NVLinks: the generation's unless a rank reports fewer; the fewest reported bounds every ring.
+    assert ct.nvlinks_of(agreed_topology(64, [8] * 64, [9] * 64)) == 18
+    assert ct.nvlinks_of(agreed_topology(64, [8] * 64, [8] * 64, [0] * 64)) == 12
+    h800 = agreed_topology(64, [8] * 64, [9] * 64, [0] * 32 + [8] * 32)
+    assert ct.nvlinks_of(h800) == 8 and h800.bus_bw < agreed_topology(64, [8] * 64, [9] * 64).bus_bw
+    a800 = agreed_topology(8, [8] * 8, [8] * 8, [8] * 8)
+    assert (a800.bus_bw, a800.channels) == (ct.A800_NODE.bus_bw, ct.A800_NODE.channels)
 
 
 def test_p2p_round_costs_latency_per_wave_and_the_busiest_ranks_bytes():

@@ -331,3 +331,43 @@ def test_a_steady_state_step_allocates_nothing(grad_accum):
     step(2.0)
     assert _allocated_bytes(lambda: step(3.0)) == 0
     assert _kept_matches(rt, _grads(3.0 * grad_accum))
+
+
+def test_nvlinks_from_the_device_name(monkeypatch):
+    from owner_reduce.runtime import topology
+
+    assert topology.nvlinks_of_name("NVIDIA A800-SXM4-80GB") == 8
+    assert topology.nvlinks_of_name("NVIDIA H800") == 8
+    assert topology.nvlinks_of_name("NVIDIA H100 80GB HBM3") == 0  # the generation's
+    assert topology.nvlinks_of_name("NVIDIA A100-SXM4-40GB") == 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert topology.nvlinks() == 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A800-SXM4-80GB")
+    assert topology.nvlinks() == 8
+
+
+@pytest.mark.timeout(60)
+def test_a800_ranks_are_modelled_with_their_eight_nvlinks(monkeypatch):
+    """Every rank's GPU an A800 (sm_80, 8 NVLinks): the agreed topology is Ampere's with 8 links, and the schedule line
+    names it; the same ranks without the name fact are modelled as A100s (12 links)."""
+    from fakes import flat_map, mirror_runtime
+
+    from owner_reduce.runtime import handle
+
+    monkeypatch.setattr(handle, "sm_major", lambda device=None: 8)
+    names = {}
+    for links in (8, 0):
+        monkeypatch.setattr(handle, "nvlinks", lambda device=None, links=links: links)
+        m = flat_map([50_000] * 8, 4)
+        rt, _ = mirror_runtime(m, rank=0)
+        names[links] = rt.flusher.cost.topology.name
+        for _ in range(2):
+            rt.start_backward(True)
+            for p in reversed(list(m)):
+                rt.reduce_grad(torch.ones(p.numel), 11, p.param_id)
+            rt.end_backward(11, False)
+        assert names[links] in rt.stats.schedule_lines[0], rt.stats.schedule_lines
+    assert names == {8: "4-GPU NVLink node (ampere, 8 links x 20 GB/s)",
+                     0: "4-GPU NVLink node (ampere, 12 links x 20 GB/s)"}
+

@@ -133,10 +133,12 @@ class FlushCost:
         return self if dtype_bytes == self.dtype_bytes else replace(self, dtype_bytes=dtype_bytes)
 
 
-def agreed_topology(world_size: int, ranks_per_node: Sequence[int], sm_majors: Sequence[int]) -> Topology | None:
+def agreed_topology(world_size: int, ranks_per_node: Sequence[int], sm_majors: Sequence[int],
+                    nvlinks: Sequence[int] = ()) -> Topology | None:
     """The topology every rank models, from every rank's facts (the same lists everywhere, so the same result):
     ranks per node the largest any rank reported (0: unknown; all unknown: one node), Ampere constants when every
-    GPU is sm_8x, Hopper's otherwise (also on CPU). None for one rank: nothing to cost.
+    GPU is sm_8x, Hopper's otherwise (also on CPU), NVLinks per GPU the fewest any rank reported (0: the generation's;
+    the slowest node bounds every ring). None for one rank: nothing to cost.
 
     Hopper is modelled with NVSwitch multicast (NVLS / NVLS_TREE for native's AllReduces): the faster native is
     assumed, so the model picks the owner path only where it beats the strongest baseline; a cluster without
@@ -146,7 +148,8 @@ def agreed_topology(world_size: int, ranks_per_node: Sequence[int], sm_majors: S
     known = [r for r in ranks_per_node if r > 0]
     per_node = min(max(known), world_size) if known else world_size
     generation = "ampere" if sm_majors and all(m == 8 for m in sm_majors) else "hopper"
-    return topology_of(world_size, per_node, generation)
+    links = min((n for n in nvlinks if n > 0), default=None)
+    return topology_of(world_size, per_node, generation, links=links)
 
 
 def choose(costs: Mapping[str, float], force: str = AUTO) -> str:

@@ -37,13 +37,13 @@ from .flush import Flusher, Levels, Param
 from .placement import GradPlacer
 from .schedule import Schedule
 from .stats import FlushRecord, RuntimeStats, emit
-from .topology import host_digest, local_rank, ranks_per_node, sm_major
+from .topology import host_digest, local_rank, nvlinks, ranks_per_node, sm_major
 from .trial import Trial
 
 __all__ = ["FlushRecord", "OwnerReduceMismatchError", "OwnerReduceRuntime", "RuntimeSettings", "RuntimeStats",
            "emit"]
 
-_AGREEMENT_PROTOCOL = 4
+_AGREEMENT_PROTOCOL = 5
 SCHEDULE_PREFIX = "[dc-schedule][r0]"  # rank 0's line when a graph's owner-ordered schedule is learned
 
 
@@ -417,8 +417,8 @@ class OwnerReduceRuntime:
     # ---- agreement across ranks --------------------------------------------------------------------------
 
     def _check_agreement(self, bucket_size: int) -> tuple[FlushCost, list[tuple[int, int]]]:
-        """One all_gather of eight integers; every rank raises on any mismatch, so no rank is left hanging. Returns
-        the flush cost model every rank derives from the same gathered facts."""
+        """One all_gather of thirteen integers (the facts below); every rank raises on any mismatch, so no rank is
+        left hanging. Returns the flush cost model every rank derives from the same gathered facts."""
         flags = self.settings.flags
         calibration = self.settings.calibration
         if calibration is not None:
@@ -426,7 +426,7 @@ class OwnerReduceRuntime:
         mine = [_AGREEMENT_PROTOCOL, pack_flags(flags), bucket_size,
                 int(self.settings.owner_map.digest()[:15], 16), FORCE_VALUES.index(self.settings.flush_algo),
                 len(self.settings.map_problems), ranks_per_node(), sm_major(), int(self.settings.measure),
-                int(calibration.digest(), 16) if calibration is not None else 0, local_rank(), host_digest()]
+                int(calibration.digest(), 16) if calibration is not None else 0, local_rank(), host_digest(), nvlinks()]
         rows = self.comm.all_gather_ints(mine)
         names = ("protocol", "flags", "reduce_bucket_size", "owner map digest", FORCE_ENV_VAR)
         problems = []
@@ -463,7 +463,8 @@ class OwnerReduceRuntime:
         if problems:
             raise OwnerReduceMismatchError(f"owner_reduce on rank {self.comm.rank}: refusing to start: "
                                            + "; ".join(problems))
-        topology = agreed_topology(self.comm.world_size, [row[6] for row in rows], [row[7] for row in rows])
+        topology = agreed_topology(self.comm.world_size, [row[6] for row in rows], [row[7] for row in rows],
+                                   [row[12] for row in rows])
         if calibration is not None and topology is not None and self.comm.rank == 0:
             for line in format_fits(calibration):
                 emit(line)

@@ -1,4 +1,5 @@
-"""What this rank knows about where it runs, for the flush cost model: ranks per node and the GPU generation.
+"""What this rank knows about where it runs, for the flush cost model: ranks per node, the GPU generation and its
+NVLinks.
 
 Why each rank reports and all agree: the per-flush algorithm must be the same on every rank (NCCL needs the same
 calls everywhere), so the model's topology is derived from every rank's facts, gathered once at init with the
@@ -32,6 +33,26 @@ def sm_major(device: torch.device | None = None) -> int:
     if not torch.cuda.is_available():
         return 0
     return int(torch.cuda.get_device_capability(device)[0])
+
+
+# GPUs whose NVLinks were cut from their generation's (export variants; NVSwitch nodes): name part -> NVLinks per GPU.
+# Every other GPU is modelled with its generation's (``collective_time.NVLINKS``: H100/H200/H20 18, A100 12).
+CUT_NVLINKS = {"A800": 8, "H800": 8}
+
+
+def nvlinks(device: torch.device | None = None) -> int:
+    """NVLinks per GPU of this rank's GPU where its name says they differ from its generation's (A800, H800: 8), else
+    0 (the generation's). Why from the name: NCCL reads the links through NVML, which neither torch nor cupy wraps;
+    the export variants are the GPUs whose count differs within a generation."""
+    if not torch.cuda.is_available():
+        return 0
+    return nvlinks_of_name(torch.cuda.get_device_name(device))
+
+
+def nvlinks_of_name(name: str) -> int:
+    """``nvlinks`` for a device name such as ``NVIDIA A800-SXM4-80GB`` (0: the generation's)."""
+    upper = name.upper()
+    return next((links for part, links in CUT_NVLINKS.items() if part in upper), 0)
 
 
 def local_rank(environ: dict[str, str] | None = None) -> int:
