@@ -381,6 +381,9 @@ def test_ring_graphs_follow_nccls_search_per_generation_and_nvlinks():
     assert ct.network_channels(12 * 20.0, 8, 48.0, "ampere") == (10, 24.0)  # 5 x 48 = 240 (the NVLinks), duplicated
     assert ct.network_channels(8 * 20.0, 8, 48.0, "ampere") == (8, 20.0)  # 3 x 48, 5 x 30, 6 x 24 < 8 x 20 = 160
     assert ct.network_channels(18 * 20.6, 8, 24.0, "hopper") == (8, 24.0)  # a 200 Gb/s NIC per GPU
+    assert ct.network_channels(8 * 20.6, 8, 48.0, "hopper") == (8, 22.0)  # H800: 3 x 48, 4 x 40, then 8 x 22
+    # NVLS_TREE's heads across nodes fit the NVLinks too (search.cc 1151, 1160-1168): 48 GB/s on an H100, 22 on an H800.
+    assert (ct.topology_of(64, 8).nvls_bw, ct.topology_of(64, 8, links=8).nvls_bw) == (48.0, 22.0)
     # The default Hopper cluster is what it was; Ampere's NVLinks bound its ring; the A800 node keeps its 8 x 20.
     assert ct.topology_of(64, 8).bus_bw == 8 * 48.0
     a100 = ct.topology_of(64, 8, "ampere", nvls=False)

@@ -189,8 +189,8 @@ def network_channels(nvlink: float, gpus_per_node: int, nic_bw: float, generatio
     GPU's total NVLink bandwidth (``system->totalBw``, search.cc 30-38 and 1198), else tries the next lower speed
     while it is above 0.49x the best found (1245-1248), keeping the best total; then ``ncclTopoDupChannels`` (1258).
     Hopper, 18 NVLinks: 8 x 48 GB/s, not duplicated; A100, 12 NVLinks: 5 x 48 (the NVLinks' 240 GB/s bound the
-    ring), duplicated into 10 x 24; A800, 8 NVLinks: 8 x 20. Simplified: one channel per NIC (the search stops at the
-    NVLinks' total before a NIC would carry two here), no PXN, no cross-NIC rings."""
+    ring), duplicated into 10 x 24; A800, 8 NVLinks: 8 x 20; H800, 8 NVLinks: 8 x 22. Simplified: one channel per NIC
+    (the search stops at the NVLinks' total before a NIC would carry two here), no PXN, no cross-NIC rings."""
     speeds = SM90_SPEED_INTER if generation == "hopper" else SPEED_INTER
     g = gpus_per_node
     best = (0, 0.0)
@@ -221,11 +221,15 @@ def network(nodes: int, gpus_per_node: int = 8, *, nvls: bool = True, generation
     intra = nvlink_node(gpus_per_node, generation=generation, links=links)
     nvls = nvls and generation == "hopper" and gpus_per_node > 1
     channels, per_channel = network_channels(intra.nvlink_bw, gpus_per_node, NIC_BW, generation)
+    # The NVLS graph across nodes: one head per GPU at the first inter-node speed a NIC carries whose heads fit the
+    # NVLinks as search.cc 1151 inflates them (1160-1168): 48 GB/s with 18 NVLinks, 22 with an H800's 8.
+    total = intra.nvlink_bw * gpus_per_node / max(gpus_per_node - 1, 1)
+    nvls_bw = next((s for s in SM90_SPEED_INTER if s <= NIC_BW and s * gpus_per_node <= total), SM90_SPEED_INTER[-1])
     return Topology(name=f"{nodes} nodes x {gpus_per_node} GPUs, network ({channels} x {per_channel:g} GB/s"
                          f"{', NVLS_TREE' if nvls else ', no NVLS'})",
                     gpus_per_node=gpus_per_node, nodes=nodes, channels=channels,
                     bw_intra=intra.bus_bw / channels, bw_inter=per_channel, generation=generation,
-                    nvls=nvls, nvls_channels=gpus_per_node, nvls_bw=SM90_MAX_INTER_SPEED,
+                    nvls=nvls, nvls_channels=gpus_per_node, nvls_bw=nvls_bw,
                     nvlink_bw=intra.nvlink_bw)
 
 
