@@ -225,7 +225,9 @@ def network(nodes: int, gpus_per_node: int = 8, *, nvls: bool = True, generation
     # NVLinks as search.cc 1151 inflates them (1160-1168): 48 GB/s with 18 NVLinks, 22 with an H800's 8.
     total = intra.nvlink_bw * gpus_per_node / max(gpus_per_node - 1, 1)
     nvls_bw = next((s for s in SM90_SPEED_INTER if s <= NIC_BW and s * gpus_per_node <= total), SM90_SPEED_INTER[-1])
-    return Topology(name=f"{nodes} nodes x {gpus_per_node} GPUs, network ({channels} x {per_channel:g} GB/s"
+    links = nvlinks_of(intra)
+    shown = "" if links == NVLINKS[generation] else f" ({links} NVLinks each)"
+    return Topology(name=f"{nodes} nodes x {gpus_per_node} GPUs{shown}, network ({channels} x {per_channel:g} GB/s"
                          f"{', NVLS_TREE' if nvls else ', no NVLS'})",
                     gpus_per_node=gpus_per_node, nodes=nodes, channels=channels,
                     bw_intra=intra.bus_bw / channels, bw_inter=per_channel, generation=generation,
