@@ -889,3 +889,76 @@ def test_torch_nccl_flush_is_stream_ordered_and_waited_at_the_sync_point():
     (out,) = run_ranks(_torch_nccl_stream_ordered, 1, timeout=100, dist_backend="nccl")
     assert out["in_flight"] == 2 and out["after_wait"] == 0
     assert out["values"] == [float(i) for i in range(8)] and out["gathered"] == [[3, 4]]
+
+
+# ---- a communicator's creation: Note (a blocking init) ----------------------------------------------------------
+
+
+def _ended() -> tuple[list[int], list[str]]:
+    return [], []
+
+
+def test_a_creation_that_returns_or_raises_in_time_stops_the_watchdog():
+    ends, said = _ended()
+    kw = {"deadline": Deadline(0.3, "test"), "rank": 2, "what": "ncclCommInitRank (world_size=2, rank=1)",
+          "write": said.append, "end": ends.append}
+    assert deadlines.end_process_if_still_blocked(lambda: "comm", **kw) == "comm"
+    with pytest.raises(RuntimeError, match="no GPU"):
+        deadlines.end_process_if_still_blocked(lambda: (_ for _ in ()).throw(RuntimeError("no GPU")), **kw)
+    time.sleep(0.5)  # past the deadline: a watchdog left running would end the process now
+    assert (ends, said) == ([], [])
+
+
+def test_a_creation_still_blocked_at_the_deadline_says_why_and_ends_the_process():
+    ends, said = _ended()
+    released = __import__("threading").Event()
+
+    def end(code: int) -> None:  # a real end never returns; this one lets the blocked call go
+        ends.append(code)
+        released.set()
+
+    started = time.monotonic()
+    deadlines.end_process_if_still_blocked(lambda: released.wait(10), deadline=Deadline(0.3, ENV_VAR), rank=5,
+                                           what="ncclCommInitRank (world_size=8, rank=5, device=cuda:5)",
+                                           write=said.append, end=end)
+    assert 0.3 <= time.monotonic() - started < 5
+    assert ends == [deadlines.BLOCKED_EXIT_CODE]
+    (message,) = said
+    assert message.startswith("owner_reduce: rank 5: ncclCommInitRank (world_size=8, rank=5, device=cuda:5) has not "
+                              f"returned after 0.3 s (deadline 0.3 s from {ENV_VAR}): a peer never joined it")
+    assert "ends this process (exit status 1)" in message
+
+
+_BLOCKED_CREATION = """
+import contextlib, threading, sys, types
+import cupy
+from owner_reduce.runtime import nccl_comm
+
+class Blocked:  # ncclCommInitRank waiting for a peer that never joins
+    def __init__(self, world_size, unique_id, rank):
+        threading.Event().wait()
+
+nccl_comm._nccl = lambda: types.SimpleNamespace(NcclCommunicator=Blocked, NCCL_SUM=0)
+cupy.cuda.Device = lambda device: contextlib.nullcontext()
+nccl_comm.CupyNcclComm(bytes(128), 1, 2, device=0)
+print("returned", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_cupy_communicator_whose_peer_never_joins_ends_its_process_at_the_deadline():
+    """A real process, the product's CupyNcclComm, a fake ncclCommInitRank that blocks (without the GIL, as cupy 14's
+    does): the process ends with status 1 at the deadline and says which call on which rank."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, ENV_VAR: "1.5"}
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", _BLOCKED_CREATION], env=env, capture_output=True, text=True,
+                            timeout=50)
+    took = time.monotonic() - started
+    assert result.returncode == deadlines.BLOCKED_EXIT_CODE, (result.stdout, result.stderr[-2000:])
+    assert "returned" not in result.stdout and took < 45
+    assert ("owner_reduce: rank 1: ncclCommInitRank (world_size=2, rank=1, device=cuda:0) has not returned after "
+            f"1.5 s (deadline 1.5 s from {ENV_VAR})") in result.stderr

@@ -8,19 +8,25 @@ group's, read once at communicator creation; ``OWNER_REDUCE_TIMEOUT_S`` override
 
 The core (``resolve``, ``poll_until_done``, ``wait_work``) takes its clock, sleep, completion and error
 checks as arguments, so it is tested with fakes and no process group. What happens on failure is the
-caller's: the cupy communicator aborts itself (``ncclCommAbort``, never ``ncclCommDestroy``) exactly once.
+caller's: the cupy communicator aborts itself (``ncclCommAbort``, never ``ncclCommDestroy``) exactly once. A
+communicator's creation, which nothing can interrupt, is bounded by ending the process: Note (a blocking init).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 ENV_VAR = "OWNER_REDUCE_TIMEOUT_S"
+BLOCKED_EXIT_CODE = 1  # the exit status of a process ended by ``end_process_if_still_blocked``
 TORCH_DEFAULT_S = 1800.0  # torch's default_pg_timeout, used only when the default group's cannot be read
 
 # Polling: a few immediate checks (a finished wait costs only them), then sleeps growing to _MAX_SLEEP_S.
@@ -166,3 +172,43 @@ def wait_work(work: Any, *, deadline: Deadline, started: float, rank: int, flush
         reason = "timed out" if "timed out" in text.lower() else f"failed: {type(error).__name__}: {text}"
         raise OwnerReduceCommError(rank=rank, flush=flush, call=call() if callable(call) else call,
                                    waited_s=clock() - started, deadline=deadline, reason=reason) from error
+
+
+def end_process_if_still_blocked(call: Callable[[], T], *, deadline: Deadline, rank: int, what: str,
+                                 write: Callable[[str], Any] | None = None,
+                                 end: Callable[[int], Any] = os._exit) -> T:
+    """Run ``call`` here; if it has not returned when the deadline passes, say so on stderr and end this process.
+    See Note (a blocking init)."""
+    returned = threading.Event()
+
+    def watchdog() -> None:
+        if returned.wait(deadline.seconds):
+            return
+        message = (f"owner_reduce: rank {rank}: {what} has not returned after {deadline.seconds:g} s (deadline "
+                   f"{deadline.describe()}): a peer never joined it. NCCL cannot interrupt it, so owner_reduce ends "
+                   f"this process (exit status {BLOCKED_EXIT_CODE}), as torch's NCCL watchdog does, instead of "
+                   f"hanging.\n")
+        try:
+            (write or sys.stderr.write)(message)
+            sys.stderr.flush()
+        finally:
+            end(BLOCKED_EXIT_CODE)
+
+    thread = threading.Thread(target=watchdog, name=f"owner_reduce watchdog: {what}", daemon=True)
+    thread.start()
+    try:
+        return call()
+    finally:
+        returned.set()
+        thread.join()
+
+
+NOTES = """
+Note (a blocking init): ``ncclCommInitRank`` (a communicator's creation: the data-parallel one, and a two-level
+flush's node and rail ones) returns only when every rank of the new communicator has joined. A peer that dies or
+stalls after the bounded exchange of the unique id leaves the others inside it, and nothing can interrupt it: it is
+one C call, cupy's blocking configuration (cupy 14 exposes no ``blocking=0``), and there is no communicator to abort
+until it returns. cupy 14 calls it without the GIL, so a watchdog thread still runs: at the deadline it writes why to
+stderr and ends the process with ``os._exit(1)``, as torch's NCCL watchdog takes a process down after a collective
+timeout; the launcher then stops the others. A call that returns, or raises, in time stops the watchdog.
+"""

@@ -52,7 +52,8 @@ is issued on a torch stream ordered after the current stream at call time (Note 
 by every later flush, so a synchronization when it is made could order only its first use anyway.
 
 Note (init can block): ``ncclCommInitRank`` waits for every rank. ``comm_select`` agrees on every local
-precondition before any rank calls it, so a rank that cannot even try never leaves the others waiting.
+precondition before any rank calls it, so a rank that cannot even try never leaves the others waiting; a peer that
+never joins ends the waiting ranks' processes at the deadline (``deadline`` Note (a blocking init)).
 """
 
 from __future__ import annotations
@@ -235,8 +236,10 @@ class CupyNcclComm(ReduceComm):
             self._sum = nccl_op("sum")  # resolved once: the flush only sums
             self.device = _current_cuda_device() if device is None else int(device)
             what = f"communicator creation (world_size={world_size}, rank={rank}, device=cuda:{self.device})"
-            with cupy.cuda.Device(self.device):
-                self._comm = nccl.NcclCommunicator(world_size, unique_id, rank)
+            with cupy.cuda.Device(self.device):  # deadline.py Note (a blocking init)
+                self._comm = deadlines.end_process_if_still_blocked(
+                    lambda: nccl.NcclCommunicator(world_size, unique_id, rank), deadline=self.deadline, rank=rank,
+                    what=f"ncclCommInitRank (world_size={world_size}, rank={rank}, device=cuda:{self.device})")
         except Exception as error:  # noqa: BLE001 - every cause becomes one RuntimeError naming the call
             raise failure(what, rank, error) from error
 
