@@ -194,6 +194,14 @@ class _BufferView(NamedTuple):
     nccl_dtype: int
 
 
+def _process_rank(fallback: int) -> int:
+    """This process's global rank (torch.distributed's), which names it in the launcher's logs; a node or rail
+    communicator's own rank is another number. ``fallback`` without a process group."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else fallback
+
+
 def _current_cuda_device() -> int:
     """torch's current CUDA device; where torch sees no CUDA, cupy's (which then fails with CUDA's own error)."""
     if torch.cuda.is_available():
@@ -238,7 +246,8 @@ class CupyNcclComm(ReduceComm):
             what = f"communicator creation (world_size={world_size}, rank={rank}, device=cuda:{self.device})"
             with cupy.cuda.Device(self.device):  # deadline.py Note (a blocking init)
                 self._comm = deadlines.end_process_if_still_blocked(
-                    lambda: nccl.NcclCommunicator(world_size, unique_id, rank), deadline=self.deadline, rank=rank,
+                    lambda: nccl.NcclCommunicator(world_size, unique_id, rank), deadline=self.deadline,
+                    rank=_process_rank(rank),
                     what=f"ncclCommInitRank (world_size={world_size}, rank={rank}, device=cuda:{self.device})")
         except Exception as error:  # noqa: BLE001 - every cause becomes one RuntimeError naming the call
             raise failure(what, rank, error) from error
