@@ -4,6 +4,7 @@ torch.distributed wait with fake and real (gloo) works, and the error's message.
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 import types
 from typing import Any
@@ -894,12 +895,9 @@ def test_torch_nccl_flush_is_stream_ordered_and_waited_at_the_sync_point():
 # ---- a communicator's creation: Note (a blocking init) ----------------------------------------------------------
 
 
-def _ended() -> tuple[list[int], list[str]]:
-    return [], []
-
-
 def test_a_creation_that_returns_or_raises_in_time_stops_the_watchdog():
-    ends, said = _ended()
+    ends: list[int] = []
+    said: list[str] = []
     kw = {"deadline": Deadline(0.3, "test"), "rank": 2, "what": "ncclCommInitRank (world_size=2, rank=1)",
           "write": said.append, "end": ends.append}
     assert deadlines.end_process_if_still_blocked(lambda: "comm", **kw) == "comm"
@@ -910,8 +908,9 @@ def test_a_creation_that_returns_or_raises_in_time_stops_the_watchdog():
 
 
 def test_a_creation_still_blocked_at_the_deadline_says_why_and_ends_the_process():
-    ends, said = _ended()
-    released = __import__("threading").Event()
+    ends: list[int] = []
+    said: list[str] = []
+    released = threading.Event()
 
     def end(code: int) -> None:  # a real end never returns; this one lets the blocked call go
         ends.append(code)

@@ -138,10 +138,21 @@ class Topology:
         return self.comm_channels or min(MAX_CHANNELS, 2 * self.channels)
 
 
+def _per_link(generation: str) -> float:
+    """GB/s of one NVLink (topo.h ``SM90_NVLINK_BW`` / ``SM80_NVLINK_BW``)."""
+    return SM90_NVLINK_BW if generation == "hopper" else SM80_NVLINK_BW
+
+
 def nvlinks_of(topo: Topology) -> int | None:
     """The NVLinks per GPU ``topo`` was made with (None: none recorded)."""
-    per_link = SM90_NVLINK_BW if topo.generation == "hopper" else SM80_NVLINK_BW
-    return round(topo.nvlink_bw / per_link) if topo.nvlink_bw else None
+    return round(topo.nvlink_bw / _per_link(topo.generation)) if topo.nvlink_bw else None
+
+
+def _nvls_speed(nvlink: float, heads: int, speeds: Sequence[float], cap: float) -> float:
+    """The NVLS graph's speed per head: the first of ``speeds`` (search.cc 1160-1168) at most ``cap`` whose ``heads``
+    fit the NVLinks as search.cc 1151 inflates them for non-ring patterns (by n / (n - 1))."""
+    total = nvlink * heads / max(heads - 1, 1)
+    return next((s for s in speeds if s <= cap and s * heads <= total), speeds[-1])
 
 
 def nvlink_node(gpus: int = 8, *, generation: str = "hopper", links: int | None = None, channels: int | None = None,
@@ -150,7 +161,7 @@ def nvlink_node(gpus: int = 8, *, generation: str = "hopper", links: int | None 
     Ampere, A100 SXM; the A800 has 8). The ring graph as ``ring_channels`` finds it (Hopper: 6 rings at 60 GB/s
     duplicated into 12 at 30; A100: 6 at 40 into 12 at 20), unless ``channels`` says. NVLS on Hopper unless told
     otherwise."""
-    per_link = SM90_NVLINK_BW if generation == "hopper" else SM80_NVLINK_BW
+    per_link = _per_link(generation)
     if links is None:
         links = NVLINKS[generation]
     nvlink = links * per_link
@@ -158,8 +169,7 @@ def nvlink_node(gpus: int = 8, *, generation: str = "hopper", links: int | None 
         channels = ring_channels(nvlink, generation)[0]
     nvls = generation == "hopper" if nvls is None else nvls
     heads = gpus
-    total = nvlink * heads / max(heads - 1, 1)  # search.cc 1151: non-ring patterns inflate totalBw by n / (n - 1)
-    nvls_bw = next((s for s in SM90_SPEED_INTRA if s <= nvlink and s * heads <= total), SM90_SPEED_INTRA[-1])
+    nvls_bw = _nvls_speed(nvlink, heads, SM90_SPEED_INTRA, nvlink)
     return Topology(name=f"{gpus}-GPU NVLink node ({generation}, {links} links x {per_link:g} GB/s"
                          f"{', NVLS' if nvls and gpus > 1 else ''})",
                     gpus_per_node=gpus, nodes=1, channels=channels, bw_intra=nvlink / channels, bw_inter=0.0,
@@ -221,10 +231,9 @@ def network(nodes: int, gpus_per_node: int = 8, *, nvls: bool = True, generation
     intra = nvlink_node(gpus_per_node, generation=generation, links=links)
     nvls = nvls and generation == "hopper" and gpus_per_node > 1
     channels, per_channel = network_channels(intra.nvlink_bw, gpus_per_node, NIC_BW, generation)
-    # The NVLS graph across nodes: one head per GPU at the first inter-node speed a NIC carries whose heads fit the
-    # NVLinks as search.cc 1151 inflates them (1160-1168): 48 GB/s with 18 NVLinks, 22 with an H800's 8.
-    total = intra.nvlink_bw * gpus_per_node / max(gpus_per_node - 1, 1)
-    nvls_bw = next((s for s in SM90_SPEED_INTER if s <= NIC_BW and s * gpus_per_node <= total), SM90_SPEED_INTER[-1])
+    # The NVLS graph across nodes: one head per GPU at an inter-node speed a NIC carries: 48 GB/s with 18 NVLinks, 22
+    # with an H800's 8.
+    nvls_bw = _nvls_speed(intra.nvlink_bw, gpus_per_node, SM90_SPEED_INTER, NIC_BW)
     links = nvlinks_of(intra)
     shown = "" if links == NVLINKS[generation] else f" ({links} NVLinks each)"
     return Topology(name=f"{nodes} nodes x {gpus_per_node} GPUs{shown}, network ({channels} x {per_channel:g} GB/s"
@@ -506,7 +515,7 @@ def p2p_channels(topo: Topology) -> tuple[int, int]:
         while per_peer * -(-topo.ranks // P2P_MAX_PER_BATCH) > channels and per_peer > 1:
             per_peer //= 2
     else:
-        links = max(1, round(topo.nvlink_bw / (SM90_NVLINK_BW if topo.generation == "hopper" else SM80_NVLINK_BW)))
+        links = max(1, nvlinks_of(topo) or 0)
         per_peer = min(channels, 1 << max(2 * links - 1, 0).bit_length())
     return channels, per_peer
 
