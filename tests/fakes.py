@@ -171,14 +171,38 @@ class ExchangeWorld:
     seconds instead of hanging. After a failed ``run`` the world is spent: make a new one.
     """
 
-    def __init__(self, world_size: int, timeout_s: float = 10.0) -> None:
+    def __init__(self, world_size: int, timeout_s: float = 10.0, parent: ExchangeWorld | None = None,
+                 members: Sequence[int] = (), role: str = "data-parallel") -> None:
         self.world_size = world_size
         self.timeout_s = timeout_s
-        self._cond = threading.Condition()
+        # A node or rail world (``ExchangeComm._split``) shares its parent's condition and finished ranks: its rank r is
+        # the parent's ``members[r]``.
+        self.parent = parent
+        self.members = tuple(members) if parent is not None else tuple(range(world_size))
+        self.role = role
+        self._cond = parent._cond if parent is not None else threading.Condition()
         self._slots: dict[int, _Slot] = {}
         self._mail: dict[tuple[int, int], deque[tuple[int, torch.Tensor]]] = {}  # (src, dst) -> (send number, data)
         self._finished: dict[int, str] = {}  # rank -> "returned" or "raised ..." (during run)
+        self._subworlds: dict[tuple[int, tuple[int, ...]], ExchangeWorld] = {}  # (split number, members) -> world
         self._comms = [ExchangeComm(self, r) for r in range(world_size)]
+
+    def subworld(self, number: int, members: Sequence[int], role: str) -> ExchangeWorld:
+        """The world of ``members`` (ranks of this world) made by split number ``number``: one per group, shared by its
+        ranks (the first to ask makes it)."""
+        key = (number, tuple(members))
+        with self._cond:
+            world = self._subworlds.get(key)
+            if world is None:
+                world = self._subworlds[key] = ExchangeWorld(len(members), self.timeout_s, parent=self,
+                                                             members=members, role=role)
+            return world
+
+    def _finished_rank(self, rank: int) -> str | None:
+        """How rank ``rank`` of this world finished its ``run`` (a node or rail world asks its parent)."""
+        if self.parent is not None:
+            return self.parent._finished_rank(self.members[rank])
+        return self._finished.get(rank)
 
     def comm(self, rank: int) -> ExchangeComm:
         return self._comms[rank]
@@ -229,6 +253,8 @@ class ExchangeWorld:
         return results
 
     def _check_mail_drained(self) -> None:
+        for world in list(self._subworlds.values()):
+            world._check_mail_drained()
         with self._cond:
             left = [(src, dst, n, t) for (src, dst), q in self._mail.items() for n, t in q]
             self._mail.clear()
@@ -242,14 +268,16 @@ class ExchangeWorld:
     def _wait(self, ready: Callable[[], bool], missing: Callable[[], list[int]], rank: int, what: str) -> None:
         """Wait (holding the condition) until ``ready()``; fail fast on a peer that finished, else at the timeout."""
         limit = time.monotonic() + self.timeout_s
+        where = "" if self.parent is None else f" on the {self.role} communicator"
         while not ready():
-            gone = {r: self._finished[r] for r in missing() if r in self._finished}
+            gone = {r: how for r in missing() if (how := self._finished_rank(r)) is not None}
             if gone:
-                raise ExchangeTimeout(f"rank {rank}, {what}: " + ", ".join(f"rank {r} {how}" for r, how in gone.items())
+                raise ExchangeTimeout(f"rank {rank}, {what}{where}: "
+                                      + ", ".join(f"rank {r} {how}" for r, how in gone.items())
                                       + " without joining it", peer_failed=any(h != "returned" for h in gone.values()))
             remaining = limit - time.monotonic()
             if remaining <= 0:
-                raise ExchangeTimeout(f"rank {rank}, {what}: rank(s) {missing()} did not join within "
+                raise ExchangeTimeout(f"rank {rank}, {what}{where}: rank(s) {missing()} did not join within "
                                       f"{self.timeout_s:g} s")
             self._cond.wait(min(remaining, 0.05))
 
@@ -286,10 +314,14 @@ class ExchangeWorld:
     def _compute(self, seq: int, slot: _Slot) -> None:
         calls = {r: c for r, (c, _) in sorted(slot.posts.items())}
         if len(set(calls.values())) > 1:
-            raise ExchangeMismatch(f"call #{seq + 1} differs across ranks: "
+            where = "" if self.parent is None else (f" on the {self.role} communicator of data-parallel ranks "
+                                                    f"{', '.join(map(str, self.members))}")
+            raise ExchangeMismatch(f"call #{seq + 1}{where} differs across ranks: "
                                    + "; ".join(f"rank {r}: {c}" for r, c in calls.items()))
         kind = calls[0].kind
         data = [slot.posts[r][1] for r in range(self.world_size)]
+        if kind == "split":
+            return
         if kind == "all_gather_ints":
             rows = [list(values) for values in data]
             for r in range(self.world_size):
@@ -419,6 +451,22 @@ class ExchangeComm(ReduceComm):
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         return self._collective(ExchangeCall("all_gather_ints", len(values), "int64"), list(values))
 
+    def _split(self, groups: Sequence[Sequence[int]]) -> ExchangeComm:
+        """This rank's group as a world of its own, whose calls really exchange among its ranks (and are checked call
+        by call there); the split itself is one call of this world, so ranks that split differently mismatch."""
+        mine = next((g for g in groups if self.rank in g), None)
+        if mine is None:
+            raise ValueError(f"rank {self.rank} is in none of the groups {[list(g) for g in groups]}")
+        number = self._splits = getattr(self, "_splits", 0) + 1
+        shape = hash(tuple(tuple(g) for g in groups)) & 0xFFFFFFFF
+        self._collective(ExchangeCall("split", len(groups), "groups", shape), None)
+        world = self.world.subworld(number, mine, self._split_role)
+        return world.comm(list(mine).index(self.rank))
+
+    def split(self, groups: Sequence[Sequence[int]], role: str) -> ReduceComm:
+        self._split_role = role  # the sub-world's name in its mismatch messages
+        return super().split(groups, role)
+
     def release_buffers(self) -> None:
         self.buffer_releases += 1
 
@@ -499,7 +547,8 @@ def flat_map(numels, ws, other_comm_numels=()):
 
 
 def mirror_runtime(owner_map, rank=0, bucket=1 << 20, algo="auto", probe=False, stage=1, graph_id=11, owner=True,
-                   problems=(), comm=None, measure=False, calibration=None):
+                   problems=(), comm=None, measure=False, calibration=None, env_problems=(), verdicts=None,
+                   verdicts_path=None):
     """A runtime of rank ``rank`` on ``owner_map`` with a ``MirrorComm`` (or ``comm``), every parameter registered as
     DeepCompile registers it (this rank's slice of each gradient as its grad buffer), one graph of every parameter.
 
@@ -510,7 +559,8 @@ def mirror_runtime(owner_map, rank=0, bucket=1 << 20, algo="auto", probe=False, 
 
     comm = comm or MirrorComm(rank=rank, world_size=owner_map.dp_world_size)
     rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(owner, probe), owner_map, problems, flush_algo=algo,
-                                            measure=measure, calibration=calibration),
+                                            measure=measure, calibration=calibration, env_problems=env_problems,
+                                            verdicts=verdicts, verdicts_path=verdicts_path),
                             comm_factory=lambda group: comm)
     rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
     for p in owner_map:
@@ -519,3 +569,20 @@ def mirror_runtime(owner_map, rank=0, bucket=1 << 20, algo="auto", probe=False, 
         rt.register_param(p.param_id, (p.numel,), torch.zeros(p.numel), buf, offset)
     (rt.register_graph_z2 if stage == 2 else rt.register_graph_z1)(graph_id, [p.param_id for p in owner_map])
     return rt, comm
+
+
+def exchange_thread_rank() -> int:
+    """The rank of the ``ExchangeWorld`` thread running now (its name is ``exchange-rank-R``)."""
+    name = threading.current_thread().name
+    if not name.startswith("exchange-rank-"):
+        raise RuntimeError(f"not an ExchangeWorld rank's thread: {name}")
+    return int(name.removeprefix("exchange-rank-"))
+
+
+def group_threads_as_nodes(monkeypatch: Any, per_node: int) -> None:
+    """In-process ranks as nodes of ``per_node`` in launcher order: each thread's rank R reports local rank
+    R % per_node and ``per_node`` ranks per node to the runtime's agreement (what torchrun sets per process)."""
+    from owner_reduce.runtime import handle
+
+    monkeypatch.setattr(handle, "local_rank", lambda environ=None: exchange_thread_rank() % per_node)
+    monkeypatch.setattr(handle, "ranks_per_node", lambda environ=None: per_node)

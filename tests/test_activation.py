@@ -128,6 +128,9 @@ def test_parameters_outside_zero_groups_reach_deepcompile_as_plain_inputs():
 
 
 def test_forced_flush_algorithm_is_read_checked_and_never_silent(monkeypatch):
+    """Read with every other variable (``planning.env_inputs``): a bad value is kept as this rank's reason, never
+    raised here on one rank alone (init's agreement refuses it on every rank); a value that cannot take effect is
+    named in a warning on rank 0."""
     from deepspeed.utils import logger
 
     from owner_reduce.planning.flags import OwnerReduceFlags
@@ -135,14 +138,15 @@ def test_forced_flush_algorithm_is_read_checked_and_never_silent(monkeypatch):
     warnings = []
     monkeypatch.setattr(logger, "warning", warnings.append)
     on, probe_only = OwnerReduceFlags(True, False), OwnerReduceFlags(False, True)
-    assert activation.forced_flush_algo(on, 0, {}) == "auto"
-    assert activation.forced_flush_algo(on, 0, {"OWNER_REDUCE_FLUSH_ALGO": "handoff"}) == "handoff"
+    assert activation.environment_inputs(on, 0, {}).flush_algo == "auto"
+    assert activation.environment_inputs(on, 0, {"OWNER_REDUCE_FLUSH_ALGO": "handoff"}).flush_algo == "handoff"
     assert warnings == []
-    with pytest.raises(ValueError, match="OWNER_REDUCE_FLUSH_ALGO must be one of auto, reduce, allreduce, "
-                                         "handoff, native, two_level, got 'fast'"):
-        activation.forced_flush_algo(on, 0, {"OWNER_REDUCE_FLUSH_ALGO": "fast"})
-    assert activation.forced_flush_algo(probe_only, 1, {"OWNER_REDUCE_FLUSH_ALGO": "reduce"}) == "reduce"
+    bad = activation.environment_inputs(on, 0, {"OWNER_REDUCE_FLUSH_ALGO": "fast"})
+    assert bad.flush_algo == "auto" and bad.problems == (
+        ("OWNER_REDUCE_FLUSH_ALGO", "OWNER_REDUCE_FLUSH_ALGO must be one of auto, reduce, allreduce, handoff, native, "
+                                    "two_level, got 'fast'"),)
+    assert activation.environment_inputs(probe_only, 1, {"OWNER_REDUCE_FLUSH_ALGO": "reduce"}).flush_algo == "reduce"
     assert warnings == []  # rank 1 does not warn
-    activation.forced_flush_algo(probe_only, 0, {"OWNER_REDUCE_FLUSH_ALGO": "reduce"})
+    activation.environment_inputs(probe_only, 0, {"OWNER_REDUCE_FLUSH_ALGO": "reduce"})
     assert warnings == ["owner_reduce: OWNER_REDUCE_FLUSH_ALGO=reduce has no effect: compile.reduce_to_owner is "
                         "false, so every flush is one AllReduce, as DeepCompile does"]

@@ -351,5 +351,101 @@ def test_ranks_with_different_calibrations_refuse_naming_the_variable_and_a_wron
     with pytest.raises(OwnerReduceMismatchError, match="OWNER_REDUCE_CALIBRATION names different calibrations "
                                                        "across ranks: .* on rank 0, none on rank 1"):
         _exchange_runtimes([_cal(world_size=2), None])
-    with pytest.raises(ValueError, match="measured on 4 ranks, this run has 2"):
+    with pytest.raises(OwnerReduceMismatchError, match="refusing to start: ranks 0, 1: OWNER_REDUCE_CALIBRATION: the "
+                                                       "calibration was measured on 4 ranks, this run has 2"):
         _exchange_runtimes([_cal(world_size=4)] * 2)
+
+
+# ---- issue 31: refused at init, together; no communicator that no flush can use -------------------------------
+
+
+def test_an_incomplete_calibration_is_refused_when_read_naming_what_it_lacks(tmp_path):
+    from owner_reduce.planning.env_inputs import read_environment
+
+    full = _cal()
+    assert full.missing_for_runtime() == []
+    partial = dataclasses.replace(full, fits=full.fits[:2], p2p=None)  # written with --kinds allreduce,reduce
+    path = tmp_path / "partial.json"
+    path.write_text(partial.to_json())
+    inputs = read_environment({ENV_VAR: str(path)})
+    assert inputs.calibration is None
+    ((variable, reason),) = inputs.problems
+    assert variable == ENV_VAR and reason == (
+        f"{ENV_VAR}='{path}': the calibration lacks reduce_scatter, the send/recv round (p2p) (written with --kinds, "
+        "or edited); the runtime costs every candidate on it: rerun scripts/calibrate.py without --kinds")
+    assert read_environment({ENV_VAR: str(path)}, reduce_to_owner=False).problems == ()  # not read: the path is off
+
+
+@pytest.mark.timeout(30)
+def test_an_incomplete_calibration_on_every_rank_refuses_at_init_not_after_the_first_step(tmp_path):
+    """Before: the runtime started, and every rank failed inside the first backward that costed a ReduceScatter."""
+    from fakes import ExchangeWorld, mirror_runtime
+
+    from owner_reduce.planning.env_inputs import read_environment
+    from owner_reduce.runtime.handle import OwnerReduceMismatchError
+
+    partial = dataclasses.replace(_cal(world_size=2), fits=_cal().fits[:2])
+    path = tmp_path / "partial.json"
+    path.write_text(partial.to_json())
+    inputs = read_environment({ENV_VAR: str(path)})
+    world = ExchangeWorld(2, timeout_s=20)
+    with pytest.raises(OwnerReduceMismatchError, match=r"refusing to start: ranks 0, 1: OWNER_REDUCE_CALIBRATION=.* "
+                                                       r"lacks reduce_scatter"):
+        world.run(lambda rank: mirror_runtime(flat_map([50_000] * 8, 2), rank=rank, comm=world.comm(rank),
+                                              env_problems=inputs.problems))
+
+
+@pytest.mark.timeout(30)
+def test_under_a_calibration_no_node_or_rail_communicator_is_made(monkeypatch, capsys):
+    """Two nodes of two: without a calibration the node and rail communicators are made (two-level is a candidate);
+    under one they are not (not a candidate: no creations, no device memory, no "two-level flush ready")."""
+    from fakes import ExchangeWorld, group_threads_as_nodes, mirror_runtime
+
+    group_threads_as_nodes(monkeypatch, 2)
+    m = flat_map([50_000] * 8, 4)
+    for cal in (None, _cal(world_size=4)):
+        world = ExchangeWorld(4, timeout_s=20)
+        runtimes = world.run(lambda rank, cal=cal, world=world: mirror_runtime(m, rank=rank, comm=world.comm(rank),
+                                                                               calibration=cal)[0])
+        out = capsys.readouterr().out
+        made = [rt.comm.subs for rt in runtimes]
+        if cal is None:
+            assert all(len(subs) == 2 for subs in made) and "two-level flush ready" in out
+        else:
+            assert made == [[]] * 4 and all(rt.flusher.levels is None for rt in runtimes)
+            assert "two-level flush ready" not in out and runtimes[0].stats.two_level_line is None
+            assert ("owner_reduce: the two-level flush is not a candidate under OWNER_REDUCE_CALIBRATION" in out
+                    and "no node or rail communicator made" in out)
+
+
+def _refusing_rank(rank: int, world_size: int) -> dict:
+    """One owner run whose environment the launch set per rank; what init raised (or that it did not), and when."""
+    import time
+
+    from owner_reduce.harness.toy_training import TrainSpec, train
+
+    start = time.monotonic()
+    try:
+        train(rank, world_size, TrainSpec(mode="owner", steps=1, reduce_probe=False))
+    except Exception as error:  # noqa: BLE001 - what each rank raised is the result
+        return {"error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+@pytest.mark.timeout(200)
+def test_a_calibration_path_missing_on_one_rank_makes_every_rank_refuse_naming_it(tmp_path):
+    """The guide's multi-node recipe gone wrong: the file exists on rank 0's node only. Before: rank 1 raised alone and
+    rank 0 waited in the first collective of init on DeepSpeed's group (30 minutes), never learning why. Now both reach
+    the agreement and refuse at once, naming rank 1, the variable and the reason."""
+    path = tmp_path / "cal.json"
+    path.write_text(_cal(world_size=2).to_json())
+    missing = tmp_path / "elsewhere" / "cal.json"
+    from owner_reduce.harness.launch import run_ranks
+
+    r0, r1 = run_ranks(_refusing_rank, 2, timeout=150, rank_env=[{ENV_VAR: str(path)}, {ENV_VAR: str(missing)}])
+    for r in (r0, r1):
+        assert r["error"] is not None and r["error"].startswith("OwnerReduceMismatchError: owner_reduce on rank "), r
+        assert (f"refusing to start: rank 1: OWNER_REDUCE_CALIBRATION='{missing}': calibration {missing}: cannot be "
+                "read (No such file or directory)") in r["error"], r["error"]
+        assert "OWNER_REDUCE_CALIBRATION names different calibrations across ranks" in r["error"]
+        assert r["seconds"] < 60, r  # no rank waited for a deadline: both refused at the agreement

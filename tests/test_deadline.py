@@ -174,12 +174,25 @@ class FakeNcclModule:
         self.ends += 1
 
 
+class _RecordedEvent(FakeEvent):
+    """A CUDA event recorded after a group: done once queried (the group's kernels have run)."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+
+    def record(self, stream=None) -> None:
+        self.queries = 0
+
+
 def _cupy_comm(fake: FakeNccl, stream: FakeEvent, deadline: Deadline = SHORT) -> nccl_comm.CupyNcclComm:
-    """A CupyNcclComm around a fake NCCL communicator and stream: its real wait/abort/close logic, no GPU."""
+    """A CupyNcclComm around a fake NCCL communicator, with one group in flight whose event is ``stream`` (its
+    ``query``: the group's work done): its real wait/abort/close logic, no GPU."""
     comm = nccl_comm.CupyNcclComm.__new__(nccl_comm.CupyNcclComm)
     ReduceComm.__init__(comm, 0, 2, deadline=deadline)
     comm.stream, comm.device, comm._calls_in_group, comm._comm, comm.aborted = stream, 0, 0, fake, False
     comm._views, comm._group_open, comm._abort_pending = {}, False, False
+    comm._free_events, comm._first_call, comm._make_event = [], None, _RecordedEvent
+    comm._issued = [nccl_comm._IssuedGroup(stream, 3, ("all_reduce", None, 0, 8, torch.float32), 2)]
     comm._wait_current = comm._current_waits_for = lambda stream: None
     return comm
 
@@ -188,8 +201,10 @@ def test_cupy_comm_timeout_aborts_exactly_once_and_never_destroys():
     fake = FakeNccl()
     comm = _cupy_comm(fake, FakeEvent(done_after=None))
     comm.flush = 4
-    with pytest.raises(OwnerReduceCommError, match=r"rank 0, flush #4: end_backward timed out after waiting 0\.2 s"):
-        comm.wait_until(FakeEvent(None).query, "end_backward")
+    with pytest.raises(OwnerReduceCommError, match=r"rank 0, flush #4: end_backward, waiting for all_reduce\(count=8, "
+                                                   r"dtype=float32\) \(call 1 of 2\) of flush #3 timed out after "
+                                                   r"waiting 0\.2 s"):
+        comm.wait_until(FakeEvent(None).query, "end_backward", flush=4)
     assert (fake.aborts, fake.destroys, comm.aborted) == (1, 0, True)
     comm.close()  # after an abort: nothing left to release, nothing waits
     comm.close()
@@ -201,7 +216,9 @@ def test_cupy_comm_timeout_aborts_exactly_once_and_never_destroys():
 def test_cupy_comm_async_error_aborts_and_names_it():
     fake = FakeNccl(async_error="NCCL_ERROR_REMOTE_ERROR: remote process exited")
     comm = _cupy_comm(fake, FakeEvent(None))
-    with pytest.raises(OwnerReduceCommError, match=r"flush #2: bucket growth failed: RuntimeError: NCCL_ERROR_REMOTE"):
+    with pytest.raises(OwnerReduceCommError, match=r"flush #2: bucket growth, waiting for all_reduce\(count=8, "
+                                                   r"dtype=float32\) \(call 1 of 2\) of flush #3 failed: "
+                                                   r"RuntimeError: NCCL_ERROR_REMOTE"):
         comm.wait_until(FakeEvent(None).query, "bucket growth", flush=2)
     assert (fake.aborts, fake.destroys) == (1, 0)
 
@@ -241,7 +258,8 @@ def test_a_failure_inside_a_group_aborts_the_communicator(monkeypatch):
 def test_a_failed_nccl_call_aborts_the_communicator():
     fake = FakeNccl()
     comm = _cupy_comm(fake, FakeEvent(1))
-    with pytest.raises(RuntimeError, match="owner_reduce NCCL x failed on rank 0: RuntimeError: NCCL_ERROR_INVALID"):
+    with pytest.raises(RuntimeError, match="owner_reduce NCCL x failed on rank 0, outside a flush: RuntimeError: "
+                                           "NCCL_ERROR_INVALID"):
         comm._call("x", lambda: fake.allReduce())
     assert fake.aborts == 1
 
@@ -348,8 +366,8 @@ def test_a_failed_call_inside_a_group_ends_the_group_then_aborts_and_raises_that
         raise AssertionError("not reached: the second reduce raises")
     assert model.log == ["groupStart", "reduce#1", "reduce#2 failed", "groupEnd", "abort"]
     assert model.aborts == 1 and model.destroys == 0 and comm.aborted and not comm._in_group
-    assert str(caught.value).startswith("owner_reduce NCCL reduce(root=1, count=4, dtype=float32) failed on rank 0: "
-                                        "RuntimeError: NCCL_ERROR_REMOTE_ERROR in reduce#2")
+    assert str(caught.value).startswith("owner_reduce NCCL reduce(root=1, count=4, dtype=float32) failed on rank 0, "
+                                        "flush #5: RuntimeError: NCCL_ERROR_REMOTE_ERROR in reduce#2")
     # NCCL's group end reported the failed enqueue again: kept as a note, never the error raised
     assert any("closing the collective group afterwards failed too" in n for n in caught.value.__notes__)
     with pytest.raises(RuntimeError, match="was aborted after an earlier failure"), comm.group(flush=6):
@@ -637,13 +655,14 @@ def test_torch_dist_on_nccl_sync_point_returns_when_the_works_complete_and_names
 
 
 def _levels(dp, node_complete: bool, rail_complete: bool):
-    """The data-parallel communicator's node and rail communicators, made through ``split`` (so it keeps them)."""
+    """Data-parallel rank 0's node and rail communicators of two nodes of two ranks, made through ``split`` (so it keeps
+    them): its node holds data-parallel ranks 0 and 1, its rail 0 and 2."""
     from owner_reduce.runtime.comm import TorchDistComm
 
     made = iter([TorchDistComm(FakeGroup(), tdist=FakeTdist(complete=node_complete)),
                  TorchDistComm(FakeGroup(), tdist=FakeTdist(complete=rail_complete))])
     dp._split = lambda groups: next(made)
-    node, rail = dp.split([[0, 1]], "node"), dp.split([[0, 1]], "rail")
+    node, rail = dp.split([[0, 1], [2, 3]], "node"), dp.split([[0, 2], [1, 3]], "rail")
     for sub in (node, rail):
         sub.deadline = dp.deadline
     return node, rail
@@ -670,8 +689,9 @@ def test_a_stalled_rail_fails_the_data_parallel_wait_naming_it_and_aborts_every_
     with pytest.raises(OwnerReduceCommError) as caught:
         dp.wait_until(lambda: True, "end_backward")  # the reduce stream reports done; the rail's work does not
     assert SHORT.seconds <= time.monotonic() - start < SHORT.seconds + 1.0
-    assert str(caught.value).startswith("owner_reduce: rank 0, flush #5: end_backward, waiting for reduce(root=1, "
-                                        "count=4, dtype=float32) on the rail communicator timed out")
+    assert str(caught.value).startswith("owner_reduce: rank 0, flush #5: end_backward, waiting for reduce(root=1 = "
+                                        "data-parallel rank 2, count=4, dtype=float32) on the rail communicator timed "
+                                        "out")
     assert [c._group.aborts for c in (dp, node, rail)] == [1, 1, 1]
     assert node._in_flight == [] and rail._in_flight == []
     dp.close_subs()
@@ -961,3 +981,146 @@ def test_a_cupy_communicator_whose_peer_never_joins_ends_its_process_at_the_dead
     assert "returned" not in result.stdout and took < 45
     assert ("owner_reduce: rank 1: ncclCommInitRank (world_size=2, rank=1, device=cuda:0) has not returned after "
             f"1.5 s (deadline 1.5 s from {ENV_VAR})") in result.stderr
+
+
+# ---- issue 31: node and rail failures name the global rank, the data-parallel root, the communicator, the flush -----
+
+
+class _TimingOutTdist(FakeTdist):
+    """gloo: every work's ``wait(timeout)`` raises gloo's timeout."""
+
+    def _work(self, buf):
+        return FakeWork(raises="[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting")
+
+
+def test_a_gloo_rail_that_times_out_names_the_global_rank_the_data_parallel_root_and_the_rail():
+    from owner_reduce.runtime.comm import TorchDistComm
+
+    dp = TorchDistComm(FakeGroup(), tdist=FakeTdist())
+    dp.deadline = SHORT
+    dp._split = lambda groups: TorchDistComm(FakeGroup(), tdist=_TimingOutTdist())
+    dp.global_rank = 5  # this process's rank in the job: a data-parallel group of a larger job
+    rail = dp.split([[0, 2], [1, 3]], "rail")
+    with pytest.raises(OwnerReduceCommError) as caught, rail.group(flush=7):
+        rail.reduce(torch.ones(4), 1)
+    assert str(caught.value).startswith(
+        "owner_reduce: rank 5 (data-parallel rank 0), flush #7: reduce(root=1 = data-parallel rank 2, count=4, "
+        "dtype=float32) on the rail communicator timed out after waiting")
+
+
+def test_a_failed_cupy_rail_call_names_the_global_rank_the_data_parallel_root_and_the_rail(monkeypatch):
+    model = NcclGroupModel("reduce#1")
+    comm = _grouped_comm(monkeypatch, model)
+    comm.role, comm.members, comm.global_rank = "rail", (1, 3), 3
+    comm.rank = 1
+    with pytest.raises(RuntimeError) as caught, comm.group(flush=5):
+        comm.reduce(comm.buffer[:4], 0)
+    assert str(caught.value).startswith(
+        "owner_reduce NCCL reduce(root=0 = data-parallel rank 1, count=4, dtype=float32) on the rail communicator "
+        "failed on rank 3, flush #5: RuntimeError: NCCL_ERROR_REMOTE_ERROR in reduce#1")
+
+
+def test_a_stalled_cupy_rail_fails_the_data_parallel_wait_naming_its_call_and_flush():
+    """Before: the data-parallel communicator's stale flush number and no call (cupy keeps no works)."""
+    dp = _cupy_comm(FakeNccl(), FakeEvent(1))
+    dp.flush = 2  # the last flush issued on the data-parallel communicator itself
+    rail = _cupy_comm(FakeNccl(), FakeEvent(None))
+    rail._issued = [nccl_comm._IssuedGroup(FakeEvent(1), 3, ("reduce", "root", 0, 4, torch.bfloat16), 1),
+                    nccl_comm._IssuedGroup(FakeEvent(None), 4, ("reduce", "root", 1, 4, torch.bfloat16), 2)]
+    rail.role, rail.members = "rail", (0, 2)
+    dp.subs.append(rail)
+    with pytest.raises(OwnerReduceCommError) as caught:
+        dp.wait_until(lambda: True, "end_backward")
+    assert str(caught.value).startswith(
+        "owner_reduce: rank 0, flush #4: end_backward, waiting for reduce(root=1 = data-parallel rank 2, count=4, "
+        "dtype=bfloat16) (call 1 of 2) on the rail communicator timed out")
+    assert dp._comm is None and rail._comm is None  # every level aborted
+
+
+def test_a_group_leader_that_cannot_create_a_unique_id_fails_every_rank_of_the_split(monkeypatch):
+    comm = _cupy_comm(FakeNccl(), FakeEvent(1))
+    monkeypatch.setattr(nccl_comm, "new_unique_id", lambda: (_ for _ in ()).throw(RuntimeError("no socket")))
+    sent = []
+
+    def gather(values):
+        sent.append(values)
+        return [list(values), [1] + [7] * nccl_comm.UNIQUE_ID_BYTES]  # rank 1 (not a leader) is fine
+
+    comm.all_gather_ints = gather
+    with pytest.raises(RuntimeError, match=r"data-parallel rank 0 could not create an NCCL unique id for a node or "
+                                           r"rail communicator: RuntimeError: no socket"):
+        comm._split([[0, 1]])
+    assert sent[0][0] == 0 and len(sent[0]) == 1 + nccl_comm.UNIQUE_ID_BYTES  # the status went out with the gather
+
+
+def test_torch_sub_groups_are_made_by_their_members_only_and_named_by_their_ranks():
+    """A data-parallel group smaller than the job: only this group's ranks split, so every group must be created with
+    local synchronization (hashed name) by its members, never by counting groups per process."""
+    from owner_reduce.runtime.comm import TorchDistComm
+
+    made = []
+
+    class _Tdist(FakeTdist):
+        def get_world_size(self, group):
+            return 4
+
+        def get_global_rank(self, group, rank):
+            return 4 + 2 * rank  # data-parallel ranks 0, 1, 2, 3 are global ranks 4, 6, 8, 10
+
+        def new_group(self, ranks, timeout, use_local_synchronization=False):
+            made.append((list(ranks), use_local_synchronization))
+            return FakeGroup()
+
+    dp = TorchDistComm(FakeGroup(), tdist=_Tdist())
+    node = dp.split([[0, 1], [2, 3]], "node")
+    rail = dp.split([[0, 2], [1, 3]], "rail")
+    assert made == [([4, 6], True), ([4, 8], True)]  # this rank's two groups, nothing else
+    assert (node.members, rail.members, node.global_rank) == ((0, 1), (0, 2), 4)
+
+
+def test_inits_waits_share_one_deadline_no_shorter_than_the_default_groups(monkeypatch):
+    flush = Deadline(2.0, ENV_VAR)
+    init = deadlines.for_init(flush, 600.0, now=100.0)
+    assert (init.seconds, init.until) == (600.0, 700.0) and "counted from the start of init" in init.describe()
+    assert init.allowed_s(650.0) == 50.0 and init.allowed_s(800.0) == 0.0  # what is left, never more
+    longer = deadlines.for_init(Deadline(900.0, ENV_VAR), 600.0, now=0.0)
+    assert longer.seconds == 900.0 and longer.source.startswith(ENV_VAR)
+    assert deadlines.for_init(flush, None, now=0.0).seconds == deadlines.TORCH_DEFAULT_S
+    with deadlines.init_window(init):
+        assert deadlines.from_environment({ENV_VAR: "bad"}) is init  # every communicator made here takes it
+    assert deadlines.from_environment({ENV_VAR: "3"}) == Deadline(3.0, ENV_VAR)
+    assert deadlines.lenient_from_environment({ENV_VAR: "bad"}).source != ENV_VAR  # refused by the agreement
+
+
+def test_the_runtime_inits_under_one_deadline_then_gives_its_communicators_the_flushes(monkeypatch):
+    from fakes import MirrorComm, flat_map
+
+    from owner_reduce.planning.flags import OwnerReduceFlags
+    from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
+
+    monkeypatch.setenv(ENV_VAR, "2")
+    made = []
+
+    def factory(group):
+        made.append(MirrorComm(0, 2))  # made inside init: from_environment gives init's deadline
+        return made[-1]
+
+    rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, False), flat_map([8, 8], 2), measure=False),
+                            comm_factory=factory)
+    seen = []
+    original = MirrorComm.all_gather_ints
+    monkeypatch.setattr(MirrorComm, "all_gather_ints", lambda self, values: (seen.append(self.deadline),
+                                                                               original(self, values))[1])
+    rt.init(None, types.SimpleNamespace(double_buffer=True), 64)
+    (agreement,) = seen
+    assert agreement.until is not None and agreement.seconds == deadlines.TORCH_DEFAULT_S  # init's, not 2 s
+    assert made[0].deadline == Deadline(2.0, ENV_VAR)  # the flushes' from then on
+
+
+def test_a_creation_gets_only_what_is_left_of_inits_deadline():
+    ended = []
+    init = Deadline(30.0, "test", until=time.monotonic() + 0.2)
+    got = deadlines.end_process_if_still_blocked(lambda: time.sleep(0.6) or "made", deadline=init, rank=0,
+                                                 what="ncclCommInitRank (test)", write=ended.append, end=ended.append)
+    assert got == "made"  # the fake end() does not end this process; the creation returned later
+    assert ended[-1] == deadlines.BLOCKED_EXIT_CODE and "has not returned after 0.2 s" in ended[0], ended

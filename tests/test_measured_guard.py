@@ -20,7 +20,7 @@ from owner_reduce.planning.measured import (
     Verdict,
     format_measured_line,
     median,
-    pack_medians,
+    pack_samples,
     parse_measure,
     verdicts,
 )
@@ -43,27 +43,43 @@ def test_measure_setting_parses_or_names_the_variable():
         parse_measure("sometimes")
 
 
-def test_the_verdict_takes_the_slowest_rank_per_variant_and_a_tie_keeps_the_model():
-    rows = [pack_medians([(1.0, 2.0), (5.0, 1.0), (3.0, 3.0)]),
-            pack_medians([(4.0, 2.5), (1.0, 1.0), (3.0, 3.0)])]
+def test_the_verdict_times_each_step_by_its_slowest_rank_and_overrules_only_beyond_the_noise():
+    """Per trial flush and step, the slowest rank's sample; native's calls win only where every native step was
+    faster than every model step (Note (beyond the noise)); a lower median alone keeps the model's choice."""
+    rows = [pack_samples([([1.0, 1.1, 0.9], [2.0, 2.1, 2.2]),  # flush 1: the model clearly faster
+                          ([5.0, 5.5, 6.0], [1.0, 1.2, 1.1]),  # flush 2: native clearly faster (on rank 0 only)
+                          ([3.0, 1.0, 3.2], [2.0, 2.1, 2.2])]),  # flush 3: native's median lower, within the noise
+            pack_samples([([1.2, 1.0, 1.0], [1.9, 2.5, 2.0]),
+                          ([1.0, 1.0, 1.0], [1.1, 1.3, 1.0]),
+                          ([2.9, 1.1, 3.1], [2.4, 2.0, 2.0])])]
     got = verdicts(rows)
-    assert got == (Verdict(4.0, 2.5), Verdict(5.0, 1.0), Verdict(3.0, 3.0))
-    assert [v.native_wins for v in got] == [True, True, False]
+    assert got == (Verdict(1.1, 2.2, False), Verdict(5.5, 1.1, True), Verdict(3.0, 2.2, False))
+    assert [v.native_wins for v in got] == [False, True, False]
+    assert [v.within_noise for v in got] == [False, False, True]
+    assert verdicts([pack_samples([([3.0] * 3, [3.0] * 3)])]) == (Verdict(3.0, 3.0, False),)  # a tie keeps the model
     with pytest.raises(RuntimeError, match="ranks measured different flushes"):
-        verdicts([pack_medians([(1.0, 2.0)]), pack_medians([(1.0, 2.0), (1.0, 1.0)])])
+        verdicts([pack_samples([([1.0] * 3, [2.0] * 3)]), pack_samples([([1.0] * 3, [2.0] * 3)] * 2)])
+    with pytest.raises(ValueError, match="needs 3"):
+        pack_samples([([1.0, 2.0], [1.0, 2.0, 3.0])])
     assert median([3.0, 1.0, 2.0]) == 2.0 and median([4.0, 1.0]) == 2.5
 
 
 def test_the_measured_line_names_kinds_times_and_what_was_overruled():
-    flushes = [TrialFlush(1, "reduce_scatter", 100.0, 200.0, Verdict(1500.0, 1000.0)),
-               TrialFlush(3, "reduce_scatter+handoff", 300.0, 500.0, Verdict(400.0, 900.0))]
+    flushes = [TrialFlush(1, "reduce_scatter", 100.0, 200.0, Verdict(1500.0, 1000.0, True)),
+               TrialFlush(3, "reduce_scatter+handoff", 300.0, 500.0, Verdict(400.0, 900.0)),
+               TrialFlush(4, "reduce", 50.0, 90.0, Verdict(700.0, 600.0))]
     line = format_measured_line("[dc-schedule][r0]", "#1", flushes)
-    assert line == ("[dc-schedule][r0] graph #1: measured 2 flushes over 3 steps each way, slowest rank: "
+    assert line == ("[dc-schedule][r0] graph #1: measured 3 flushes over 3 steps each way, slowest rank: "
                     "reduce_scatter x1 measured 1.500 ms vs native 1.000 ms (modelled 0.100 vs 0.200); "
                     "reduce_scatter+handoff x1 measured 0.400 ms vs native 0.900 ms (modelled 0.300 vs 0.500); "
-                    "overruled by measurement, native from now on: flush 1 (reduce_scatter)")
-    kept = format_measured_line("[dc-schedule][r0]", "#2", flushes[1:])
+                    "reduce x1 measured 0.700 ms vs native 0.600 ms (modelled 0.050 vs 0.090); "
+                    "overruled by measurement, native from now on: flush 1 (reduce_scatter); "
+                    "native faster within the noise, the model's choice kept: flush 4 (reduce)")
+    kept = format_measured_line("[dc-schedule][r0]", "#2", flushes[1:2])
     assert kept.endswith("the model's choice kept for every flush")
+    replayed = format_measured_line("[dc-schedule][r0]", "#2", flushes[1:2], source="the checkpoint ckpt/x")
+    assert replayed.startswith("[dc-schedule][r0] graph #2: verdicts replayed from the checkpoint ckpt/x, as "
+                               "measured 1 flush over 3 steps each way")
 
 
 # ---- in-process ranks -----------------------------------------------------------------------------------------
@@ -90,13 +106,13 @@ def _grads(rank: int, step: int) -> dict[int, torch.Tensor]:
             for pid, n in enumerate(NUMELS)}
 
 
-def _world(slow: dict[int, type] | None = None, measure=(True, True), algo="auto"):
+def _world(slow: dict[int, type] | None = None, measure=(True, True), algo="auto", **settings):
     world = ExchangeWorld(WS, timeout_s=20)
     for rank, cls in (slow or {}).items():
         world._comms[rank] = cls(world, rank)
     m = flat_map(NUMELS, WS)
     runtimes = world.run(lambda rank: mirror_runtime(
-        m, rank=rank, graph_id=GRAPH, comm=world.comm(rank), algo=algo, measure=measure[rank])[0])
+        m, rank=rank, graph_id=GRAPH, comm=world.comm(rank), algo=algo, measure=measure[rank], **settings)[0])
     for rt in runtimes:
         rt.record_collectives = True
     return world, runtimes

@@ -166,7 +166,11 @@ def test_agreement_mismatch_is_refused(column, name):
     comm = MirrorComm()
     settings = RuntimeSettings(OwnerReduceFlags(True, True), OwnerMap.from_group_tables([TABLES], 2))
     rt = OwnerReduceRuntime(settings, comm_factory=lambda group: comm)
-    good = [2, 3, 64, int(settings.owner_map.digest()[:15], 16), 0, 0, 2, 0]
+    from owner_reduce.runtime.handle import _AGREEMENT_PROTOCOL
+
+    # protocol, flags, bucket, map digest, algo, map problems, ranks per node, sm, measure, calibration, local rank,
+    # host, nvlinks, verdicts, reasons' length
+    good = [_AGREEMENT_PROTOCOL, 3, 64, int(settings.owner_map.digest()[:15], 16), 0, 0, 2, 0, 1, 0, 0, 0, 0, 0, 0]
     bad = list(good)
     bad[column] += 1 if name != "flags" else 4  # an unknown flag bit: the generic sentence
     if name.startswith("compile."):
@@ -371,3 +375,58 @@ def test_a800_ranks_are_modelled_with_their_eight_nvlinks(monkeypatch):
     assert names == {8: "4-GPU NVLink node (ampere, 8 links x 20 GB/s)",
                      0: "4-GPU NVLink node (ampere, 12 links x 20 GB/s)"}
 
+
+
+def test_a_two_level_stage_that_raises_still_joins_the_level_streams():
+    """Before: ``levels_end`` was skipped, so the reduce stream (which every later wait polls) did not cover what the
+    node stream had issued. The failed call's error is the one raised."""
+    import contextlib
+
+    from owner_reduce.planning.collectives import NODE, RAIL, REDUCE, REDUCE_SCATTER, Collective
+    from owner_reduce.planning.flush_choice import FlushCost
+    from owner_reduce.runtime.flush import Flusher, Levels
+
+    class Streams:
+        def __init__(self):
+            self.log = []
+
+        def levels_begin(self):
+            self.log.append("begin")
+
+        @contextlib.contextmanager
+        def level(self, name):
+            yield
+
+        def node_stage_done(self):
+            self.log.append("stage")
+
+        def levels_end(self):
+            self.log.append("end")
+
+    class FailingRail(MirrorComm):
+        def reduce(self, buf, root):
+            raise RuntimeError("rail call failed")
+
+    from owner_reduce.runtime.stats import RuntimeStats
+
+    flusher = Flusher(OwnerMap.from_group_tables([TABLES], 2), OwnerReduceFlags(True, False), {}, RuntimeStats(),
+                      FlushCost(None))
+    flusher.levels = Levels(MirrorComm(0, 2), FailingRail(0, 2))
+    bucket = torch.ones(8)
+    stages = (((Collective(REDUCE_SCATTER, 0, 8, per_rank=4, comm=NODE),),
+               (Collective(REDUCE, 0, 4, root=1, comm=RAIL, rail=0),)),)
+    cached = types.SimpleNamespace(stages=stages)
+    views = (((bucket,), (bucket[:4],)),)
+    streams = Streams()
+    with pytest.raises(RuntimeError, match="rail call failed"):
+        flusher._two_level(cached, views, streams, 3)
+    assert streams.log == ["begin", "stage", "end"]
+
+
+def test_the_free_memory_reading_at_init_waits_for_nothing_on_the_device(monkeypatch):
+    from owner_reduce.runtime import handle
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (5, 10))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("an unbounded device wait at init"))
+    assert handle._device_free_bytes() == 5

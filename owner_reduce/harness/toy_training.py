@@ -52,12 +52,14 @@ class TrainSpec:
     # Load checkpoint_dir after engine.compile() and before the first forward, as a user resuming does, then train
     # from the checkpoint's step to ``steps`` on the batches an uninterrupted run would see; losses start there.
     resume: bool = False
+    load_before_compile: bool = False  # resume: load before engine.compile() instead of after it
     reuse_graph_ids: bool = False  # rank 0 reuses its graph ids after a recompile, other ranks never (graph_ids.py)
     # deepspeed.utils.safe_get_full_grad of every parameter between the boundary backward and its step
     full_grads: bool = False
     # Ranks grouped as nodes of this many (LOCAL_WORLD_SIZE, and LOCAL_RANK = rank % it, as torchrun sets them on
     # several nodes): the two-level flush's node and rail communicators; 0 keeps the launch's (one node).
     ranks_per_node: int = 0
+    env: tuple[tuple[str, str], ...] = ()  # environment variables for this run only (e.g. OWNER_REDUCE_VERDICTS)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -68,7 +70,7 @@ class TrainSpec:
 
 def train_each(rank: int, world_size: int, specs: tuple[TrainSpec, ...]) -> list[dict]:
     """Several runs, one after the other, in these ranks (``run_ranks``' function); each starts from the environment
-    the launch gave (a run's ``flush_algo`` or ``ranks_per_node`` sets variables for itself only)."""
+    the launch gave (a run's ``flush_algo``, ``env`` or ``ranks_per_node`` sets variables for itself only)."""
     environ = dict(os.environ)
     results = []
     for spec in specs:
@@ -228,6 +230,7 @@ def train(rank: int, world_size: int, spec: TrainSpec,
         reuse_graph_ids(rank)
     if spec.flush_algo is not None:
         os.environ["OWNER_REDUCE_FLUSH_ALGO"] = spec.flush_algo
+    os.environ.update(dict(spec.env))
     if spec.ranks_per_node:
         _group_as_nodes(rank, spec.ranks_per_node)
     model, batch = _model_and_batches(spec, rank)
@@ -260,18 +263,24 @@ def train(rank: int, world_size: int, spec: TrainSpec,
     engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters, config=config)
     accelerator = get_accelerator()
     compile_start = time.perf_counter()
-    if spec.mode != "plain":
-        phase("engine.compile (DeepCompile init: the owner runtime builds its communicator)")
-        engine.compile(backend=spec.backend, schedule=_compile_schedule(spec))
     first_step = 0
-    if spec.resume:
+
+    def load() -> int:
         phase(f"engine.load_checkpoint({spec.checkpoint_dir})")
         path, _ = engine.load_checkpoint(spec.checkpoint_dir)
         if path is None:
             raise RuntimeError(f"no checkpoint found in {spec.checkpoint_dir}")
-        first_step = engine.global_steps
-        for _ in range(first_step * spec.grad_accum):  # the batches the checkpointed run already trained on
+        for _ in range(engine.global_steps * spec.grad_accum):  # the batches the checkpointed run already trained on
             batch()
+        return engine.global_steps
+
+    if spec.resume and spec.load_before_compile:
+        first_step = load()
+    if spec.mode != "plain":
+        phase("engine.compile (DeepCompile init: the owner runtime builds its communicator)")
+        engine.compile(backend=spec.backend, schedule=_compile_schedule(spec))
+    if spec.resume and not spec.load_before_compile:
+        first_step = load()
     runtime = None
     timings: dict[str, list[int]] = {}
     losses: list[float] = []

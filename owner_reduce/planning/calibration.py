@@ -108,6 +108,13 @@ class Calibration:
                              "scripts/calibrate.py")
         return 0.0 if peers <= 0 else self.p2p.round_us(peers, max_bytes)
 
+    def missing_for_runtime(self) -> list[str]:
+        """What the runtime would need and this file lacks (empty: complete): every call kind and the send/recv round
+        (a file written with ``scripts/calibrate.py --kinds`` may hold only some)."""
+        measured = {f.kind for f in self.fits}
+        missing = [kind for kind in CALL_KINDS if kind not in measured]
+        return missing + (["the send/recv round (p2p)"] if self.p2p is None else [])
+
     def check_world_size(self, world_size: int) -> None:
         """A calibration times calls at one world size (latencies grow with the ranks): refuse another."""
         if world_size != self.world_size:

@@ -1,13 +1,22 @@
-"""The measured guard's arithmetic: which flushes a trial covers, the verdict from every rank's medians, the line.
+"""The measured guard's arithmetic: which flushes a trial covers, the verdict from every rank's samples, the line.
 
 Why measure at all: the cost model is NCCL's own tuning model on an assumed cluster; the one published measurement
 (8x A800) says it overstates the owner path's gain, and no interconnect has timed it. A user at 512 ranks cannot
 check a model, so the runtime checks its choice where it runs: after a graph learns its schedule, each flush whose
 choice is not native's own calls runs, in alternate steady steps, the model's choice and native's calls
-(``TRIAL_ROUNDS`` steps each); every rank contributes its median times per flush and variant to one small
-collective, the maximum over ranks is taken (the slowest rank is what the step waits for), and every rank keeps the
-same winner for that flush from then on. Identical on every rank: the inputs are the gathered rows, the same on
-every rank, and the arithmetic here.
+(``TRIAL_ROUNDS`` steps each); every rank contributes its times per flush and variant to one small collective, each
+step is timed by its slowest rank (what the step waits for), and every rank keeps the same winner for that flush from
+then on. Identical on every rank: the inputs are the gathered rows, the same on every rank, and the arithmetic here.
+
+Note (beyond the noise): native's calls replace the model's choice only where every step of native's was faster than
+every step of the model's (each step timed by its slowest rank): the two ranges do not overlap. Where they overlap
+the model's choice stays, also when native's median is the lower one (the line says "within the noise"). Why not
+the lower median: a verdict changes which algorithm adds the ranks' terms, so a verdict decided by noise would make
+two runs of one job, or a run and its resumption, differ in the last bits (issue 31). Timings on a loaded host vary
+by several times from step to step (samples of one flush from 0.5 to 10 ms on the CPU test cluster), while the
+differences the guard exists for (a model that is wrong at the user's scale) are systematic, so they separate;
+with three steps each way two variants of equal speed still separate by chance one time in twenty, which is why a
+verdict is kept with the checkpoint and can be pinned (``verdict_book``).
 
 On by default; ``OWNER_REDUCE_MEASURE=0`` turns it off (agreed at init like the other settings); never under a
 forced algorithm (``OWNER_REDUCE_FLUSH_ALGO``): a forced choice is what the user asked to run.
@@ -46,34 +55,46 @@ def median(values: Sequence[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def pack_medians(medians: Sequence[tuple[float, float]]) -> list[int]:
-    """This rank's row for the agreement collective: (model, native) median per trial flush, in nanoseconds."""
-    row = [len(medians)]
-    for model_us, native_us in medians:
-        row += [round(model_us * 1000), round(native_us * 1000)]
+def pack_samples(samples: Sequence[tuple[Sequence[float], Sequence[float]]], rounds: int = TRIAL_ROUNDS) -> list[int]:
+    """This rank's row for the agreement collective: per trial flush its first ``rounds`` samples (us) of the model's
+    choice, then of native's calls, in nanoseconds, after the flush count and ``rounds``. Sample k of every rank is
+    the same backward (the variants alternate alike on every rank), so the gathered rows line up step by step."""
+    row = [len(samples), rounds]
+    for model, native in samples:
+        if len(model) < rounds or len(native) < rounds:
+            raise ValueError(f"owner_reduce: a trial flush has {len(model)} and {len(native)} samples, needs {rounds}")
+        row += [round(us * 1000) for us in model[:rounds]] + [round(us * 1000) for us in native[:rounds]]
     return row
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """One trial flush after the agreement: the slowest rank's medians (us) and whether native's calls won."""
+    """One trial flush after the agreement: the medians (us) of its steps' times, each step timed by its slowest
+    rank, and whether native's calls won (see ``verdicts``)."""
 
     model_us: float
     native_us: float
+    native_wins: bool = False
 
     @property
-    def native_wins(self) -> bool:
-        return self.native_us < self.model_us  # a tie keeps the model's choice (fewer calls)
+    def within_noise(self) -> bool:
+        """Native's median was the lower one, but not beyond the trial's own noise: the model's choice stays."""
+        return not self.native_wins and self.native_us < self.model_us
 
 
 def verdicts(rows: Sequence[Sequence[int]]) -> tuple[Verdict, ...]:
-    """Every rank's ``pack_medians`` row -> per trial flush the maximum over ranks of each variant's median."""
-    counts = {row[0] for row in rows}
-    if len(counts) != 1 or any(len(row) != 1 + 2 * row[0] for row in rows):
+    """Every rank's ``pack_samples`` row -> per trial flush a ``Verdict``. See Note (beyond the noise)."""
+    shapes = {(row[0], row[1]) if len(row) >= 2 else None for row in rows}
+    if len(shapes) != 1 or None in shapes or any(len(row) != 2 + 2 * row[0] * row[1] for row in rows):
         raise RuntimeError(f"owner_reduce: ranks measured different flushes in the trial: rows {list(rows)}")
-    (n,) = counts
-    return tuple(Verdict(max(row[1 + 2 * i] for row in rows) / 1000, max(row[2 + 2 * i] for row in rows) / 1000)
-                 for i in range(n))
+    ((n, rounds),) = shapes
+    out = []
+    for i in range(n):
+        at = 2 + 2 * rounds * i
+        model = [max(row[at + k] for row in rows) / 1000 for k in range(rounds)]
+        native = [max(row[at + rounds + k] for row in rows) / 1000 for k in range(rounds)]
+        out.append(Verdict(median(model), median(native), native_wins=max(native) < min(model)))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -88,9 +109,12 @@ class TrialFlush:
     verdict: Verdict
 
 
-def format_measured_line(prefix: str, graph: str, flushes: Sequence[TrialFlush], rounds: int = TRIAL_ROUNDS) -> str:
+def format_measured_line(prefix: str, graph: str, flushes: Sequence[TrialFlush], rounds: int = TRIAL_ROUNDS,
+                         source: str | None = None) -> str:
     """The ``[dc-schedule]`` line after a trial: measured against modelled milliseconds per flush kind (summed over
-    that kind's flushes, the slowest rank's medians), then which flushes the measurement overruled."""
+    that kind's flushes, medians of the steps' slowest ranks), then which flushes the measurement overruled and where
+    native was faster within the noise (Note (beyond the noise)). ``source``: the verdicts were not measured in this
+    run but replayed from there (a checkpoint, a verdict file)."""
     by_algo: dict[str, list[TrialFlush]] = {}
     for f in flushes:
         by_algo.setdefault(f.algo, []).append(f)
@@ -106,5 +130,10 @@ def format_measured_line(prefix: str, graph: str, flushes: Sequence[TrialFlush],
     tail = ("overruled by measurement, native from now on: "
             + ", ".join(f"flush {f.number} ({f.algo})" for f in overruled)) if overruled else \
         "the model's choice kept for every flush"
-    return (f"{prefix} graph {graph}: measured {count_noun(len(flushes), 'flush', 'flushes')} over {rounds} steps "
+    close = [f for f in flushes if f.verdict.within_noise]
+    if close:
+        tail += ("; native faster within the noise, the model's choice kept: "
+                 + ", ".join(f"flush {f.number} ({f.algo})" for f in close))
+    what = "measured" if source is None else "verdicts replayed from " + source + ", as measured"
+    return (f"{prefix} graph {graph}: {what} {count_noun(len(flushes), 'flush', 'flushes')} over {rounds} steps "
             f"each way, slowest rank: " + "; ".join(parts) + f"; {tail}")

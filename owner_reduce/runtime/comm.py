@@ -20,6 +20,11 @@ streams, which the reduce stream joins; the runtime's bounded waits are on this 
 So this communicator's ``wait_until`` covers them too: it waits for their works in flight, reports their errors
 (``node communicator: ...``), names their unfinished call, and on failure aborts every one of them with itself, so
 that no kernel of a stalled level keeps the GPU after the error. ``close_subs`` releases them.
+
+Note (names): an error names this process's global rank (``rank 5``; with its data-parallel rank where the two
+differ, a data-parallel group smaller than the job), the flush, the call and, on a sub-communicator, the
+communicator (``on the rail communicator``) and each root or peer as the sub-communicator's rank and the
+data-parallel rank it is (``root=1 = data-parallel rank 3``): a node or rail communicator numbers its ranks from 0.
 """
 
 from __future__ import annotations
@@ -48,6 +53,35 @@ class ReduceComm(ABC):
         self.flush: int | None = None  # the flush being issued or last issued (error messages)
         self.role = "data-parallel"  # or "node" / "rail": a sub-communicator's part in a two-level flush
         self.subs: list[ReduceComm] = []  # made by split(): see Note (sub-communicators)
+        self.global_rank = rank  # this process's rank in the job (implementations that know it set it): Note (names)
+        self.members: tuple[int, ...] | None = None  # a sub-communicator's ranks as data-parallel ranks (split)
+
+    # ---- names in messages: Note (names) ---------------------------------------------------------------------
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's rank in the data-parallel communicator."""
+        return self.rank if self.members is None else self.members[self.rank]
+
+    def who(self) -> str:
+        """``rank 5``, or ``rank 5 (data-parallel rank 2)`` where the two differ."""
+        dp = self.dp_rank
+        return f"rank {self.global_rank}" + ("" if dp == self.global_rank else f" (data-parallel rank {dp})")
+
+    def peer_name(self, peer: int) -> str:
+        """A root or peer of this communicator: ``3``, or on a sub-communicator ``1 = data-parallel rank 3``."""
+        return str(peer) if self.members is None else f"{peer} = data-parallel rank {self.members[peer]}"
+
+    @property
+    def where(self) -> str:
+        """``""`` on the data-parallel communicator, `` on the rail communicator`` on a sub-communicator."""
+        return "" if self.members is None else f" on the {self.role} communicator"
+
+    def set_deadline(self, deadline: deadlines.Deadline) -> None:
+        """This communicator's and its sub-communicators' deadline from now on (the runtime, after init)."""
+        self.deadline = deadline
+        for sub in self.subs:
+            sub.deadline = deadline
 
     @contextlib.contextmanager
     def group(self, flush: int | None = None) -> Iterator[None]:
@@ -79,35 +113,38 @@ class ReduceComm(ABC):
     def wait_until(self, done: Callable[[], bool], call: str, flush: int | None = None) -> None:
         """Poll ``done`` (a CUDA stream's or event's ``query``) and this communicator's and its sub-communicators'
         works in flight within the deadline; on a timeout or an error of any of them, abort them all and raise
-        ``OwnerReduceCommError`` naming the call still unfinished (see Note (sub-communicators))."""
+        ``OwnerReduceCommError`` naming the call still unfinished (see Note (sub-communicators)), its communicator
+        and its flush (``flush``, else that call's, else the last one issued here)."""
         comms = (self, *self.subs)
-        if flush is None:  # the oldest flush still in flight on any of them, else the last one issued here
-            flush = next((f for c in comms if (f := c._oldest_in_flight()) is not None), self.flush)
+        named: list[tuple[int | None, str]] = []
+
+        def names() -> tuple[int | None, str]:  # formatted once, on failure (before the abort forgets the works)
+            if not named:
+                named.append(self._waiting_for(comms, call, flush))
+            return named[0]
+
         deadlines.poll_until_done(lambda: all(c._works_done() for c in comms) and done(), deadline=self.deadline,
-                                  rank=self.rank, flush=flush, call=lambda: self._waiting_for(call, flush),
-                                  check_error=self._any_async_error, abort=self._abort_all)
+                                  rank=self.global_rank, dp_rank=self.dp_rank, flush=lambda: names()[0],
+                                  call=lambda: names()[1], check_error=self._any_async_error, abort=self._abort_all)
 
     def _works_done(self) -> bool:
         """Forget the works in flight that completed; True when none is left (none are kept by default)."""
         return True
 
-    def _oldest_in_flight(self) -> int | None:
-        """The flush of the oldest work this communicator keeps in flight, or None."""
+    def _first_unfinished(self) -> tuple[int | None, str] | None:
+        """(flush, name) of the first call issued here that has not completed, or None (none are kept by default)."""
         return None
 
-    def _pending_call(self, flush: int | None) -> str | None:
-        """The name of the oldest call still in flight (``flush``: the one the error names), or None."""
-        return None
-
-    def _waiting_for(self, call: str, flush: int | None) -> str:
-        """``end_backward, waiting for all_reduce(count=8, dtype=float32) (call 2 of 3)``, or ``... on the rail
-        communicator``: formatted on failure."""
-        for comm in (self, *self.subs):
-            pending = comm._pending_call(flush)
-            if pending is not None:
-                where = "" if comm is self else f" on the {comm.role} communicator"
-                return f"{call}, waiting for {pending}{where}"
-        return call
+    def _waiting_for(self, comms: Sequence[ReduceComm], call: str, flush: int | None) -> tuple[int | None, str]:
+        """(the flush, ``end_backward, waiting for all_reduce(count=8, dtype=float32) (call 2 of 3)``, or ``... on
+        the rail communicator``): the oldest unfinished call on any of ``comms``; formatted on failure."""
+        pending = [(p, comm) for comm in comms if (p := comm._first_unfinished()) is not None]
+        if not pending:
+            return (self.flush if flush is None else flush), call
+        (oldest, name), comm = min(pending, key=lambda pc: (pc[0][0] is None, pc[0][0] or 0))
+        shown = oldest if flush is None else flush
+        of = "" if oldest is None or oldest == shown else f" of flush #{oldest}"
+        return shown, f"{call}, waiting for {name}{of}{comm.where}"
 
     def _any_async_error(self) -> str | None:
         """This communicator's asynchronous error, else the first sub-communicator's, named."""
@@ -192,6 +229,9 @@ class ReduceComm(ABC):
         the same ``groups``."""
         sub = self._split(groups)
         sub.role = role
+        sub.members = tuple(next(g for g in groups if self.rank in g))
+        sub.global_rank = self.global_rank
+        sub.deadline = self.deadline
         self.subs.append(sub)
         return sub
 
@@ -281,6 +321,7 @@ class TorchDistComm(ReduceComm):
         world_size = tdist.get_world_size(group=group)
         super().__init__(tdist.get_rank(group=group), world_size)
         self._global_rank = [tdist.get_global_rank(group, r) for r in range(world_size)]
+        self.global_rank = self._global_rank[self.rank]
         self._sum = tdist.ReduceOp.SUM
         self._no_dispatcher: Any = None
         self._native_scatter = str(tdist.get_backend(group)).lower() != "gloo"  # see reduce_scatter
@@ -374,8 +415,9 @@ class TorchDistComm(ReduceComm):
             issued = self._tdist.batch_isend_irecv([op for op, _ in p2p])
         except Exception as error:  # noqa: BLE001 - gloo and NCCL raise RuntimeError (or DistBackendError)
             raise deadlines.OwnerReduceCommError(
-                rank=self.rank, flush=self.flush, call=f"send/recv round ({len(p2p)} operations, first "
-                f"{_call_name(p2p[0][1], 0, 1)})", waited_s=0.0, deadline=self.deadline,
+                rank=self.global_rank, dp_rank=self.dp_rank, flush=self.flush,
+                call=f"send/recv round ({len(p2p)} operations, first {_call_name(p2p[0][1], 0, 1, self)}){self.where}",
+                waited_s=0.0, deadline=self.deadline,
                 reason=f"failed: {type(error).__name__}: {deadlines.first_line(error)}") from error
         calls = [call for _, call in p2p]
         if len(issued) != len(calls):  # one coalesced work for the whole round
@@ -411,23 +453,22 @@ class TorchDistComm(ReduceComm):
         return [g.tolist() for g in gathered]
 
     def _split(self, groups: Sequence[Sequence[int]]) -> TorchDistComm:
-        """One ``new_group`` per group, created in ``groups``' order on every rank (torch.distributed needs every rank
-        of the parent group to create every group), each with the deadline as its timeout; this rank's is returned.
-        """
+        """This rank's group as a ``new_group`` with local synchronization: only its members create it, and torch names
+        it by a hash of its ranks. Why not every rank creating every group: under a data-parallel group smaller than
+        the job (tensor or pipeline parallelism beside it), only this data-parallel group's ranks run ``split``, and
+        torch's default names count the groups each process made, so two data-parallel groups would give groups of
+        different ranks the same name, and their ranks would meet in one rendezvous. Every rank creates its groups in
+        the same order (node, then rail), as local synchronization needs. The deadline is the group's timeout."""
         from datetime import timedelta
 
-        timeout = timedelta(seconds=self.deadline.seconds)
-        mine = None
-        with _no_python_dispatcher():
-            for members in groups:
-                group = self._tdist.new_group(ranks=[self._global_rank[m] for m in members], timeout=timeout)
-                if self.rank in members:
-                    mine = group
+        mine = next((g for g in groups if self.rank in g), None)
         if mine is None:
             raise ValueError(f"{self.name}: rank {self.rank} is in none of the groups {[list(g) for g in groups]}")
-        sub = TorchDistComm(mine, self._tdist)
-        sub.deadline = self.deadline
-        return sub
+        timeout = timedelta(seconds=max(1.0, self.deadline.allowed_s(time.monotonic())))
+        with _no_python_dispatcher():
+            group = self._tdist.new_group(ranks=[self._global_rank[m] for m in mine], timeout=timeout,
+                                          use_local_synchronization=True)
+        return TorchDistComm(group, self._tdist)
 
     def close(self) -> None:
         """The runtime's cleanup has waited for the reduce stream (and so for every work in flight) already."""
@@ -447,11 +488,9 @@ class TorchDistComm(ReduceComm):
                 work.block_current_stream()  # returns at once: the stream waits, not the host
                 self._in_flight.append(_InFlight(work, call, i, len(works), flush))
                 continue
-            deadlines.wait_work(work, deadline=self.deadline, started=started, rank=self.rank, flush=flush,
-                                call=lambda call=call, i=i: _call_name(call, i, len(works)))
-
-    def _oldest_in_flight(self) -> int | None:
-        return self._in_flight[0].flush if self._in_flight else None
+            deadlines.wait_work(work, deadline=self.deadline, started=started, rank=self.global_rank,
+                                dp_rank=self.dp_rank, flush=flush,
+                                call=lambda call=call, i=i: _call_name(call, i, len(works), self) + self.where)
 
     def _works_done(self) -> bool:
         """Forget the works in flight that completed (in issue order); True when none is left. A work that failed
@@ -471,13 +510,16 @@ class TorchDistComm(ReduceComm):
             if entry.work.is_completed():
                 error = entry.work.exception()
                 if error is not None:
-                    return (f"{_in_flight_name(entry, None)}: {type(error).__name__}: "
+                    return (f"{_in_flight_name(entry, None, self)}: {type(error).__name__}: "
                             f"{deadlines.first_line(error)}")
         return None
 
-    def _pending_call(self, flush: int | None) -> str | None:
-        pending = next((e for e in self._in_flight if not e.work.is_completed()), None)
-        return None if pending is None else _in_flight_name(pending, flush)
+    def _first_unfinished(self) -> tuple[int | None, str] | None:
+        pending = next((e for e in self._in_flight if not e.work.is_completed() or e.work.exception() is not None),
+                       None)
+        if pending is None:
+            return None
+        return pending.flush, _call_name(pending.call, pending.index, pending.calls, self)
 
     def _abort(self) -> None:
         """After a failed wait on device works: abort the process group (once), so that its NCCL kernels stop."""
@@ -490,16 +532,17 @@ class TorchDistComm(ReduceComm):
             abort()
 
 
-def _in_flight_name(entry: _InFlight, reported_flush: int | None) -> str:
+def _in_flight_name(entry: _InFlight, reported_flush: int | None, comm: ReduceComm) -> str:
     """The call's name, and its flush where the error names another one (or none)."""
-    name = _call_name(entry.call, entry.index, entry.calls)
+    name = _call_name(entry.call, entry.index, entry.calls, comm)
     return name if entry.flush is None or entry.flush == reported_flush else f"{name} of flush #{entry.flush}"
 
 
-def _call_name(call: _Call, index: int, calls: int) -> str:
-    """``reduce(root=1, count=143, dtype=float32) (call 1 of 4)``: formatted only for an error."""
+def _call_name(call: _Call, index: int, calls: int, comm: ReduceComm) -> str:
+    """``reduce(root=1, count=143, dtype=float32) (call 1 of 4)``, a root or peer named by ``comm.peer_name`` (Note
+    (names)): formatted only for an error."""
     kind, root, count, dtype, _ = call
-    who = "" if root is None else f"{'peer' if kind in ('send', 'recv') else 'root'}={root}, "
+    who = "" if root is None else f"{'peer' if kind in ('send', 'recv') else 'root'}={comm.peer_name(root)}, "
     name = f"{kind}({who}count={count}, dtype={str(dtype).removeprefix('torch.')})"
     return name if calls == 1 else f"{name} (call {index + 1} of {calls})"
 

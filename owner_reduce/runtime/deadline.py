@@ -14,20 +14,27 @@ communicator's creation, which nothing can interrupt, is bounded by ending the p
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ..planning.env_inputs import TIMEOUT_ENV_VAR, parse_timeout_s
+
 T = TypeVar("T")
 
-ENV_VAR = "OWNER_REDUCE_TIMEOUT_S"
+ENV_VAR = TIMEOUT_ENV_VAR
 BLOCKED_EXIT_CODE = 1  # the exit status of a process ended by ``end_process_if_still_blocked``
 TORCH_DEFAULT_S = 1800.0  # torch's default_pg_timeout, used only when the default group's cannot be read
+
+_INIT_DEADLINE: contextvars.ContextVar[Deadline | None] = contextvars.ContextVar("owner_reduce_init_deadline",
+                                                                               default=None)
 
 # Polling: a few immediate checks (a finished wait costs only them), then sleeps growing to _MAX_SLEEP_S.
 _SPINS = 8
@@ -43,11 +50,13 @@ class OwnerReduceCommError(RuntimeError):
     """
 
     def __init__(self, *, rank: int, flush: int | None, call: str, waited_s: float, deadline: Deadline,
-                 reason: str) -> None:
+                 reason: str, dp_rank: int | None = None) -> None:
         where = "outside a flush" if flush is None else f"flush #{flush}"
-        super().__init__(f"owner_reduce: rank {rank}, {where}: {call} {reason} after waiting {waited_s:.1f} s "
+        who = f"rank {rank}" + ("" if dp_rank is None or dp_rank == rank else f" (data-parallel rank {dp_rank})")
+        super().__init__(f"owner_reduce: {who}, {where}: {call} {reason} after waiting {waited_s:.1f} s "
                          f"(deadline {deadline.describe()})")
         self.rank = rank
+        self.dp_rank = rank if dp_rank is None else dp_rank
         self.flush = flush
         self.call = call
         self.waited_s = waited_s
@@ -58,20 +67,20 @@ class OwnerReduceCommError(RuntimeError):
 class Deadline:
     seconds: float
     source: str  # where the value came from, for the error message
+    until: float | None = None  # init's one deadline: every wait ends by then (time.monotonic); Note (one for init)
 
     def describe(self) -> str:
-        return f"{self.seconds:g} s from {self.source}"
+        return f"{self.seconds:g} s from {self.source}" + ("" if self.until is None else ", shared by all of init")
+
+    def allowed_s(self, start: float) -> float:
+        """How long a wait that starts at ``start`` (``time.monotonic()``) may last."""
+        return self.seconds if self.until is None else max(0.0, min(self.seconds, self.until - start))
 
 
 def resolve(env_value: str | None, group_timeout_s: float | None) -> Deadline:
     """The deadline: ``OWNER_REDUCE_TIMEOUT_S`` if set, else the default group's timeout, else torch's default."""
-    if env_value is not None and env_value.strip():
-        try:
-            seconds = float(env_value)
-        except ValueError:
-            seconds = float("nan")
-        if not seconds > 0 or seconds == float("inf"):
-            raise ValueError(f"owner_reduce: {ENV_VAR} must be a positive number of seconds, got {env_value!r}")
+    seconds = parse_timeout_s(env_value)
+    if seconds is not None:
         return Deadline(seconds, ENV_VAR)
     if group_timeout_s is not None and group_timeout_s > 0:
         return Deadline(float(group_timeout_s), "the default process group (init_distributed timeout)")
@@ -102,15 +111,53 @@ def default_group_timeout_s() -> float | None:
 
 
 def from_environment(environ: Mapping[str, str] | None = None) -> Deadline:
-    """The deadline for this process, now: read once per communicator, never per call."""
+    """The deadline for this process, now: read once per communicator, never per call; inside ``init_window``, init's
+    one deadline (Note (one deadline for init))."""
+    init = _INIT_DEADLINE.get()
+    if init is not None:
+        return init
     env = os.environ if environ is None else environ
     return resolve(env.get(ENV_VAR), default_group_timeout_s())
 
 
-def poll_until_done(done: Callable[[], bool], *, deadline: Deadline, rank: int, flush: int | None,
+def lenient_from_environment(environ: Mapping[str, str] | None = None) -> Deadline:
+    """``from_environment`` outside any init window, with a bad ``OWNER_REDUCE_TIMEOUT_S`` taken as unset: the
+    runtime's init refuses it on every rank together (``planning.env_inputs``) instead of one rank raising here."""
+    env = os.environ if environ is None else environ
+    try:
+        value = parse_timeout_s(env.get(ENV_VAR))
+    except ValueError:
+        value = None
+    return resolve(None if value is None else str(value), default_group_timeout_s())
+
+
+def for_init(flush: Deadline, group_timeout_s: float | None, now: float) -> Deadline:
+    """Init's one deadline from ``now`` (Note (one deadline for init)): the larger of the flushes' deadline and the
+    default process group's timeout (torch's default where there is none)."""
+    group = float(group_timeout_s) if group_timeout_s is not None and group_timeout_s > 0 else TORCH_DEFAULT_S
+    if flush.seconds >= group:
+        return Deadline(flush.seconds, f"{flush.source}, counted from the start of init", until=now + flush.seconds)
+    source = ("the default process group (init_distributed timeout)" if group_timeout_s else
+              "torch's default (no process group timeout found)")
+    return Deadline(group, f"{source}, counted from the start of init", until=now + group)
+
+
+@contextlib.contextmanager
+def init_window(deadline: Deadline) -> Iterator[Deadline]:
+    """Inside: every communicator made takes ``deadline`` (``from_environment``), so that init's waits and
+    communicator creations share it; the runtime gives them the flushes' deadline afterwards."""
+    token = _INIT_DEADLINE.set(deadline)
+    try:
+        yield deadline
+    finally:
+        _INIT_DEADLINE.reset(token)
+
+
+def poll_until_done(done: Callable[[], bool], *, deadline: Deadline, rank: int,
+                    flush: int | None | Callable[[], int | None],
                     call: str | Callable[[], str], check_error: Callable[[], str | None] = lambda: None,
                     abort: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic,
-                    sleep: Callable[[float], None] = time.sleep) -> float:
+                    sleep: Callable[[float], None] = time.sleep, dp_rank: int | None = None) -> float:
     """Poll ``done`` (a CUDA event's or stream's ``query``) until it is true; return the seconds waited.
 
     Between polls ``check_error`` (``ncclCommGetAsyncError``) may report an error. On an error or when the
@@ -120,20 +167,22 @@ def poll_until_done(done: Callable[[], bool], *, deadline: Deadline, rank: int, 
     if done():
         return 0.0
     start = clock()
+    allowed = deadline.allowed_s(start)
     pause = _FIRST_SLEEP_S
     polls = 0
     while True:
         error = check_error()
         waited = clock() - start
-        if error is not None or waited >= deadline.seconds:
+        if error is not None or waited >= allowed:
             reason = "timed out" if error is None else f"failed: {error}"
             name = call() if callable(call) else call
+            flush = flush() if callable(flush) else flush
             try:
                 abort()
             except Exception as abort_error:  # noqa: BLE001 - the wait's failure is the one to report
                 reason += f" (and aborting the communicator failed: {type(abort_error).__name__}: {abort_error})"
             raise OwnerReduceCommError(rank=rank, flush=flush, call=name, waited_s=waited, deadline=deadline,
-                                       reason=reason)
+                                       reason=reason, dp_rank=dp_rank)
         polls += 1
         if polls > _SPINS:
             sleep(pause)
@@ -155,14 +204,15 @@ def add_note(error: BaseException, what: str, cause: BaseException) -> None:
 
 
 def wait_work(work: Any, *, deadline: Deadline, started: float, rank: int, flush: int | None,
-              call: str | Callable[[], str], clock: Callable[[], float] = time.monotonic) -> None:
+              call: str | Callable[[], str], clock: Callable[[], float] = time.monotonic,
+              dp_rank: int | None = None) -> None:
     """Wait for a torch.distributed ``Work`` until ``started + deadline``; ``OwnerReduceCommError`` otherwise.
 
     ``Work.wait(timeout)`` raises on a timeout (gloo: "Operation timed out!") and on a failed collective
     (a peer that closed its connection); both become the one error, naming the call (``call`` may be a
     function: the name is then formatted only on failure).
     """
-    remaining = deadline.seconds - (clock() - started)
+    remaining = deadline.allowed_s(started) - (clock() - started)
     try:
         if remaining <= 0 and not work.is_completed():
             raise TimeoutError("Operation timed out!")
@@ -171,7 +221,8 @@ def wait_work(work: Any, *, deadline: Deadline, started: float, rank: int, flush
         text = first_line(error)
         reason = "timed out" if "timed out" in text.lower() else f"failed: {type(error).__name__}: {text}"
         raise OwnerReduceCommError(rank=rank, flush=flush, call=call() if callable(call) else call,
-                                   waited_s=clock() - started, deadline=deadline, reason=reason) from error
+                                   waited_s=clock() - started, deadline=deadline, reason=reason,
+                                   dp_rank=dp_rank) from error
 
 
 def end_process_if_still_blocked(call: Callable[[], T], *, deadline: Deadline, rank: int, what: str,
@@ -180,11 +231,12 @@ def end_process_if_still_blocked(call: Callable[[], T], *, deadline: Deadline, r
     """Run ``call`` here; if it has not returned when the deadline passes, say so on stderr and end this process.
     See Note (a blocking init)."""
     returned = threading.Event()
+    allowed = deadline.allowed_s(time.monotonic())
 
     def watchdog() -> None:
-        if returned.wait(deadline.seconds):
+        if returned.wait(allowed):
             return
-        message = (f"owner_reduce: rank {rank}: {what} has not returned after {deadline.seconds:g} s (deadline "
+        message = (f"owner_reduce: rank {rank}: {what} has not returned after {allowed:.3g} s (deadline "
                    f"{deadline.describe()}): a peer never joined it. NCCL cannot interrupt it, so owner_reduce ends "
                    f"this process (exit status {BLOCKED_EXIT_CODE}), as torch's NCCL watchdog does, instead of "
                    f"hanging.\n")
@@ -211,4 +263,12 @@ one C call, cupy's blocking configuration (cupy 14 exposes no ``blocking=0``), a
 until it returns. cupy 14 calls it without the GIL, so a watchdog thread still runs: at the deadline it writes why to
 stderr and ends the process with ``os._exit(1)``, as torch's NCCL watchdog takes a process down after a collective
 timeout; the launcher then stops the others. A call that returns, or raises, in time stops the watchdog.
+
+Note (one deadline for init): the runtime's init (the communicator's choice and creation, the agreement, the node and
+rail communicators) is one phase that waits for every rank several times. All of it shares one deadline counted from
+its start (``Deadline.until``), not a fresh one per wait: the larger of ``OWNER_REDUCE_TIMEOUT_S`` (or the default
+group's timeout, the flushes' deadline) and the default process group's timeout, so that a short
+``OWNER_REDUCE_TIMEOUT_S`` meant to detect a stalled flush quickly never ends healthy ranks whose init at hundreds of
+ranks is merely slow. Every communicator made inside ``init_window`` takes it; after init the runtime gives each the
+flushes' deadline.
 """

@@ -242,19 +242,23 @@ class Flusher:
         assert levels is not None, "a two-level flush without node and rail communicators"
         node, rail = levels.node, levels.rail
         streams.levels_begin()
-        for (node_calls, reduces), (node_views, rail_views) in zip(cached.stages, views, strict=True):
-            with streams.level(NODE), node.group(flush=index):
-                for c, view in zip(node_calls, node_views, strict=True):
-                    if c.kind == REDUCE_SCATTER:
-                        node.reduce_scatter(view, c.per_rank)
-                    else:
-                        node.reduce(view, c.root)
-            streams.node_stage_done()
-            if reduces:
-                with streams.level(RAIL), rail.group(flush=index):
-                    for c, view in zip(reduces, rail_views, strict=True):
-                        rail.reduce(view, c.root)
-        streams.levels_end()
+        try:
+            for (node_calls, reduces), (node_views, rail_views) in zip(cached.stages, views, strict=True):
+                with streams.level(NODE), node.group(flush=index):
+                    for c, view in zip(node_calls, node_views, strict=True):
+                        if c.kind == REDUCE_SCATTER:
+                            node.reduce_scatter(view, c.per_rank)
+                        else:
+                            node.reduce(view, c.root)
+                streams.node_stage_done()
+                if reduces:
+                    with streams.level(RAIL), rail.group(flush=index):
+                        for c, view in zip(reduces, rail_views, strict=True):
+                            rail.reduce(view, c.root)
+        finally:
+            # Also after a failed stage: the reduce stream joins whatever the levels issued, so every later wait on it
+            # (the error path's, cleanup's) covers their kernels and the buffers they use.
+            streams.levels_end()
 
     def _staged(self, cached: _CachedFlush, bucket: Any) -> torch.Tensor:
         """Copy the pieces present into the bucket's staging buffer (see Note (staging)); return that buffer."""

@@ -28,7 +28,17 @@ from ..planning.flush_choice import AUTO, FORCE_ENV_VAR, FORCE_VALUES, FlushCost
 from ..planning.measured import MEASURE_ENV_VAR, TRIAL_ROUNDS, format_measured_line, verdicts
 from ..planning.owner_map import OwnerMap, Placement
 from ..planning.two_level import TwoLevel, two_level_of
+from ..planning.verdict_book import ENV_VAR as VERDICTS_ENV_VAR
+from ..planning.verdict_book import (
+    ScheduleVerdicts,
+    VerdictBook,
+    checkpoint_payload,
+    parse_checkpoint_payload,
+    payload_digest,
+    write_verdicts,
+)
 from ..planning.wording import count_noun, ranks_phrase
+from . import deadline as deadlines
 from .accumulate import Accumulator
 from .buckets import DoubleBufferedBuckets
 from .comm import ReduceComm
@@ -38,12 +48,13 @@ from .placement import GradPlacer
 from .schedule import Schedule
 from .stats import FlushRecord, RuntimeStats, emit
 from .topology import host_digest, local_rank, nvlinks, ranks_per_node, sm_major
-from .trial import Trial
+from .trial import Trial, key_of, trial_flushes
 
 __all__ = ["FlushRecord", "OwnerReduceMismatchError", "OwnerReduceRuntime", "RuntimeSettings", "RuntimeStats",
            "emit"]
 
-_AGREEMENT_PROTOCOL = 5
+_AGREEMENT_PROTOCOL = 6
+_PROBLEM_TEXT_LIMIT = 600  # bytes of a rank's reasons that reach the other ranks (``_gather_texts``)
 SCHEDULE_PREFIX = "[dc-schedule][r0]"  # rank 0's line when a graph's owner-ordered schedule is learned
 
 
@@ -60,6 +71,11 @@ class RuntimeSettings:
     flush_algo: str = AUTO  # OWNER_REDUCE_FLUSH_ALGO: a forced candidate, or the cost model's choice
     measure: bool = True  # OWNER_REDUCE_MEASURE: the measured guard (``planning.measured``)
     calibration: Calibration | None = None  # OWNER_REDUCE_CALIBRATION: measured call times in place of NCCL's tables
+    verdicts: VerdictBook | None = None  # OWNER_REDUCE_VERDICTS's file, replayed (``planning.verdict_book``)
+    verdicts_path: str | None = None  # OWNER_REDUCE_VERDICTS: replayed, or written where it does not exist yet
+    # (variable, reason) for every environment input this rank could not use (``planning.env_inputs``): refused at
+    # init on every rank together, by the agreement
+    env_problems: tuple[tuple[str, str], ...] = ()
 
 
 class OwnerReduceRuntime:
@@ -84,6 +100,11 @@ class OwnerReduceRuntime:
         self._update = False
         self._profiling = False
         self._measuring = False  # the measured guard runs (agreed at init; see ``_trial_for``)
+        # Every verdict decided, replayed or restored so far (``planning.verdict_book``): saved with each checkpoint.
+        self._book: VerdictBook | None = settings.verdicts
+        replayed = settings.verdicts.schedules if settings.verdicts is not None else ()
+        # schedule key -> where its verdicts came from (the replay line)
+        self._book_sources = {s.key: f"{VERDICTS_ENV_VAR}={settings.verdicts_path}" for s in replayed}
         self.on_cleanup: Any = None  # set by activation: hands get_deepcompile_handle() back
 
     # ---- what tests, the demo and the benchmark read -----------------------------------------------------
@@ -111,34 +132,44 @@ class OwnerReduceRuntime:
     # ---- the handle surface DeepCompile's stage-1/2 path calls -------------------------------------------
 
     def init(self, process_group: Any, compile_config: Any, reduce_bucket_size: int) -> None:
-        self.comm = self._comm_factory(process_group)
-        try:
-            cost, facts = self._check_agreement(int(reduce_bucket_size))
-            self.flusher.comm = self.comm
-            cost = self._make_levels(cost, facts)
-            self.flusher.cost = cost
-            buckets = DoubleBufferedBuckets(int(reduce_bucket_size), bool(compile_config.double_buffer),
-                                            self._bucket_limits)
-            self._measuring = (self.settings.measure and cost.force == AUTO and cost.topology is not None
-                               and self.settings.flags.reduce_to_owner)
-            self.placer = GradPlacer(self.settings.owner_map, self.settings.flags.reduce_to_owner, buckets,
-                                     self.flusher, self.stats, cost, self._sync_streams, self._learned,
-                                     self._trial_for if self._measuring else None)
-        except BaseException as error:
-            # DeepSpeed calls cleanup() only after a successful init: release the communicators here; a failure
-            # doing so is a note on the error that stopped init.
+        """Make the communicator, agree with every rank, make the node and rail communicators where a two-level flush
+        can run: all of it under init's one deadline (``deadline`` Note (one deadline for init)); the flushes' deadline
+        from then on."""
+        flush_deadline = deadlines.lenient_from_environment()
+        init_deadline = deadlines.for_init(flush_deadline, deadlines.default_group_timeout_s(), time.monotonic())
+        with deadlines.init_window(init_deadline):
+            self.comm = self._comm_factory(process_group)
             try:
+                cost, facts = self._check_agreement(int(reduce_bucket_size))
+                self.flusher.comm = self.comm
+                cost = self._make_levels(cost, facts)
+                self.flusher.cost = cost
+                buckets = DoubleBufferedBuckets(int(reduce_bucket_size), bool(compile_config.double_buffer),
+                                                self._bucket_limits)
+                self._measuring = (self.settings.measure and cost.force == AUTO and cost.topology is not None
+                                   and self.settings.flags.reduce_to_owner)
+                self.placer = GradPlacer(self.settings.owner_map, self.settings.flags.reduce_to_owner, buckets,
+                                         self.flusher, self.stats, cost, self._sync_streams, self._learned,
+                                         self._trial_for if self._measuring else None)
+            except BaseException as error:
+                # DeepSpeed calls cleanup() only after a successful init: release the communicators here; a failure
+                # doing so is a note on the error that stopped init.
                 try:
-                    self._close_levels()
-                finally:
-                    self.comm.close()
-            except BaseException as close_error:
-                add_note(error, "releasing the communicators afterwards failed too", close_error)
-            self.comm = None
-            raise
+                    try:
+                        self._close_levels()
+                    finally:
+                        self.comm.close()
+                except BaseException as close_error:
+                    add_note(error, "releasing the communicators afterwards failed too", close_error)
+                self.comm = None
+                raise
+        if self.comm.deadline is init_deadline:  # made inside the window (a test may hand in its own communicator)
+            self.comm.set_deadline(flush_deadline)
         if self.comm.rank == 0:
             self.stats.init_line = self.settings.owner_map.init_line(sliced=self.settings.flags.reduce_to_owner)
             emit(self.stats.init_line)
+            if self.settings.verdicts_path is not None:
+                self._say_verdicts()
 
     def register_param(self, ds_id: int, ds_shape: Any, ds_tensor: torch.Tensor, grad_buffer: torch.Tensor,
                        offset: int) -> None:
@@ -337,7 +368,10 @@ class OwnerReduceRuntime:
                      f"{basis}"
                      + ("" if cost.force == AUTO else f", {FORCE_ENV_VAR}={cost.force}") + ")")
             trial = sum(f.layout.choice != NATIVE for f in flushes)
-            if self._measuring and trial:
+            known = self._known_verdicts(schedule)
+            if self._measuring and trial and known is not None:
+                line += f"; verdicts replayed from {self._book_sources.get(known.key)} (no trial)"
+            elif self._measuring and trial:
                 line += (f"; measuring {count_noun(trial, 'flush', 'flushes')} against native's calls over the next "
                          f"{2 * TRIAL_ROUNDS} steps")
         self.stats.schedule_lines.append(line)
@@ -345,19 +379,39 @@ class OwnerReduceRuntime:
 
     # ---- the measured guard ------------------------------------------------------------------------------
 
-    def _trial_for(self, schedule: Schedule) -> Trial:
-        """A freshly learned schedule's trial (``trial``): its model-chosen flushes against native's calls."""
+    def _trial_for(self, schedule: Schedule) -> Trial | Schedule:
+        """A freshly learned schedule's trial (``trial``): its model-chosen flushes against native's calls; or, where
+        the book holds this schedule's verdicts (a checkpoint's, a verdict file's, an earlier trial's in this run), the
+        schedule of their winners at once, every rank alike (``planning.verdict_book``)."""
         cost = self.flusher.cost
 
         def native_us(flush: Any) -> float:
             return cost.for_dtype_bytes(flush.dtype.itemsize).native_us(flush.numels)
 
-        return Trial(schedule, self.placer.native_layout, native_us)
+        trial = Trial(schedule, self.placer.native_layout, native_us, world_size=self.comm.world_size)
+        known = self._known_verdicts(schedule)
+        if known is None:
+            return trial
+        winners, report = trial.winners(known.verdicts)
+        self.stats.trials_replayed += 1
+        self.stats.measured_overruled += sum(f.verdict.native_wins for f in report)
+        if self.comm.rank == 0:
+            self._measured_line(schedule.graph_id, report, known.rounds, source=self._book_sources.get(trial.key))
+        return winners
+
+    def _known_verdicts(self, schedule: Schedule) -> ScheduleVerdicts | None:
+        """The book's verdicts of ``schedule`` where they match its trial flushes (``verdict_book`` Note (key)), or
+        None: it is measured."""
+        if self._book is None:
+            return None
+        flushes = trial_flushes(schedule)
+        known = self._book.find(key_of(schedule, self.comm.world_size)) if flushes else None
+        return known if known is not None and known.matches(flushes) else None
 
     def _advance_trials(self) -> None:
         """After ``end_backward``'s wait: the timed flushes' times go to their trials; a trial with every sample
-        gathers every rank's medians in one collective (bounded by the deadline, as every call of the communicator)
-        and every rank installs the same winners."""
+        gathers every rank's samples in one collective (bounded by the deadline, as every call of the communicator)
+        and every rank installs the same winners, and keeps them in the book (``planning.verdict_book``)."""
         placer = self.placer
         placer.take_marks()
         for graph_id, trial in placer.finished_trials():
@@ -366,12 +420,109 @@ class OwnerReduceRuntime:
             placer.install(graph_id, schedule)
             self.stats.trials_decided += 1
             self.stats.measured_overruled += sum(f.verdict.native_wins for f in report)
+            book = self._book or VerdictBook(self.comm.world_size)
+            self._book = book.with_schedule(ScheduleVerdicts(trial.key, trial.rounds, report))
+            self._book_sources[trial.key] = "an earlier trial of this run"
             if self.comm.rank == 0:
-                number = self._learned_graphs.get(graph_id)
-                line = format_measured_line(SCHEDULE_PREFIX, f"#{number}" if number else str(graph_id), report,
-                                            trial.rounds)
-                self.stats.measured_lines.append(line)
-                emit(line)
+                written = self._write_verdicts()
+                self._measured_line(graph_id, report, trial.rounds, written=written)
+
+    def _measured_line(self, graph_id: int, report: Any, rounds: int, source: str | None = None,
+                       written: str | None = None) -> None:
+        number = self._learned_graphs.get(graph_id)
+        line = format_measured_line(SCHEDULE_PREFIX, f"#{number}" if number else str(graph_id), report, rounds,
+                                    source=source)
+        if written is not None:
+            line += f"; verdicts written to {written} ({VERDICTS_ENV_VAR}={written} replays them)"
+        self.stats.measured_lines.append(line)
+        emit(line)
+
+    def _write_verdicts(self) -> str | None:
+        """Rank 0, after a trial: the book to ``OWNER_REDUCE_VERDICTS``'s file when this run writes it (it did not
+        exist at init); the path written, or None. A failure to write is said, never raised: training is not at
+        fault, only the pinning is lost."""
+        path = self.settings.verdicts_path
+        if path is None or self.settings.verdicts is not None or self._book is None:
+            return None
+        try:
+            write_verdicts(path, self._book)
+        except OSError as error:
+            from deepspeed.utils import logger
+
+            logger.warning(f"owner_reduce: {VERDICTS_ENV_VAR}={path}: writing the verdicts failed ({error}); this "
+                           f"run's verdicts are not pinned")
+            return None
+        return path
+
+    def _say_verdicts(self) -> None:
+        """Rank 0 at init, where ``OWNER_REDUCE_VERDICTS`` is set: replayed or written, and where; or, without the
+        measured guard, that it has no effect."""
+        path = self.settings.verdicts_path
+        book = self.settings.verdicts
+        if not self._measuring:
+            from deepspeed.utils import logger
+
+            logger.warning(f"owner_reduce: {VERDICTS_ENV_VAR}={path} has no effect: the measured guard is off "
+                           f"({MEASURE_ENV_VAR}=0, a forced {FORCE_ENV_VAR}, or the owner path off)")
+        elif book is None:
+            emit(f"owner_reduce: {VERDICTS_ENV_VAR}={path} does not exist yet: this run measures and writes its "
+                 f"verdicts there after each trial")
+        else:
+            emit(f"owner_reduce: {VERDICTS_ENV_VAR}={path}: replaying verdicts {book.digest()} "
+                 f"({count_noun(len(book.schedules), 'schedule', 'schedules')} at {book.world_size} ranks); a "
+                 f"schedule not among them is measured")
+
+    # ---- the verdicts and checkpoints (``wiring.checkpoint``) ------------------------------------------------
+
+    def checkpoint_state(self) -> dict[str, Any] | None:
+        """What ``engine.save_checkpoint`` keeps of the runtime (``wiring.checkpoint``): the verdicts and every schedule
+        as learned (``placement`` Note (resumed schedules)); None before any schedule."""
+        recordings = self.placer.recordings() if self.placer is not None else []
+        if not recordings and (self._book is None or not self._book.schedules):
+            return None
+        named = [[(str(d).removeprefix("torch."), ids, numels) for d, ids, numels in r] for r in recordings]
+        return checkpoint_payload(self._book, named)
+
+    def restore_checkpoint_state(self, data: Any, source: str = "the checkpoint") -> None:
+        """``engine.load_checkpoint``: the checkpoint's verdicts join the book (theirs win) and its schedules wait for
+        their graphs' first backward, so the resumed run follows the same flushes with the same winners as the run
+        that saved it, from its first step. Collective: every rank calls it (``load_checkpoint`` is), and the ranks
+        agree on what they read, within the deadline; what every rank finds unusable is said once and dropped."""
+        assert self.comm is not None and self.placer is not None, "owner_reduce runtime used before init()"
+        try:
+            book, recordings = parse_checkpoint_payload(data, source)
+            if book is not None:
+                book.check_world_size(self.comm.world_size)
+            dtypes = [[(getattr(torch, d), ids, numels) for d, ids, numels in r] for r in recordings]
+            if any(not isinstance(d, torch.dtype) for r in dtypes for d, _, _ in r):
+                raise ValueError(f"owner_reduce: {source}: a schedule names a dtype torch does not have")
+        except (ValueError, AttributeError) as error:
+            usable, reason = False, str(error).removeprefix("owner_reduce: ")
+        else:
+            usable, reason = True, None
+        digest = int(payload_digest(data), 16) if usable else 0
+        values = [row[0] for row in self.comm.all_gather_ints([digest])]
+        if len(set(values)) > 1:
+            raise OwnerReduceMismatchError(
+                f"owner_reduce on rank {self.comm.rank}: the ranks read different owner_reduce state from {source}: "
+                + ", ".join(f"{f'{v:012x}' if v else 'unusable'} on rank {r}" for r, v in enumerate(values))
+                + (f" (this rank: {reason})" if reason else ""))
+        if not usable:
+            if self.comm.rank == 0:
+                from deepspeed.utils import logger
+
+                logger.warning(f"owner_reduce: not resuming the verdicts and schedules of {source}: {reason}; they are "
+                               f"learned and measured again")
+            return
+        if book is not None:
+            self._book = book if self._book is None else self._book.merged(book)
+            self._book_sources.update((s.key, source) for s in book.schedules)
+        self.placer.restore_recordings(dtypes)
+        if self.comm.rank == 0:
+            verdicts = count_noun(len(book.schedules), "schedule's verdicts", "schedules' verdicts") if book else \
+                "no verdicts"
+            emit(f"owner_reduce: restored from {source}: {count_noun(len(recordings), 'schedule', 'schedules')} as "
+                 f"learned and {verdicts}: the resumed run follows them from its first backward")
 
     def _forget_graphs(self) -> None:
         """Everything keyed by a graph id (see Note (graph ids) in ``reset``)."""
@@ -417,19 +568,46 @@ class OwnerReduceRuntime:
     # ---- agreement across ranks --------------------------------------------------------------------------
 
     def _check_agreement(self, bucket_size: int) -> tuple[FlushCost, list[tuple[int, int]]]:
-        """One all_gather of thirteen integers (the facts below); every rank raises on any mismatch, so no rank is
-        left hanging. Returns the flush cost model every rank derives from the same gathered facts."""
+        """One all_gather of fifteen integers (the facts below), and a second one of every rank's reasons where any
+        rank has one; every rank raises on any mismatch or reason, so no rank is left hanging. Returns the flush
+        cost model every rank derives from the same gathered facts.
+
+        Note (every rank refuses together): whatever this rank could not use (an environment variable, a file it
+        cannot read, one of another world size: ``planning.env_inputs``) is not raised here but gathered: every rank
+        then raises the same ``OwnerReduceMismatchError`` naming each failing rank, its variable and its reason,
+        within init's deadline (the gathers are the communicator's, bounded), instead of one rank raising alone while
+        the others wait for it."""
         flags = self.settings.flags
         calibration = self.settings.calibration
-        if calibration is not None:
-            calibration.check_world_size(self.comm.world_size)  # every rank sees the same: all raise alike
+        verdict_file = self.settings.verdicts
+        reasons = [reason for _, reason in self.settings.env_problems]
+        for variable, checked in ((CALIBRATION_ENV_VAR, calibration), (VERDICTS_ENV_VAR, verdict_file)):
+            try:
+                if checked is not None:
+                    checked.check_world_size(self.comm.world_size)
+            except ValueError as error:
+                reasons.append(f"{variable}: {str(error).removeprefix('owner_reduce: ')}")
+        reason_bytes = "; ".join(reasons).encode()[:_PROBLEM_TEXT_LIMIT]
+        verdict_state = (int(verdict_file.digest(), 16) if verdict_file is not None
+                         else -1 if self.settings.verdicts_path is not None else 0)
         mine = [_AGREEMENT_PROTOCOL, pack_flags(flags), bucket_size,
                 int(self.settings.owner_map.digest()[:15], 16), FORCE_VALUES.index(self.settings.flush_algo),
                 len(self.settings.map_problems), ranks_per_node(), sm_major(), int(self.settings.measure),
-                int(calibration.digest(), 16) if calibration is not None else 0, local_rank(), host_digest(), nvlinks()]
+                int(calibration.digest(), 16) if calibration is not None else 0, local_rank(), host_digest(), nvlinks(),
+                verdict_state, len(reason_bytes)]
         rows = self.comm.all_gather_ints(mine)
-        names = ("protocol", "flags", "reduce_bucket_size", "owner map digest", FORCE_ENV_VAR)
         problems = []
+        if len({row[0] for row in rows}) > 1 or len({len(row) for row in rows}) > 1:
+            raise OwnerReduceMismatchError(f"owner_reduce on rank {self.comm.rank}: refusing to start: ranks run "
+                                           f"different owner_reduce versions (agreement protocols "
+                                           f"{sorted({row[0] for row in rows})})")
+        texts = self._gather_texts(reason_bytes, [row[14] for row in rows])
+        by_reason: dict[str, list[int]] = {}
+        for r, text in enumerate(texts):
+            if text:
+                by_reason.setdefault(text, []).append(r)
+        problems += [f"{ranks_phrase(rs)}: {text}" for text, rs in by_reason.items()]
+        names = ("protocol", "flags", "reduce_bucket_size", "owner map digest", FORCE_ENV_VAR)
         for i, name in enumerate(names):
             values = [row[i] for row in rows]
             if name == "flags" and describe_flag_disagreement(values):
@@ -440,14 +618,18 @@ class OwnerReduceRuntime:
                                             for r, v in enumerate(values)))
             elif len(set(values)) > 1:
                 problems.append(f"{name} differs across ranks: {values}")
-        measure = [row[8] if len(row) > 8 else None for row in rows]
+        measure = [row[8] for row in rows]
         if len(set(measure)) > 1:
             problems.append(f"{MEASURE_ENV_VAR} differs across ranks: "
                             + ", ".join(f"{'on' if v else 'off'} on rank {r}" for r, v in enumerate(measure)))
-        digests = [row[9] if len(row) > 9 else None for row in rows]
+        digests = [row[9] for row in rows]
         if len(set(digests)) > 1:
             problems.append(f"{CALIBRATION_ENV_VAR} names different calibrations across ranks: "
                             + ", ".join(f"{f'{d:012x}' if d else 'none'} on rank {r}" for r, d in enumerate(digests)))
+        states = [row[13] for row in rows]
+        if len(set(states)) > 1:
+            problems.append(f"{VERDICTS_ENV_VAR} differs across ranks: "
+                            + ", ".join(f"{_verdict_state(v)} on rank {r}" for r, v in enumerate(states)))
         known = {row[6] for row in rows if row[6] > 0}
         if len(known) > 1:
             by_value: dict[int, list[int]] = {}
@@ -471,17 +653,34 @@ class OwnerReduceRuntime:
         facts = [(row[10], row[11]) for row in rows]
         return FlushCost(topology, force=self.settings.flush_algo, calibration=calibration), facts
 
+    def _gather_texts(self, mine: bytes, lengths: list[int]) -> list[str]:
+        """Every rank's text (its reasons), gathered only where some rank has one: every rank knows ``lengths`` from
+        the agreement's row, so every rank takes the same branch. As integers (the communicator gathers those)."""
+        width = max(lengths)
+        if width == 0:
+            return [""] * len(lengths)
+        rows = self.comm.all_gather_ints(list(mine.ljust(width, b"\0")))
+        return [bytes(row[:n]).decode(errors="replace") for row, n in zip(rows, lengths, strict=True)]
+
     # ---- the two-level flush's communicators -------------------------------------------------------------
 
     def _make_levels(self, cost: FlushCost, facts: list[tuple[int, int]]) -> FlushCost:
         """The node and rail communicators (``planning.two_level``), made once here on every rank alike, where a
-        two-level flush can run: the owner path on, the algorithm ``auto`` or ``two_level``, ranks in whole nodes of
-        more than one rank on more than one node, and in launcher order (global rank = node x ranks per node + local
-        rank, each node on one host). Otherwise two-level stays off; when it was asked for (``two_level``) or the
-        order is not the launcher's, rank 0 says why, once. Every input is the same on every rank (the agreement's
-        rows), so every rank takes the same branch."""
+        two-level flush can run: the owner path on, the algorithm ``auto`` (without a calibration) or ``two_level``,
+        ranks in whole nodes of more than one rank on more than one node, and in launcher order (global rank = node x
+        ranks per node + local rank, each node on one host). Otherwise two-level stays off; when it was asked for
+        (``two_level``) or the order is not the launcher's, rank 0 says why, once. Every input is the same on every
+        rank (the agreement's rows), so every rank takes the same branch."""
         force = cost.force
         if cost.topology is None or not self.settings.flags.reduce_to_owner or force not in (AUTO, TWO_LEVEL):
+            return cost
+        if cost.calibration is not None and force != TWO_LEVEL:
+            # Not a candidate (``FlushCost``: a calibration times the data-parallel communicator only): no
+            # communicator that no flush can use (their creations, their device memory).
+            if self.comm.rank == 0:
+                emit(f"owner_reduce: the two-level flush is not a candidate under {CALIBRATION_ENV_VAR} (a calibration "
+                     f"times the data-parallel communicator only; {FORCE_ENV_VAR}=two_level forces it): no node or "
+                     f"rail communicator made")
             return cost
         per_node = cost.topology.gpus_per_node
         levels = two_level_of(cost.topology, per_node)
@@ -539,8 +738,14 @@ def _order_problem(levels: TwoLevel, facts: list[tuple[int, int]]) -> str | None
 
 
 def _device_free_bytes() -> int | None:
-    """The current CUDA device's free memory (what NCCL's communicators take comes out of it), or None without CUDA."""
+    """The current CUDA device's free memory (what NCCL's communicators take comes out of it), or None without CUDA.
+    No device synchronization: ``ncclCommInitRank`` allocates before it returns, and a wait on the device here would
+    be the one wait of init without the deadline."""
     if not torch.cuda.is_available():
         return None
-    torch.cuda.synchronize()
     return int(torch.cuda.mem_get_info()[0])
+
+
+def _verdict_state(state: int) -> str:
+    """An agreement row's ``OWNER_REDUCE_VERDICTS``: unset, a file to write, or the digest of the file replayed."""
+    return "unset" if state == 0 else "a file to write" if state == -1 else f"verdicts {state:012x}"

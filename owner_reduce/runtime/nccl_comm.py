@@ -51,6 +51,13 @@ are released). None is needed: cupy never touches the memory on a stream of its 
 is issued on a torch stream ordered after the current stream at call time (Note (stream)), and a view is reused
 by every later flush, so a synchronization when it is made could order only its first use anyway.
 
+Note (in flight): NCCL reports no per-call completion, so after each group (or a call outside one) an event is
+recorded on the stream it was issued on and kept with its flush and first call until it completes: a stalled wait
+names the first unfinished call, its flush and its communicator (``ReduceComm.wait_until``; a node or rail
+communicator's calls run on the level streams, which the data-parallel communicator's stream never sees), ``close``
+waits for exactly this communicator's work, and completed groups give their events to later ones (one event record
+per group on the hot path, none created in a steady step).
+
 Note (init can block): ``ncclCommInitRank`` waits for every rank. ``comm_select`` agrees on every local
 precondition before any rank calls it, so a rank that cannot even try never leaves the others waiting; a peer that
 never joins ends the waiting ranks' processes at the deadline (``deadline`` Note (a blocking init)).
@@ -65,6 +72,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..planning.wording import ranks_phrase
 from . import deadline as deadlines
 from .comm import ReduceComm
 
@@ -141,9 +149,11 @@ def new_unique_id() -> bytes:
     return data
 
 
-def failure(what: str, rank: int, error: BaseException) -> RuntimeError:
-    """The error raised for a failed NCCL call: which call, with which arguments, on which rank, and why."""
-    return RuntimeError(f"owner_reduce NCCL {what} failed on rank {rank}: {type(error).__name__}: {error}")
+def failure(what: str, who: int | str, error: BaseException) -> RuntimeError:
+    """The error raised for a failed NCCL call: which call, with which arguments, on which rank (``who``: a rank, or
+    ``rank 5, flush #3`` from the communicator: ``comm`` Note (names)), and why."""
+    where = f"rank {who}" if isinstance(who, int) else who
+    return RuntimeError(f"owner_reduce NCCL {what} failed on {where}: {type(error).__name__}: {error}")
 
 
 def _group_or_world(process_group: Any) -> Any:
@@ -181,6 +191,16 @@ def exchange_unique_id(process_group: Any) -> bytes:
     if int(data[0]) != 1:
         raise RuntimeError(f"owner_reduce: group rank 0 could not create an NCCL unique id{problem}")
     return bytes(data[1:].tolist())
+
+
+class _IssuedGroup(NamedTuple):
+    """A group (or a call outside one) issued on the device, until an event recorded after it completes: what a
+    stalled wait names (``_first_unfinished``), as ``comm._InFlight`` does for torch's works."""
+
+    event: Any  # a torch.cuda.Event recorded on the call's stream after it
+    flush: int | None
+    first: tuple[str, str | None, int, int, torch.dtype]  # the first call: (name, root/peer label, value, count, dtype)
+    calls: int
 
 
 class _BufferView(NamedTuple):
@@ -235,6 +255,11 @@ class CupyNcclComm(ReduceComm):
         self._comm: Any = None
         self.aborted = False
         self._views: dict[int, _BufferView] = {}  # id(buffer) -> its DLPack view (the view keeps it alive)
+        self._issued: list[_IssuedGroup] = []  # groups on the device not yet seen complete: Note (in flight)
+        self._free_events: list[Any] = []  # events of completed groups, recorded again by later ones
+        self._make_event: Callable[[], Any] = torch.cuda.Event  # tests: a fake
+        self._first_call: tuple[str, str | None, int, int, torch.dtype] | None = None  # the open group's first call
+        self.global_rank = _process_rank(rank)
         what = f"communicator creation (world_size={world_size}, rank={rank}, device={device})"
         try:
             import cupy
@@ -247,10 +272,10 @@ class CupyNcclComm(ReduceComm):
             with cupy.cuda.Device(self.device):  # deadline.py Note (a blocking init)
                 self._comm = deadlines.end_process_if_still_blocked(
                     lambda: nccl.NcclCommunicator(world_size, unique_id, rank), deadline=self.deadline,
-                    rank=_process_rank(rank),
+                    rank=self.global_rank,
                     what=f"ncclCommInitRank (world_size={world_size}, rank={rank}, device=cuda:{self.device})")
         except Exception as error:  # noqa: BLE001 - every cause becomes one RuntimeError naming the call
-            raise failure(what, rank, error) from error
+            raise failure(what, self.global_rank, error) from error
 
     @classmethod
     def from_process_group(cls, process_group: Any, *, stream: torch.cuda.Stream | None = None) -> CupyNcclComm:
@@ -285,28 +310,29 @@ class CupyNcclComm(ReduceComm):
     def reduce(self, buf: torch.Tensor, root: int) -> None:
         if not 0 <= root < self.world_size:
             raise ValueError(f"owner_reduce: reduce root {root} outside 0..{self.world_size - 1}")
-        self._collective(buf, "reduce", f"root={root}, ",
+        self._collective(buf, "reduce", "root", root,
                          lambda comm, ptr, n, dt, op, s: comm.reduce(ptr, ptr, n, dt, op, root, s))
 
     def all_reduce(self, buf: torch.Tensor) -> None:
-        self._collective(buf, "all_reduce", "", lambda comm, ptr, n, dt, op, s: comm.allReduce(ptr, ptr, n, dt, op, s))
+        self._collective(buf, "all_reduce", None, 0,
+                         lambda comm, ptr, n, dt, op, s: comm.allReduce(ptr, ptr, n, dt, op, s))
 
     def reduce_scatter(self, buf: torch.Tensor, per_rank: int) -> None:
         """One ncclReduceScatter, in place: NCCL allows ``recvbuff == sendbuff + rank * recvcount``, so this rank's
         block of ``buf`` receives its sum and no other buffer is needed."""
         self._check_scatter(buf, per_rank)
         offset = self.rank * per_rank * buf.element_size()
-        self._collective(buf, "reduce_scatter", f"per_rank={per_rank}, ",
+        self._collective(buf, "reduce_scatter", "per_rank", per_rank,
                          lambda comm, ptr, n, dt, op, s: comm.reduceScatter(ptr, ptr + offset, per_rank, dt, op, s))
 
     def send(self, buf: torch.Tensor, peer: int) -> None:
         self._check_peer(peer)
-        self._collective(buf, "send", f"peer={peer}, ",
+        self._collective(buf, "send", "peer", peer,
                          lambda comm, ptr, n, dt, op, s: comm.send(ptr, n, dt, peer, s))
 
     def recv(self, buf: torch.Tensor, peer: int) -> None:
         self._check_peer(peer)
-        self._collective(buf, "recv", f"peer={peer}, ",
+        self._collective(buf, "recv", "peer", peer,
                          lambda comm, ptr, n, dt, op, s: comm.recv(ptr, n, dt, peer, s))
 
     def _check_peer(self, peer: int) -> None:
@@ -330,29 +356,39 @@ class CupyNcclComm(ReduceComm):
 
     def _split(self, groups: Sequence[Sequence[int]]) -> CupyNcclComm:
         """A new NCCL communicator per group: each group's first rank creates its unique id, every rank gathers them
-        in one ``all_gather_ints`` on this communicator (bounded by the deadline), then builds its group's with
-        ``ncclCommInitRank`` on this device, on torch's current stream at call time (the flush picks the stream)."""
+        with a status in one ``all_gather_ints`` on this communicator (bounded by the deadline), then builds its
+        group's with ``ncclCommInitRank`` on this device, on torch's current stream at call time (the flush picks the
+        stream). A first rank that cannot create an id says so in its status, and every rank raises naming it (its own
+        cause on that rank), instead of its group waiting for an id that never comes."""
         mine = next((g for g in groups if self.rank in g), None)
         if mine is None:
             raise ValueError(f"owner_reduce: rank {self.rank} is in none of the groups {[list(g) for g in groups]}")
-        uid = new_unique_id() if mine[0] == self.rank else bytes(UNIQUE_ID_BYTES)
-        rows = self.all_gather_ints(list(uid))
-        sub = CupyNcclComm(bytes(rows[mine[0]]), list(mine).index(self.rank), len(mine), device=self.device)
-        sub.deadline = self.deadline
-        return sub
+        status, uid, cause = 1, bytes(UNIQUE_ID_BYTES), ""
+        if mine[0] == self.rank:
+            try:
+                uid = new_unique_id()
+            except Exception as error:  # noqa: BLE001 - agreed on below, then raised on every rank
+                status, cause = 0, f": {type(error).__name__}: {error}"
+        rows = self.all_gather_ints([status, *uid])
+        failed = [r for r, row in enumerate(rows) if row[0] != 1]
+        if failed:
+            raise RuntimeError(f"owner_reduce: data-parallel {ranks_phrase(failed)} could not create an NCCL unique id "
+                               f"for a node or rail communicator{cause}")
+        return CupyNcclComm(bytes(rows[mine[0]][1:]), list(mine).index(self.rank), len(mine), device=self.device)
 
     def release_buffers(self) -> None:
         """Forget every buffer's DLPack view, so that released buckets can be freed."""
         self._views.clear()
 
     def close(self) -> None:
-        """Release the communicator (idempotent, bounded): the work on its stream is waited for within the
-        deadline, then ``ncclCommDestroy``; if that wait fails, or the communicator was aborted, nothing is
-        destroyed (``ncclCommAbort`` already released it)."""
+        """Release the communicator (idempotent, bounded): the work it issued is waited for within the deadline, on
+        whatever stream it ran (a node or rail communicator's run on the level streams: Note (in flight)), then
+        ``ncclCommDestroy``; if that wait fails, or the communicator was aborted, nothing is destroyed
+        (``ncclCommAbort`` already released it)."""
         self._views.clear()
         if self._comm is None:
             return
-        self.wait_until(self._stream().query, "close (work still in flight on the communicator's stream)")
+        self.wait_until(lambda: True, "close (work still in flight on the communicator)")
         comm, self._comm = self._comm, None
         if comm is not None:
             self._call("communicator destroy", comm.destroy)
@@ -385,6 +421,7 @@ class CupyNcclComm(ReduceComm):
             self._abort_pending = True
             return
         comm, self._comm = self._comm, None
+        self._issued.clear()  # the wait that failed named them; nothing waits for an aborted communicator's work
         if comm is not None:
             self.aborted = True
             comm.abort()  # ncclCommAbort: returns without waiting for peers; cupy forgets the handle
@@ -411,12 +448,17 @@ class CupyNcclComm(ReduceComm):
         self._call(f"groupEnd ({calls} calls)", _nccl().groupEnd)  # a failure aborts: the group is ended by then
         if pending:  # a call failed inside the group and its error was swallowed there: abort now
             self._abort()
-        self._current_waits_for(self._stream())
+        stream = self._stream()
+        if calls and self._first_call is not None:
+            self._issued_on(stream, self._first_call, calls)
+        self._first_call = None
+        self._current_waits_for(stream)
 
     def _group_failed(self, error: BaseException) -> None:
         """End the NCCL group after a failure inside it; ``group()`` aborts next. A failing ``ncclGroupEnd`` (NCCL
         reports a failed enqueue again there) raises here and becomes a note on ``error``."""
         self._calls_in_group = 0
+        self._first_call = None
         self._abort_pending = False  # group() aborts anyway
         if self._group_open:
             self._group_open = False
@@ -438,7 +480,7 @@ class CupyNcclComm(ReduceComm):
     def _live(self, what: str) -> Any:
         if self._comm is None:
             state = "was aborted after an earlier failure" if self.aborted else "is closed"
-            raise RuntimeError(f"owner_reduce NCCL {what} on rank {self.rank}: the communicator {state}")
+            raise RuntimeError(f"owner_reduce NCCL {what}{self.where} on {self.who()}: the communicator {state}")
         return self._comm
 
     def _view_of(self, base: torch.Tensor, what: str) -> _BufferView:
@@ -454,7 +496,7 @@ class CupyNcclComm(ReduceComm):
             # asks for no stream synchronization: see Note (DLPack views).
             array = self._cupy.from_dlpack(base.detach().view(torch.uint8).__dlpack__(stream=-1))
         except Exception as error:  # noqa: BLE001 - named with the call and rank
-            raise failure(f"{what}: DLPack view of the buffer", self.rank, error) from error
+            raise failure(f"{what}{self.where}: DLPack view of the buffer", self._failed_on(), error) from error
         if array.device.id != self.device:
             raise ValueError(f"owner_reduce NCCL {what}: DLPack view on cuda:{array.device.id}, "
                              f"communicator on cuda:{self.device}")
@@ -462,13 +504,15 @@ class CupyNcclComm(ReduceComm):
         self._views[id(base)] = view
         return view
 
-    def _collective(self, buf: torch.Tensor, name: str, args: str, issue: Callable[..., None]) -> None:
-        """Check, then issue ``name`` in place on ``buf`` (SUM); ``args`` names the call's other arguments."""
+    def _collective(self, buf: torch.Tensor, name: str, label: str | None, value: int,
+                    issue: Callable[..., None]) -> None:
+        """Check, then issue ``name`` in place on ``buf`` (SUM); ``label``/``value`` are its other argument (``root``,
+        ``per_rank``, ``peer``; None for none), formatted only for an error."""
         count = buf.numel()
         base = buf._base if buf._base is not None else buf
         view = self._views.get(id(base))
         if view is None or not buf.is_contiguous() or buf.dtype != base.dtype:
-            what = f"{name}({args}count={count}, dtype={_dtype_name(buf.dtype)})"
+            what = self._call_text((name, label, value, count, buf.dtype))
             if not buf.is_contiguous():
                 raise ValueError(f"owner_reduce NCCL {what}: buffer must be contiguous (shape {tuple(buf.shape)}, "
                                  f"stride {buf.stride()})")
@@ -485,28 +529,69 @@ class CupyNcclComm(ReduceComm):
         if not self._in_group:
             self._wait_current(stream)
         comm = self._comm
+        call = (name, label, value, count, buf.dtype)
         if comm is None:
-            self._live(f"{name}({args}count={count})")
-        self._call_lazy(name, args, count, buf.dtype,
-                        lambda: issue(comm, ptr, count, view.nccl_dtype, self._sum, stream.cuda_stream))
+            self._live(self._call_text(call))
+        self._call_lazy(call, lambda: issue(comm, ptr, count, view.nccl_dtype, self._sum, stream.cuda_stream))
         if self._in_group:
+            if not self._calls_in_group:
+                self._first_call = call
             self._calls_in_group += 1
         else:
+            self._issued_on(stream, call, 1)
             self._current_waits_for(stream)
 
-    def _call_lazy(self, name: str, args: str, count: int, dtype: torch.dtype, fn: Callable[[], Any]) -> Any:
+    def _call_text(self, call: tuple[str, str | None, int, int, torch.dtype]) -> str:
+        """``reduce(root=1 = data-parallel rank 3, count=8, dtype=bfloat16)`` (``comm`` Note (names))."""
+        name, label, value, count, dtype = call
+        shown = self.peer_name(value) if label in ("root", "peer") else str(value)
+        return f"{name}({'' if label is None else f'{label}={shown}, '}count={count}, dtype={_dtype_name(dtype)})"
+
+    def _failed_on(self) -> str:
+        """``rank 5, flush #3`` or ``rank 5 (data-parallel rank 2), outside a flush``: where a call failed."""
+        return f"{self.who()}, {'outside a flush' if self.flush is None else f'flush #{self.flush}'}"
+
+    def _call_lazy(self, call: tuple[str, str | None, int, int, torch.dtype], fn: Callable[[], Any]) -> Any:
         """``_call`` whose description is formatted only when the call fails (the hot path formats nothing)."""
         try:
             return fn()
         except Exception as error:  # noqa: BLE001 - NcclError, CUDARuntimeError: re-raised with rank and call
-            raised = failure(f"{name}({args}count={count}, dtype={_dtype_name(dtype)})", self.rank, error)
+            raised = failure(self._call_text(call) + self.where, self._failed_on(), error)
             self._abort_noting(raised)  # peers wait in the failed call: stop this rank's side (after the group)
             raise raised from error
+
+    # ---- in flight: Note (in flight) ------------------------------------------------------------------------
+
+    def _issued_on(self, stream: torch.cuda.Stream, first: tuple[str, str | None, int, int, torch.dtype],
+                   calls: int) -> None:
+        """Record that a group (or one call) was issued on ``stream``: an event after it, reused once it completed."""
+        event = self._free_events.pop() if self._free_events else self._make_event()
+        event.record(stream)
+        self._issued.append(_IssuedGroup(event, self.flush, first, calls))
+
+    def _works_done(self) -> bool:
+        issued = self._issued
+        done = 0
+        for group in issued:
+            if not group.event.query():
+                break
+            done += 1
+        if done:
+            self._free_events += [g.event for g in issued[:done]]
+            del issued[:done]
+        return not issued
+
+    def _first_unfinished(self) -> tuple[int | None, str] | None:
+        pending = next((g for g in self._issued if not g.event.query()), None)
+        if pending is None:
+            return None
+        return pending.flush, self._call_text(pending.first) + ("" if pending.calls == 1 else
+                                                                 f" (call 1 of {pending.calls})")
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
         except Exception as error:  # noqa: BLE001 - NcclError, CUDARuntimeError: re-raised with rank and call
-            raised = failure(what, self.rank, error)
+            raised = failure(what + self.where, self._failed_on(), error)
             self._abort_noting(raised)  # peers wait in the failed call: stop this rank's side (after the group)
             raise raised from error

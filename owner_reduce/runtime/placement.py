@@ -39,6 +39,19 @@ from .stats import RuntimeStats
 from .streams import CudaStreams, HostStreams, make_streams
 from .trial import Trial
 
+Recording = list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...]]]  # a schedule as learned: (dtype, ids, numels)
+
+NOTES = """
+Note (resumed schedules): a run resumed from a checkpoint would learn each graph's schedule again from an
+arrival-order backward, whose calls (the arrival-order layout's) add the ranks' terms in another order than the
+saved run's scheduled flushes did at that step. So each checkpoint keeps every schedule as learned (dtype, gradient
+ids and sizes of each flush: ``recordings``), and after a resume the first backward of a graph whose first gradient
+is a restored schedule's first gradient learns that schedule at once and follows it (with the book's verdicts:
+``verdict_book``), as the saved run did. The match is the same on every rank (the same arrival sequence); a backward
+that then leaves the schedule falls back and learns again, as any backward does (``schedule`` Note (identical on
+every rank)). A recompile forgets learned schedules, not the restored ones.
+"""
+
 
 class GradPlacer:
     """Buckets, schedules and the copies into buckets, for one runtime (all graphs share the buckets)."""
@@ -46,7 +59,7 @@ class GradPlacer:
     def __init__(self, owner_map: OwnerMap, reduce_to_owner: bool, buckets: DoubleBufferedBuckets, flusher: Flusher,
                  stats: RuntimeStats, cost: FlushCost, sync: Callable[[str], None],
                  on_learned: Callable[[Schedule], None] | None = None,
-                 make_trial: Callable[[Schedule], Trial | None] | None = None) -> None:
+                 make_trial: Callable[[Schedule], Trial | Schedule | None] | None = None) -> None:
         self._owner_map = owner_map
         self._owner = reduce_to_owner
         self.buckets = buckets
@@ -55,7 +68,7 @@ class GradPlacer:
         self._cost = cost
         self._sync = sync  # waits for the reduce stream within the deadline (before a bucket is replaced)
         self._on_learned = on_learned
-        self._make_trial = make_trial  # the measured guard (``trial``); None: off
+        self._make_trial = make_trial  # the measured guard (``trial``), or the known winners; None: off
         self._trials: dict[int, Trial] = {}  # graph_id -> its running trial
         self.streams: HostStreams | CudaStreams | None = None  # chosen from the first gradient's device
         self._pending: dict[torch.dtype, Pending] = {}
@@ -64,13 +77,14 @@ class GradPlacer:
         self._backward_graph: int | None = None  # the graph whose gradients this backward enqueues
         self._follower: Follower | None = None  # following a schedule in this backward
         self._recording: list[tuple[Any, tuple[int, ...], tuple[int, ...]]] | None = None  # arrival-order flushes
+        self._restored: list[Recording] = []  # a checkpoint's schedules not adopted yet: Note (resumed schedules)
 
     # ---- one gradient ------------------------------------------------------------------------------------
 
     def add(self, ds_id: int, grad: torch.Tensor, graph_id: int) -> None:
         """Copy ``grad`` into its bucket; flush the bucket when it is complete (or would overflow)."""
         if self._backward_graph != graph_id:
-            self._start(graph_id)
+            self._start(graph_id, ds_id, grad)
         follower = self._follower
         if follower is not None:
             step = follower.next(grad.dtype, ds_id, grad.numel())
@@ -188,9 +202,9 @@ class GradPlacer:
 
     # ---- owner-ordered schedules -------------------------------------------------------------------------
 
-    def _start(self, graph_id: int) -> None:
-        """The first gradient of a backward (or of another graph in it): follow the graph's schedule, or record
-        this backward's arrival-order flushes to learn one."""
+    def _start(self, graph_id: int, ds_id: int, grad: torch.Tensor) -> None:
+        """The first gradient of a backward (or of another graph in it): follow the graph's schedule (or a restored
+        one whose first gradient this is), or record this backward's arrival-order flushes to learn one."""
         if self._backward_graph is not None:
             # Two graphs in one backward: leave any schedule, and learn nothing from it (the record is mixed).
             if self._follower is not None:
@@ -201,12 +215,25 @@ class GradPlacer:
         self._backward_graph = graph_id
         if not self._owner:
             return
+        if graph_id not in self._schedules and self._restored:
+            self._adopt(graph_id, grad.dtype, ds_id, grad.numel())
         trial = self._trials.get(graph_id)  # on trial: the variant this backward runs (``trial``)
         schedule = trial.current() if trial is not None else self._schedules.get(graph_id)
         if schedule is not None:
             self._follower = Follower(schedule)
         else:
             self._recording = []
+
+    def _adopt(self, graph_id: int, dtype: torch.dtype, ds_id: int, numel: int) -> None:
+        """Learn a restored schedule for ``graph_id`` now if its first gradient of ``dtype`` is this one (Note (resumed
+        schedules)); it is adopted once."""
+        for i, recording in enumerate(self._restored):
+            first = next(((ids[0], numels[0]) for d, ids, numels in recording if d == dtype and ids), None)
+            if first == (ds_id, numel):
+                del self._restored[i]
+                self._learn(graph_id, recording)
+                self._stats.schedules_restored += 1
+                return
 
     def _leave_schedule(self) -> None:
         """This backward left its schedule: flush what was placed (the pieces present, planned where they lie),
@@ -226,15 +253,32 @@ class GradPlacer:
         recording, graph = self._recording, self._backward_graph
         self._recording = self._follower = self._backward_graph = None
         if learn_graph and recording and graph is not None:
-            schedule = learn(graph, recording, self._layout_of)
-            self._schedules[graph] = schedule
-            self._stats.schedules_learned += 1
-            if self._on_learned is not None:
-                self._on_learned(schedule)
-            trial = self._make_trial(schedule) if self._make_trial is not None else None
-            if trial is not None and trial.needed:
-                self._trials[graph] = trial
-                self._timed_changed()
+            self._learn(graph, recording)
+
+    def _learn(self, graph: int, recording: Recording) -> None:
+        """``graph``'s schedule from ``recording``; its trial starts, or its known verdicts' winners are installed."""
+        schedule = learn(graph, recording, self._layout_of)
+        self._schedules[graph] = schedule
+        self._stats.schedules_learned += 1
+        if self._on_learned is not None:
+            self._on_learned(schedule)
+        trial = self._make_trial(schedule) if self._make_trial is not None else None
+        if isinstance(trial, Schedule):  # its verdicts were known (``verdict_book``): the winners, untimed
+            self._schedules[graph] = trial
+        elif trial is not None and trial.needed:
+            self._trials[graph] = trial
+            self._timed_changed()
+
+    # ---- checkpoints: Note (resumed schedules) -------------------------------------------------------------
+
+    def recordings(self) -> list[Recording]:
+        """Every schedule as learned (per dtype, in its order), and the restored ones not adopted yet."""
+        learned = [[(dtype, f.ids, f.numels) for dtype, flushes in s.flushes.items() for f in flushes]
+                   for s in self._schedules.values()]
+        return learned + [list(r) for r in self._restored]
+
+    def restore_recordings(self, recordings: list[Recording]) -> None:
+        self._restored = [list(r) for r in recordings]
 
     def _layout_of(self, dtype: torch.dtype, grads: list[tuple[int, int]], cost: FlushCost | None = None
                    ) -> OwnerLayout:

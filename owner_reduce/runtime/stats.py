@@ -55,6 +55,7 @@ class RuntimeStats:
     rail_calls: int = 0  # Reduces this rank issued on its rail communicator
     two_level_line: str | None = None  # what rank 0 printed when the node and rail communicators were made
     schedules_learned: int = 0
+    schedules_restored: int = 0  # learned from a checkpoint's schedule at a resumed run's first backward
     schedule_fallbacks: int = 0  # backwards that left their schedule and finished in arrival order
     resets: int = 0  # DeepCompile's reset() (each step of its compile schedule): every graph learned again
     reduced_elems: int = 0
@@ -64,6 +65,7 @@ class RuntimeStats:
     trial_steps: int = 0  # backwards that followed a trial's variant in full (the measured guard, ``trial``)
     trial_native_flushes: int = 0  # flushes run as native's calls in place of the model's choice during trials
     trials_decided: int = 0
+    trials_replayed: int = 0  # schedules whose verdicts were known (a checkpoint's, a file's, this run's): no trial
     measured_overruled: int = 0  # flushes whose model choice the measurement replaced by native's calls
     init_line: str | None = None  # what rank 0 printed at init
     schedule_lines: list[str] = field(default_factory=list)  # what rank 0 printed when schedules were learned

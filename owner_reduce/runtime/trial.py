@@ -30,10 +30,10 @@ from ..planning.measured import (
     TRIAL_ROUNDS,
     TrialFlush,
     Verdict,
-    median,
-    pack_medians,
+    pack_samples,
 )
 from ..planning.owner_layout import OwnerLayout
+from ..planning.verdict_book import schedule_key
 from .schedule import Schedule, ScheduledFlush
 
 
@@ -42,8 +42,10 @@ class Trial:
     (trial flush number, variant); the flushes are held by the schedules, so their ids are not reused meanwhile."""
 
     def __init__(self, model: Schedule, native_layout: Callable[[ScheduledFlush], OwnerLayout],
-                 native_modelled_us: Callable[[ScheduledFlush], float], rounds: int = TRIAL_ROUNDS) -> None:
+                 native_modelled_us: Callable[[ScheduledFlush], float], rounds: int = TRIAL_ROUNDS,
+                 world_size: int = 0) -> None:
         self.rounds = rounds
+        self.key = key_of(model, world_size)  # ``verdict_book`` Note (key)
         self.steps = 0  # backwards that followed a variant in full
         self.flushes: list[tuple[int, ScheduledFlush, ScheduledFlush, float]] = []  # (number, model, native, us)
         self.timed: dict[int, tuple[int, int]] = {}
@@ -86,8 +88,8 @@ class Trial:
         return all(len(s[MODEL]) >= self.rounds and len(s[NATIVE_VARIANT]) >= self.rounds for s in self.samples)
 
     def row(self) -> list[int]:
-        """This rank's contribution to the agreement collective (``measured.pack_medians``)."""
-        return pack_medians([(median(m), median(n)) for m, n in self.samples])
+        """This rank's contribution to the agreement collective (``measured.pack_samples``)."""
+        return pack_samples(self.samples, self.rounds)
 
     def winners(self, verdicts: Sequence[Verdict]) -> tuple[Schedule, tuple[TrialFlush, ...]]:
         """The schedule every rank keeps (each trial flush's winner) and what the measured line reports."""
@@ -100,3 +102,15 @@ class Trial:
         model_schedule = self.schedules[MODEL]
         kept = {d: tuple(winner.get(id(f), f) for f in fs) for d, fs in model_schedule.flushes.items()}
         return Schedule(model_schedule.graph_id, kept), tuple(report)
+
+
+def key_of(schedule: Schedule, world_size: int) -> str:
+    """``verdict_book.schedule_key`` of a learned schedule: its flushes per dtype as learned, and each one's choice."""
+    return schedule_key(world_size, [(str(f.dtype).removeprefix("torch."), f.ids, f.numels, f.layout.algo)
+                                     for flushes in schedule.flushes.values() for f in flushes])
+
+
+def trial_flushes(schedule: Schedule) -> list[tuple[int, str]]:
+    """(number in the graph, the model's algorithm) of each flush a trial of ``schedule`` covers: ``Trial``'s order."""
+    numbered = enumerate((f for flushes in schedule.flushes.values() for f in flushes), start=1)
+    return [(number, f.layout.algo) for number, f in numbered if f.layout.choice != NATIVE]

@@ -11,15 +11,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..planning.calibration import calibration_from_environment
+from ..planning.env_inputs import EnvInputs, read_environment
 from ..planning.flags import flags_of
-from ..planning.flush_choice import AUTO, FORCE_ENV_VAR, parse_force
-from ..planning.measured import MEASURE_ENV_VAR, parse_measure
+from ..planning.flush_choice import AUTO, FORCE_ENV_VAR
 from ..runtime.comm import ReduceComm
 from ..runtime.handle import OwnerReduceRuntime, RuntimeSettings
 from . import cpu_compat
+from .checkpoint import RUNTIME_ATTR, hand_pending_verdicts
 from .compile_pass import owner_schedule, start_at_first_step
-from .full_grad import link_live_gradients
+from .full_grad import keep_live_gradients
 from .ops import ensure_dc_schemas, register_inductor_lowerings, release_dc_schemas, set_active_runtime
 from .unreduced_params import hide_unoptimized_params, optimized_param_ids
 
@@ -32,34 +32,29 @@ def make_comm(process_group: Any) -> ReduceComm:
     return select_comm(process_group)
 
 
-def forced_flush_algo(flags: Any, global_rank: int, environ: Any = None) -> str:
-    """``OWNER_REDUCE_FLUSH_ALGO`` (default ``auto``); a bad value fails here, naming the variable; a forced value
-    that cannot take effect (the owner path is off) is named in a warning on rank 0."""
-    flush_algo = parse_force((os.environ if environ is None else environ).get(FORCE_ENV_VAR))
-    if flush_algo != AUTO and not flags.reduce_to_owner and global_rank == 0:
+def environment_inputs(flags: Any, global_rank: int, environ: Any = None) -> EnvInputs:
+    """Every ``OWNER_REDUCE_*`` variable the runtime reads (``planning.env_inputs``): a bad value never raises here, on
+    this rank alone; init's agreement refuses it on every rank together. A forced algorithm that cannot take effect
+    (the owner path is off) is named in a warning on rank 0."""
+    inputs = read_environment(os.environ if environ is None else environ, reduce_to_owner=flags.reduce_to_owner)
+    if inputs.flush_algo != AUTO and not flags.reduce_to_owner and global_rank == 0:
         from deepspeed.utils import logger
 
-        logger.warning(f"owner_reduce: {FORCE_ENV_VAR}={flush_algo} has no effect: compile.reduce_to_owner is false, "
-                       "so every flush is one AllReduce, as DeepCompile does")
-    return flush_algo
-
-
-def measure_setting(environ: Any = None) -> bool:
-    """``OWNER_REDUCE_MEASURE`` (default on: the measured guard, ``planning.measured``); a bad value fails here,
-    naming the variable."""
-    return parse_measure((os.environ if environ is None else environ).get(MEASURE_ENV_VAR))
+        logger.warning(f"owner_reduce: {FORCE_ENV_VAR}={inputs.flush_algo} has no effect: compile.reduce_to_owner is "
+                       "false, so every flush is one AllReduce, as DeepCompile does")
+    return inputs
 
 
 def build_runtime(engine: Any, flags: Any) -> OwnerReduceRuntime:
     from .engine_tables import build_owner_map, disagreements_with_optimizer
 
-    flush_algo = forced_flush_algo(flags, int(getattr(engine, "global_rank", 0)))
-    measure = measure_setting()
-    calibration = calibration_from_environment(os.environ) if flags.reduce_to_owner else None
+    inputs = environment_inputs(flags, int(getattr(engine, "global_rank", 0)))
     owner_map = build_owner_map(engine)
     problems = tuple(disagreements_with_optimizer(owner_map, engine))
     return OwnerReduceRuntime(RuntimeSettings(flags=flags, owner_map=owner_map, map_problems=problems,
-                                              flush_algo=flush_algo, measure=measure, calibration=calibration),
+                                              flush_algo=inputs.flush_algo, measure=inputs.measure,
+                                              calibration=inputs.calibration, verdicts=inputs.verdicts,
+                                              verdicts_path=inputs.verdicts_path, env_problems=inputs.problems),
                               make_comm)
 
 
@@ -96,6 +91,8 @@ def wrap_init_z1_and_2(original: Any) -> Any:
             # so that a later engine can load DeepCompile's native extension.
             if dc_util.dc_handle is runtime:
                 dc_util.dc_handle = previous_handle
+            if engine.__dict__.get(RUNTIME_ATTR) is runtime:
+                del engine.__dict__[RUNTIME_ATTR]
             dc_util.pre_backward_hooks[:] = [h for h in dc_util.pre_backward_hooks if h not in added_hooks]
             if active_runtime_or_none() is runtime:
                 set_active_runtime(None)
@@ -116,7 +113,11 @@ def wrap_init_z1_and_2(original: Any) -> Any:
                 release()
             raise
         added_hooks[:] = [h for h in dc_util.pre_backward_hooks if h not in hooks_before]
-        link_live_gradients(engine.optimizer, (p for group in engine.optimizer.bit16_groups for p in group))
+        optimizer = engine.optimizer
+        keep_live_gradients(optimizer, lambda: (p for group in optimizer.bit16_groups for p in group))
+        if runtime.comm is not None:  # the checkpoint's verdicts (``checkpoint``): now, and at every later load
+            setattr(engine, RUNTIME_ATTR, runtime)
+            hand_pending_verdicts(engine, runtime)
         # Frozen and zero-element parameters are outside ZeRO's groups: DeepCompile sees them as plain inputs.
         return hide_unoptimized_params(backend_fn, optimized_param_ids(engine.optimizer.bit16_groups))
 

@@ -12,11 +12,17 @@ the owner path delivers), then the one ``all_reduce`` that assembles the full gr
 
 Note (one-time): the mappings are re-pointed once at init to a live view of ``optimizer.averaged_gradients``; no
 per-step or per-gradient work is added.
+
+Note (re-links): ZeRO builds the mappings anew, bound to the dict of that moment, whenever it re-links the fragments
+(``_link_all_hp_params``: at the end of ``load_checkpoint``'s legacy load and in ``reload_states``). The optimizer's
+re-link is therefore wrapped, on this optimizer only, to re-point the new mappings as it returns: resuming from a
+checkpoint after ``engine.compile()`` (the guide's order), or before it, or reloading offloaded states, leaves every
+mapping live.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 
@@ -49,3 +55,17 @@ def link_live_gradients(optimizer: Any, params: Iterable[Any]) -> int:
             mapping.gradient_dict = live
             linked += 1
     return linked
+
+
+def keep_live_gradients(optimizer: Any, params: Callable[[], Iterable[Any]]) -> int:
+    """``link_live_gradients`` now and after every re-link ZeRO makes (Note (re-links)); returns how many now."""
+    relink = getattr(optimizer, "_link_all_hp_params", None)
+    if relink is not None and not getattr(relink, "owner_reduce_live", False):
+        def link_all_hp_params(*args: Any, **kwargs: Any) -> Any:
+            result = relink(*args, **kwargs)
+            link_live_gradients(optimizer, params())
+            return result
+
+        link_all_hp_params.owner_reduce_live = True  # type: ignore[attr-defined]
+        optimizer._link_all_hp_params = link_all_hp_params
+    return link_live_gradients(optimizer, params())

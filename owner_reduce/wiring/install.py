@@ -77,22 +77,30 @@ def install() -> None:
         _check_surface()
         import deepspeed.compile.init_z1_and_2 as init_module
         import deepspeed.runtime.config as ds_config
+        from deepspeed.runtime.engine import DeepSpeedEngine
 
         from .activation import wrap_init_z1_and_2
+        from .checkpoint import wrap_load_checkpoint, wrap_save_checkpoint
         from .unused_flags import wrap_do_warning_check
 
         original = ds_config.CompileConfig
-        if hasattr(original, "owner_reduce_original") or hasattr(init_module.init_z1_and_2, "__wrapped__"):
+        if (hasattr(original, "owner_reduce_original") or hasattr(init_module.init_z1_and_2, "__wrapped__")
+                or hasattr(DeepSpeedEngine.save_checkpoint, "owner_reduce_original")):
             raise OwnerReduceInstallError("owner_reduce: DeepSpeed is already patched by another copy of "
                                           "owner_reduce; uninstall that one first")
         config_cls, factory = _make_compile_config_factory(original)
         original_init = init_module.init_z1_and_2
         original_warning_check = ds_config.DeepSpeedConfig.__dict__["_do_warning_check"]
+        original_save = DeepSpeedEngine.__dict__["save_checkpoint"]
+        original_load = DeepSpeedEngine.__dict__["load_checkpoint"]
         ds_config.CompileConfig = factory
         init_module.init_z1_and_2 = wrap_init_z1_and_2(original_init)
         ds_config.DeepSpeedConfig._do_warning_check = wrap_do_warning_check(original_warning_check)
+        DeepSpeedEngine.save_checkpoint = wrap_save_checkpoint(original_save)  # the measured guard's verdicts
+        DeepSpeedEngine.load_checkpoint = wrap_load_checkpoint(original_load)
         _installed.update(compile_config=original, config_cls=config_cls, init_z1_and_2=original_init,
-                          do_warning_check=original_warning_check)
+                          do_warning_check=original_warning_check, save_checkpoint=original_save,
+                          load_checkpoint=original_load)
 
 
 def uninstall() -> None:
@@ -117,9 +125,13 @@ def uninstall() -> None:
                 "is still live in this process and its compiled graphs use owner_reduce's runtime; call "
                 "engine.destroy() first (owner_reduce stays installed, the engine keeps training)")
 
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
         ds_config.CompileConfig = _installed["compile_config"]
         init_module.init_z1_and_2 = _installed["init_z1_and_2"]
         ds_config.DeepSpeedConfig._do_warning_check = _installed["do_warning_check"]
+        DeepSpeedEngine.save_checkpoint = _installed["save_checkpoint"]
+        DeepSpeedEngine.load_checkpoint = _installed["load_checkpoint"]
         cpu_compat.restore()
         release_dc_schemas()
         _installed.clear()

@@ -26,6 +26,9 @@ REQUIRED_NAMES: dict[str, tuple[str, ...]] = {
 ENGINE_METHODS = ("_initialize_deepcompile_native", "zero_reduce_bucket_size", "get_deepcompile_backend",
                   "zero_optimization_stage")
 CONFIG_METHODS = ("_do_warning_check",)  # wrapped to warn about flags that cannot take effect
+# Wrapped to keep the measured guard's verdicts with each checkpoint (``checkpoint``): the client state in, out.
+CHECKPOINT_PARAMS = {"save_checkpoint": "client_state", "load_checkpoint": "load_dir"}
+OPTIMIZER_RELINK = "_link_all_hp_params"  # ZeRO 1/2's re-link of the gradient fragments (``full_grad``)
 INIT_Z1_PARAMS = ("engine", "backend", "compile_config", "compile_kwargs", "schedule", "use_z2")
 PASS_PARAMS = ("gm", "graph_id", "graph_order", "profiling_results", "create_inputs_fn", "mem_budget",
                "param_manager", "bwd")
@@ -65,6 +68,18 @@ def surface_problems() -> list[str]:
     problems += [f"DeepSpeedConfig.{m} is missing" for m in CONFIG_METHODS if m not in vars(config_cls)]
     engine_cls = modules["deepspeed.runtime.engine"].DeepSpeedEngine
     problems += [f"DeepSpeedEngine.{m} is missing" for m in ENGINE_METHODS if not hasattr(engine_cls, m)]
+    for method, param in CHECKPOINT_PARAMS.items():
+        fn = vars(engine_cls).get(method)
+        fn = getattr(fn, "owner_reduce_original", fn)
+        if fn is None or param not in _params(fn):
+            problems.append(f"DeepSpeedEngine.{method} is missing or has no '{param}' parameter")
+    try:
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    except Exception as e:  # noqa: BLE001 - report any import failure by name
+        problems.append(f"deepspeed.runtime.zero.stage_1_and_2 does not import ({type(e).__name__}: {e})")
+    else:
+        if not hasattr(DeepSpeedZeroOptimizer, OPTIMIZER_RELINK):
+            problems.append(f"DeepSpeedZeroOptimizer.{OPTIMIZER_RELINK} is missing")
     return problems
 
 

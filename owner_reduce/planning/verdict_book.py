@@ -1,0 +1,202 @@
+"""The measured guard's verdicts as data: kept with every checkpoint, written to a file, replayed by the next run.
+
+Why: a verdict decides which algorithm adds the ranks' terms of a flush, and different algorithms add them in
+different orders (at three or more ranks the last bits differ). A verdict measured anew can differ from run to run
+where two variants are close (``measured`` Note (beyond the noise)), so a run resumed from a checkpoint, or a second
+run of the same job, would not give the same bits. A ``VerdictBook`` holds every verdict a run decided, per
+schedule; the runtime saves it with each checkpoint (``CHECKPOINT_KEY`` in DeepSpeed's client state) and restores it
+at ``load_checkpoint``, and ``OWNER_REDUCE_VERDICTS=FILE`` replays a book written by an earlier run (or, where FILE
+does not exist yet, writes this run's verdicts there): a schedule whose key is in the book skips its trial and runs
+the recorded winners, every rank alike.
+
+Note (key): a schedule's key is the sha256 of its flushes as learned (dtype, gradient ids, sizes, in order) and the
+cost model's choice for each, with the world size. The same model, partitioning, bucket size and cost model give the
+same key; anything that changes a flush or a choice gives another key, and that schedule is measured again.
+Note (agreement): every rank must replay the same verdicts, so ranks compare the book's ``digest()`` (at init for a
+file, at ``load_checkpoint`` for a checkpoint's) and refuse together where they differ.
+Pure: no torch, no communication.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .measured import TrialFlush, Verdict
+
+FORMAT = "owner_reduce.verdicts/1"
+ENV_VAR = "OWNER_REDUCE_VERDICTS"
+CHECKPOINT_KEY = "owner_reduce"  # in the checkpoint's client state (``engine.save_checkpoint``): ``checkpoint_payload``
+CHECKPOINT_FORMAT = "owner_reduce.checkpoint/1"
+DIGEST_CHARS = 12
+KEY_CHARS = 16
+
+
+def schedule_key(world_size: int, flushes: Sequence[tuple[str, Sequence[int], Sequence[int], str]]) -> str:
+    """Note (key): ``flushes`` are (dtype name, gradient ids, sizes, the model's algorithm) in schedule order."""
+    canonical = json.dumps([world_size, [[d, list(ids), list(numels), algo] for d, ids, numels, algo in flushes]],
+                           separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:KEY_CHARS]
+
+
+@dataclass(frozen=True)
+class ScheduleVerdicts:
+    """One schedule's decided trial: its trial flushes in order, each with the verdict, over ``rounds`` steps."""
+
+    key: str
+    rounds: int
+    flushes: tuple[TrialFlush, ...]
+
+    @property
+    def verdicts(self) -> tuple[Verdict, ...]:
+        return tuple(f.verdict for f in self.flushes)
+
+    def matches(self, numbers_and_algos: Sequence[tuple[int, str]]) -> bool:
+        """The trial flushes of a schedule with this key are the recorded ones (number and algorithm)."""
+        return [(f.number, f.algo) for f in self.flushes] == list(numbers_and_algos)
+
+
+@dataclass(frozen=True)
+class VerdictBook:
+    """Every decided schedule of one job at ``world_size`` ranks, in the order they were decided."""
+
+    world_size: int
+    schedules: tuple[ScheduleVerdicts, ...] = ()
+
+    def find(self, key: str) -> ScheduleVerdicts | None:
+        return next((s for s in self.schedules if s.key == key), None)
+
+    def with_schedule(self, decided: ScheduleVerdicts) -> VerdictBook:
+        """This book with ``decided`` in place of any earlier verdicts of the same schedule."""
+        kept = tuple(s for s in self.schedules if s.key != decided.key)
+        return VerdictBook(self.world_size, (*kept, decided))
+
+    def merged(self, other: VerdictBook) -> VerdictBook:
+        """This book with every schedule of ``other`` (``other``'s verdicts win for a schedule both hold)."""
+        book = self
+        for decided in other.schedules:
+            book = book.with_schedule(decided)
+        return book
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, "world_size": self.world_size, "schedules": [
+            {"key": s.key, "rounds": s.rounds, "flushes": [
+                {"number": f.number, "algo": f.algo, "modelled_us": f.modelled_us,
+                 "native_modelled_us": f.native_modelled_us, "model_us": f.verdict.model_us,
+                 "native_us": f.verdict.native_us, "native_wins": f.verdict.native_wins} for f in s.flushes]}
+            for s in self.schedules]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1) + "\n"
+
+    def digest(self) -> str:
+        """sha256 of the canonical JSON, first 12 hex digits: what ranks compare (Note (agreement))."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:DIGEST_CHARS]
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<dict>") -> VerdictBook:
+        """Parse and validate; a ValueError names ``source`` and the key at fault."""
+        def fail(key: str, what: str, got: Any) -> ValueError:
+            return ValueError(f"owner_reduce: verdicts {source}: key '{key}' {what}, got {got!r}")
+
+        def field(obj: Any, key: str, path: str, kind: type | tuple[type, ...]) -> Any:
+            if not isinstance(obj, Mapping) or key not in obj:
+                raise ValueError(f"owner_reduce: verdicts {source}: key '{path}{key}' is missing")
+            value = obj[key]
+            if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+                raise fail(path + key, f"must be {getattr(kind, '__name__', 'a number')}", value)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise fail(path + key, "must be finite", value)
+            return value
+
+        if not isinstance(data, Mapping):
+            raise ValueError(f"owner_reduce: verdicts {source}: the top level must be an object, got {data!r}")
+        if data.get("format") != FORMAT:
+            raise fail("format", f"must be {FORMAT!r}", data.get("format"))
+        world_size = field(data, "world_size", "", int)
+        schedules = field(data, "schedules", "", list)
+        parsed = []
+        for i, s in enumerate(schedules):
+            at = f"schedules[{i}]."
+            flushes = []
+            for j, f in enumerate(field(s, "flushes", at, list)):
+                fat = f"{at}flushes[{j}]."
+                verdict = Verdict(float(field(f, "model_us", fat, (int, float))),
+                                  float(field(f, "native_us", fat, (int, float))),
+                                  field(f, "native_wins", fat, bool))
+                flushes.append(TrialFlush(field(f, "number", fat, int), field(f, "algo", fat, str),
+                                          float(field(f, "modelled_us", fat, (int, float))),
+                                          float(field(f, "native_modelled_us", fat, (int, float))), verdict))
+            parsed.append(ScheduleVerdicts(field(s, "key", at, str), field(s, "rounds", at, int), tuple(flushes)))
+        return cls(world_size, tuple(parsed))
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "<text>") -> VerdictBook:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"owner_reduce: verdicts {source}: not JSON ({error})") from error
+        return cls.from_dict(data, source)
+
+    def check_world_size(self, world_size: int) -> None:
+        """Verdicts are measured at one world size (a key includes it): refuse another."""
+        if world_size != self.world_size:
+            raise ValueError(f"owner_reduce: the verdicts were measured on {self.world_size} ranks, this run has "
+                             f"{world_size}")
+
+
+def load_verdicts(path: str | Path) -> VerdictBook:
+    """Read and validate a verdict file; errors name the file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as error:
+        raise ValueError(f"owner_reduce: verdicts {p}: cannot be read ({error.strerror or error})") from error
+    return VerdictBook.from_json(text, source=str(p))
+
+
+def write_verdicts(path: str | Path, book: VerdictBook) -> None:
+    """Write ``book`` to ``path`` whole or not at all (a temporary file renamed over it): a run that stops while
+    writing never leaves a half file for the next run to replay."""
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.tmp")
+    tmp.write_text(book.to_json())
+    tmp.replace(p)
+
+
+# A schedule as learned (``runtime.placement`` Note (resumed schedules)): (dtype name, gradient ids, sizes) per flush.
+Recording = list[tuple[str, tuple[int, ...], tuple[int, ...]]]
+
+
+def checkpoint_payload(book: VerdictBook | None, recordings: Sequence[Recording]) -> dict[str, Any]:
+    """What a checkpoint keeps of the runtime: the verdicts and every schedule as learned."""
+    return {"format": CHECKPOINT_FORMAT, "verdicts": None if book is None else book.to_dict(),
+            "schedules": [[[d, list(ids), list(numels)] for d, ids, numels in r] for r in recordings]}
+
+
+def parse_checkpoint_payload(data: Any, source: str) -> tuple[VerdictBook | None, list[Recording]]:
+    """``checkpoint_payload``'s data back; a ValueError names ``source`` and what is wrong."""
+    if not isinstance(data, Mapping) or data.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"owner_reduce: {source}: '{CHECKPOINT_KEY}' is not {CHECKPOINT_FORMAT} data")
+    book = None if data.get("verdicts") is None else VerdictBook.from_dict(data["verdicts"], source)
+    recordings: list[Recording] = []
+    try:
+        for r in data["schedules"]:
+            recordings.append([(str(d), tuple(int(i) for i in ids), tuple(int(n) for n in numels))
+                               for d, ids, numels in r])
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"owner_reduce: {source}: its schedules are not {CHECKPOINT_FORMAT} data "
+                         f"({type(error).__name__}: {error})") from error
+    return book, recordings
+
+
+def payload_digest(data: Any) -> str:
+    """sha256 of a payload's canonical JSON, 12 hex digits: what ranks compare at ``load_checkpoint``."""
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:DIGEST_CHARS]
