@@ -119,10 +119,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cluster.add_argument("--no-nvls", dest="nvls", action="store_false",
                          help="no NVSwitch multicast: native's AllReduce without NVLS / NVLS_TREE (any Ampere "
                               "cluster; Hopper without NVLS)")
-    cluster.add_argument("--rail-reduce-hops", dest="rail_same_channels", action="store_false",
-                         help="charge a two-level flush's rail Reduces a hop per rail rank (NCCL's model without "
-                              "sameChannels) instead of one hop (its model for a one-GPU-per-node ring): the "
-                              "conservative variant")
+    cluster.add_argument("--rail-without-same-channels", dest="rail_same_channels", action="store_false",
+                         help="NCCL's protocol choice for a two-level flush's rail calls as if the rail's ring graph "
+                              "had no sameChannels: its table then charges a rail Reduce the hop per rank that the "
+                              "time always pays here, and picks LL128 where the chain's latency matters (NCCL's "
+                              "search gives a one-GPU-per-node rail sameChannels, so its table picks Simple there)")
     cluster.add_argument("--calibration", metavar="FILE", default=None,
                          help="call times measured on your cluster by scripts/calibrate.py, in place of NCCL's "
                               "tables")

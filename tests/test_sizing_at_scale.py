@@ -222,12 +222,14 @@ def test_command_lists_llama_presets_and_refuses_overrides_on_a_factory() -> Non
 
 def _size_models(names: list[str], world_size: int) -> list[dict]:
     """In a fresh process (one fake world): each preset's layout built once and sized at DeepSpeed's default bucket
-    and a tenth of it, on the default Hopper cluster (NVLS) and on Ampere nodes (A100: 12 NVLinks, A800: 8)."""
+    and a tenth of it, on the default Hopper cluster (NVLS), on Hopper without NVLS, and on Ampere nodes (A100: 12
+    NVLinks, A800: 8)."""
     from owner_reduce.offline_sizing.fake_engine import build_layout
     from owner_reduce.planning.sizing import Cluster, size_the_win
 
-    clusters = {"hopper": Cluster(), "a100": Cluster(generation="ampere", nvls=False),
-                "a800": Cluster(generation="ampere", nvls=False, nvlinks=8)}
+    clusters = {"hopper": Cluster(), "hopper-no-nvls": Cluster(nvls=False),
+                "a100": Cluster(generation="ampere", nvls=False), "a800": Cluster(generation="ampere", nvls=False,
+                                                                                  nvlinks=8)}
     out = []
     for name in names:
         layout = build_layout(ModelSpec(name), world_size)
@@ -236,12 +238,17 @@ def _size_models(names: list[str], world_size: int) -> list[dict]:
     return out
 
 
+# Issue 32's bars at the default bucket, costed physically (a ring Reduce pays a hop per rank): the step with
+# NVLS_TREE native at most 0.66x at ws 64 and 0.8x at 512-1024; without NVLS at most 0.6x and 0.65x; Ampere 0.6x.
+_LIMITS = {"hopper": (0.66, 0.8), "hopper-no-nvls": (0.6, 0.65), "a100": (0.6, 0.6), "a800": (0.6, 0.6)}
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [64, 512, 1024])
-def test_no_flush_slower_than_grouped_native_and_the_win_at_64_ranks(world_size):
-    """Against native as NCCL plans it (one group per flush, aggregated, NVLS_TREE on Hopper) no flush and no step
-    is modelled slower; at the default bucket the step is at most 0.7x native at ws 64 and, with the two-level flush,
-    0.8x at 512-1024 (docs/reduce_to_owner.md, scale table: 0.55-0.66x); on Ampere nodes (no NVLS) at most 0.6x."""
+def test_never_slower_than_grouped_native_and_the_win_at_scale(world_size):
+    """Against native as NCCL plans it (one group per flush, aggregated, NVLS_TREE on Hopper), costed physically: no
+    flush that runs alone and no step is modelled slower, a plan that overlaps flushes exposes at most 1.5x native's
+    last flush, and at the default bucket the step meets issue 32's bars (docs/reduce_to_owner.md, section 9)."""
     names = ["1b", "llama-7b"]
     with ProcessPoolExecutor(max_workers=1, mp_context=fresh_process_context()) as pool:
         reports = pool.submit(_size_models, names, world_size).result()
@@ -250,13 +257,14 @@ def test_no_flush_slower_than_grouped_native_and_the_win_at_64_ranks(world_size)
             default, tenth = report.buckets
             for b in (default, tenth):
                 worst = b.worst_flush()
-                assert worst.layout_over_native <= 1.0 + 1e-9, (name, key, world_size, b.bucket_size, worst)
+                assert worst is None or worst.layout_over_native <= 1.0 + 1e-9, (name, key, world_size, b.bucket_size,
+                                                                                worst)
                 assert b.us_ratio("layout") <= 1.0
+                if b.cross_flush_overlap:
+                    assert b.last_flush_over_native() <= 1.5 + 1e-9, (name, key, world_size, b.bucket_size)
                 assert ("NVLS_TREE" in b.topology) == (key == "hopper"), b.topology
-            limit = 0.6 if key != "hopper" else 0.7 if world_size == 64 else 0.8
+            limit = _LIMITS[key][0 if world_size == 64 else 1]
             assert default.us_ratio("layout") <= limit, (name, key, default.us_ratio("layout"), default.choices())
-            # Before the per-flush choice the same layout cost more wherever a flush held part of the model.
-            assert default.us_ratio("previous") >= default.us_ratio("layout")
         # Ampere's NVLinks bound its ring: the A800's 8 x 20 GB/s across nodes, the A100's 10 x 24.
         assert "8 x 20 GB/s" in by_cluster["a800"].buckets[0].topology
         assert "10 x 24 GB/s" in by_cluster["a100"].buckets[0].topology

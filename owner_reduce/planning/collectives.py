@@ -49,12 +49,16 @@ class Collective:
 @dataclass(frozen=True)
 class Transfer:
     """After the flush's ReduceScatter, rank ``src`` holds the reduced bucket elements ``[offset, offset + count)``
-    and sends them to rank ``dst``, which keeps them and receives them at the same offsets of its bucket."""
+    and sends them to rank ``dst``, which keeps them and receives them at the same offsets of its bucket. ``src`` and
+    ``dst`` are data-parallel ranks; ``comm`` ``rail``: a two-level flush's hand-off along a rail after its rail
+    ReduceScatter in stage ``stage`` (both ranks on that rail; the runtime sends on the rail communicator)."""
 
     src: int
     dst: int
     offset: int
     count: int
+    comm: str = WORLD
+    stage: int = 0
 
 
 def algo_of(kinds: Iterable[str]) -> str:

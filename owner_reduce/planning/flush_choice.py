@@ -44,7 +44,7 @@ from .collectives import (
     collectives_of,
 )
 from .flush_plan import ALL, FlushPlan, FlushRange, merge_ranges
-from .two_level import TwoLevel, TwoLevelGeometry
+from .two_level import TwoLevel, TwoLevelOption
 
 AUTO = "auto"
 CANDIDATES = (REDUCE_SCATTER, REDUCE, ALLREDUCE, HANDOFF, NATIVE, TWO_LEVEL)  # the order ties go (fewest calls first)
@@ -121,13 +121,12 @@ class FlushCost:
             return self.calibration.p2p_round_us(load.peers, max(load.remote_bytes, load.local_bytes))
         return p2p_round_us(load, self.topology, self.p2p_bw_scale)
 
-    def two_level_us(self, sizes: Sequence[int], max_padding: int | None = None
-                     ) -> tuple[float, TwoLevelGeometry] | None:
-        """(modelled time, layout) of a two-level flush of owner regions of ``sizes`` elements padding at most
-        ``max_padding`` elements, or None where it is not a candidate (see the class docstring)."""
+    def two_level_options(self, sizes: Sequence[int], max_padding: int | None = None) -> tuple[TwoLevelOption, ...]:
+        """The two-level pipelines for owner regions of ``sizes`` elements padding at most ``max_padding`` elements
+        (``TwoLevel.options``), or none where it is not a candidate (see the class docstring)."""
         if self.two_level is None or (self.calibration is not None and self.force != TWO_LEVEL):
-            return None
-        return self.two_level.time_us(sizes, self.dtype_bytes, max_padding)
+            return ()
+        return self.two_level.options(sizes, self.dtype_bytes, max_padding)
 
     def for_dtype_bytes(self, dtype_bytes: int) -> FlushCost:
         return self if dtype_bytes == self.dtype_bytes else replace(self, dtype_bytes=dtype_bytes)

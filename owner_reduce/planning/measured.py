@@ -33,6 +33,7 @@ from .wording import count_noun
 TRIAL_ROUNDS = 3  # steady steps of each variant per trial: a median of three survives one outlier
 MEASURE_ENV_VAR = "OWNER_REDUCE_MEASURE"
 MODEL, NATIVE_VARIANT = 0, 1  # the two variants a trial alternates, in that order (step k runs k % 2)
+STEP = "the step"  # a trial of a schedule whose flushes overlap: the step's reduction timed as a whole
 _OFF = ("0", "off", "false", "no")
 _ON = ("1", "on", "true", "yes")
 
@@ -135,5 +136,12 @@ def format_measured_line(prefix: str, graph: str, flushes: Sequence[TrialFlush],
         tail += ("; native faster within the noise, the model's choice kept: "
                  + ", ".join(f"flush {f.number} ({f.algo})" for f in close))
     what = "measured" if source is None else "verdicts replayed from " + source + ", as measured"
+    if len(flushes) == 1 and flushes[0].algo == STEP:  # the step's reduction, timed as a whole
+        (f,) = flushes
+        kept = ("native's calls for every flush from now on, overruled by measurement" if f.verdict.native_wins else
+                "the plan kept" + ("; native faster within the noise" if f.verdict.within_noise else ""))
+        return (f"{prefix} graph {graph}: {what} the step's reduction (flushes overlapped) over {rounds} steps each "
+                f"way, slowest rank: {f.verdict.model_us / 1000:.3f} ms vs native {f.verdict.native_us / 1000:.3f} ms "
+                f"(modelled {f.modelled_us / 1000:.3f} vs {f.native_modelled_us / 1000:.3f}); {kept}")
     return (f"{prefix} graph {graph}: {what} {count_noun(len(flushes), 'flush', 'flushes')} over {rounds} steps "
             f"each way, slowest rank: " + "; ".join(parts) + f"; {tail}")

@@ -18,8 +18,9 @@ offset.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from .collective_time import named_topology
 from .collectives import (
@@ -36,10 +37,11 @@ from .collectives import (
     algo_of_calls,
     collectives_of,
 )
-from .flush_choice import FlushCost, choose
+from .flush_choice import AUTO, FlushCost, choose
 from .flush_plan import ALL, BucketEntry, FlushPlan, FlushRange, merge_ranges, plan_flush
 from .owner_map import OwnerMap, Placement
-from .two_level import TwoLevelGeometry, two_level_calls
+from .step_plan import FlushTimes, StepPlan, plan_step, schedule
+from .two_level import TwoLevelOption, two_level_calls
 
 __all__ = ["ALLREDUCE", "HANDOFF", "NATIVE", "REDUCE", "REDUCE_SCATTER", "Collective", "OwnerLayout", "PlacedGrad",
            "PlacedPiece", "Transfer", "algo_of", "collectives_of", "default_cost", "map_order",
@@ -99,6 +101,9 @@ class OwnerLayout:
     costs: tuple[tuple[str, float], ...] = ()  # every candidate considered and its modelled time
     stages: int = 0  # a two-level flush's pipeline stages (0: not two-level)
     ranks_per_node: int = 0  # a two-level flush's node communicator size (0: not two-level)
+    rail_step: str = ""  # a two-level flush's rail step (``two_level`` Note (rail step))
+    stage_us: tuple[tuple[float, float], ...] = ()  # a two-level flush's modelled (node, rail) us per stage
+    everyone_us: float = 0.0  # a two-level flush's modelled AllReduce of gradients that reach every rank
 
     @property
     def calls(self) -> int:
@@ -142,10 +147,44 @@ def _packed_transfers(sizes: Sequence[int], chunk: int) -> tuple[Transfer, ...]:
     return tuple(transfers)
 
 
-def plan_owner_layout(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, reduce_to_owner: bool = True, *,
-                      capacity: int | None = None, max_padding_share: float = MAX_PADDING_SHARE,
-                      order: dict[int, int] | None = None, cost: FlushCost | None = None) -> OwnerLayout:
-    """Lay out one flush of ``grads`` ((param_id, numel) in arrival order) for the candidate that runs.
+@dataclass(frozen=True)
+class FlushAnalysis:
+    """One flush before a candidate is laid out: its owner regions and every candidate's modelled time (the one-level
+    candidates in ``costs``, the two-level pipelines in ``two_level``, each with the AllReduce of gradients that reach
+    every rank after it: ``everyone_us``). ``plan_owner_layout`` lays out the cheapest for the flush alone; the step's
+    plan (``plan_step_layouts``) chooses among them for the whole step."""
+
+    entries: tuple[BucketEntry, ...]
+    counted: FlushPlan
+    regions: tuple[tuple[tuple[tuple[int, int], int, int, int], ...], ...]  # per rank: (key, param_id, offset, length)
+    everyone: tuple[tuple[int, int, int], ...]  # (param_id, 0, numel) of the gradients that reach every rank
+    costs: dict[str, float]
+    transfers: tuple[Transfer, ...]  # the hand-off's, were it chosen
+    per_rank: int
+    chunk: int
+    packed_span: int
+    two_level: tuple[TwoLevelOption, ...] = ()
+    everyone_us: float = 0.0
+    force: str = AUTO
+
+    @property
+    def sizes(self) -> list[int]:
+        return [sum(p[3] for p in region) for region in self.regions]
+
+    def one_level_choice(self) -> str:
+        """The cheapest candidate that is not two-level (or the forced one)."""
+        one_level = {k: v for k, v in self.costs.items() if k != TWO_LEVEL}
+        return choose(one_level, self.force)
+
+    def best_two_level(self) -> TwoLevelOption | None:
+        """The two-level pipeline fastest for the flush alone (ties: the first, ``TwoLevel.options``' order)."""
+        return min(self.two_level, key=lambda o: o.alone_us, default=None)
+
+
+def analyse_flush(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, reduce_to_owner: bool = True, *,
+                  capacity: int | None = None, max_padding_share: float = MAX_PADDING_SHARE,
+                  order: dict[int, int] | None = None, cost: FlushCost | None = None) -> FlushAnalysis:
+    """Every candidate of one flush of ``grads`` ((param_id, numel) in arrival order) and its modelled time.
 
     ``capacity``: bucket elements available; a padded ReduceScatter's regions must fit in it (default: no limit).
     ``max_padding_share``: the most padding a padded ReduceScatter may add, as a share of the flush's elements.
@@ -197,17 +236,42 @@ def plan_owner_layout(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, red
             fits = capacity is None or n * per_rank + all_elems <= capacity
             if all(sizes) and fits and pad <= max_padding_share * counted.reduced_elems:
                 costs[REDUCE_SCATTER] = cost.calls_us([(REDUCE_SCATTER, n * per_rank)] + everyone_call)
-    two_level = (cost.two_level_us(sizes, int(TWO_LEVEL_MAX_PADDING_SHARE * counted.reduced_elems))
-                 if owner_elems and n > 1 else None)
-    if two_level is not None:
-        two_level_us, geo = two_level
-        costs[TWO_LEVEL] = two_level_us + (cost.calls_us(everyone_call) if everyone_call else 0.0)
-    choice = choose(costs, cost.force)
+    options: tuple[TwoLevelOption, ...] = ()
+    everyone_us = cost.calls_us(everyone_call) if everyone_call else 0.0
+    if owner_elems and n > 1:
+        options = cost.two_level_options(sizes, int(TWO_LEVEL_MAX_PADDING_SHARE * counted.reduced_elems))
+        if options:
+            costs[TWO_LEVEL] = min(o.alone_us for o in options) + everyone_us
+    return FlushAnalysis(tuple(entries), counted, tuple(tuple(r) for r in regions), tuple(everyone), costs, transfers,
+                         per_rank, chunk, packed_span, options, everyone_us, cost.force)
+
+
+def plan_owner_layout(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, reduce_to_owner: bool = True, *,
+                      capacity: int | None = None, max_padding_share: float = MAX_PADDING_SHARE,
+                      order: dict[int, int] | None = None, cost: FlushCost | None = None) -> OwnerLayout:
+    """Lay out one flush of ``grads`` for the candidate that runs when the flush is costed alone (``analyse_flush``'s
+    arguments). A learned schedule's flushes are chosen together instead (``plan_step_layouts``)."""
+    analysis = analyse_flush(grads, owner_map, reduce_to_owner, capacity=capacity,
+                             max_padding_share=max_padding_share, order=order, cost=cost)
+    choice = choose(analysis.costs, analysis.force)
+    return build_layout(analysis, choice, analysis.best_two_level() if choice == TWO_LEVEL else None)
+
+
+def build_layout(analysis: FlushAnalysis, choice: str, option: TwoLevelOption | None = None) -> OwnerLayout:
+    """``analysis``'s flush laid out for ``choice`` (``option``: the two-level pipeline, for ``two_level``)."""
+    entries, counted, costs = analysis.entries, analysis.counted, analysis.costs
+    regions, everyone, sizes = analysis.regions, analysis.everyone, analysis.sizes
     if choice == NATIVE:
         return _native_layout(entries, counted, costs)
     if choice == TWO_LEVEL:
-        return _two_level_layout(entries, counted, costs, regions, sizes, everyone, geo)
-
+        if option is None:
+            raise ValueError("owner_reduce: a two-level layout needs its pipeline (TwoLevelOption)")
+        return _two_level_layout(entries, counted, costs, regions, sizes, everyone, option,
+                                 option.alone_us + analysis.everyone_us)
+    n = len(regions)
+    per_rank, chunk, packed_span, transfers = analysis.per_rank, analysis.chunk, analysis.packed_span, \
+        analysis.transfers
+    all_elems = sum(p[2] for p in everyone)
     placed: dict[int, list[PlacedPiece]] = {e.param_id: [] for e in entries}
     ranges: list[FlushRange] = []
     collectives: list[Collective] = []
@@ -252,10 +316,12 @@ def plan_owner_layout(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, red
 
 def _two_level_layout(entries: Sequence[BucketEntry], counted: FlushPlan, costs: dict[str, float],
                       regions: Sequence[Sequence[tuple[tuple[int, int], int, int, int]]], sizes: Sequence[int],
-                      everyone: Sequence[tuple[int, int, int]], geo: TwoLevelGeometry) -> OwnerLayout:
-    """The two-level flush (``two_level``): owner regions in their local rank's block, blocks cut into ``geo``'s
+                      everyone: Sequence[tuple[int, int, int]], option: TwoLevelOption,
+                      modelled_us: float) -> OwnerLayout:
+    """The two-level flush (``two_level``): owner regions in their local rank's block, blocks cut into the option's
     stages (``TwoLevelGeometry``: ReduceScatter stages ``[stage][local rank][slice]``, the shorter blocks zero-padded
-    there, then the longer blocks' tails packed); the AllReduce region after them."""
+    there, then the longer blocks' tails packed), its rail step's calls; the AllReduce region after them."""
+    geo = option.geometry
     ranks_per_node = geo.ranks_per_node
     placed: dict[int, list[PlacedPiece]] = {e.param_id: [] for e in entries}
     positions = [0] * ranks_per_node  # where the next owner region starts in each block
@@ -267,16 +333,79 @@ def _two_level_layout(entries: Sequence[BucketEntry], counted: FlushPlan, costs:
                 placed[param_id].append(PlacedPiece(param_id, src_offset + position - at, count, offset, owner))
             at += length
         positions[local] = at
-    collectives, ranges, padding = two_level_calls(sizes, geo)
+    collectives, ranges, padding, transfers = two_level_calls(sizes, geo, option.rail_step)
     collectives, ranges = list(collectives), list(ranges)
     all_elems = sum(p[2] for p in everyone)
     if all_elems:
         collectives.append(Collective(ALLREDUCE, geo.span, all_elems))
     offset = _place_everyone(everyone, placed, ranges, geo.span)
     return OwnerLayout(grads=_placed_grads(entries, placed), plan=replace(counted, ranges=tuple(ranges)),
-                       collectives=tuple(collectives), padding=padding, total=offset, choice=TWO_LEVEL,
-                       modelled_us=costs[TWO_LEVEL], costs=tuple(sorted(costs.items())), stages=geo.stages,
-                       ranks_per_node=ranks_per_node)
+                       collectives=tuple(collectives), padding=padding, total=offset, transfers=transfers,
+                       choice=TWO_LEVEL, modelled_us=modelled_us, costs=tuple(sorted(costs.items())),
+                       stages=geo.stages, ranks_per_node=ranks_per_node, rail_step=option.rail_step,
+                       stage_us=option.stage_us, everyone_us=modelled_us - option.alone_us)
+
+
+def plan_step_layouts(flushes: Sequence[tuple[Any, Sequence[tuple[int, int]]]], owner_map: OwnerMap,
+                      reduce_to_owner: bool, *, capacity: int, cost_of: Callable[[Any], FlushCost],
+                      order: dict[int, int] | None = None, per_bucket: int = 2) -> StepLayouts:
+    """A learned schedule's flushes ((dtype key, grads) in the order they happen), laid out for the step's plan
+    (``step_plan``): each flush's candidates analysed (``analyse_flush``), every flush's options chosen together on
+    the node and rail streams (two-level pipelines of consecutive flushes overlap), then laid out. ``cost_of(dtype)``:
+    the model for a dtype's bytes; ``per_bucket``: buffers a dtype keeps (two with double buffering)."""
+    order = map_order(owner_map) if order is None else order
+    analyses = [analyse_flush(grads, owner_map, reduce_to_owner, order=order, cost=cost_of(dtype),
+                              capacity=max([capacity] + [n for _, n in grads])) for dtype, grads in flushes]
+    options: list[list[tuple[FlushTimes, str, TwoLevelOption | None]]] = []
+    for a in analyses:
+        two_level = [(FlushTimes(o.stage_us, a.everyone_us), TWO_LEVEL, o)
+                     for o in sorted(a.two_level, key=lambda o: o.alone_us)]
+        if a.force == TWO_LEVEL and two_level:  # forced: two-level only, the fastest alone its fallback
+            options.append(two_level)
+            continue
+        one_level = a.one_level_choice()
+        options.append([(FlushTimes(world_us=a.costs[one_level]), one_level, None)]
+                       + (two_level if a.force == AUTO else []))
+    keys = {dtype: i for i, dtype in enumerate(dict.fromkeys(d for d, _ in flushes))}
+    plan = plan_step([[t for t, _, _ in flush] for flush in options], [a.costs[NATIVE] for a in analyses],
+                     [keys[d] for d, _ in flushes], per_bucket)
+    picked = tuple(options[i][j][1:] for i, j in enumerate(plan.picks))
+    layouts = tuple(build_layout(a, *pick) for a, pick in zip(analyses, picked, strict=True))
+    return StepLayouts(layouts, plan, per_bucket, picked)
+
+
+def cost_step_choices(flushes: Sequence[tuple[Any, Sequence[tuple[int, int]]]], owner_map: OwnerMap,
+                      step: StepLayouts, *, capacity: int, cost_of: Callable[[Any], FlushCost],
+                      order: dict[int, int] | None = None) -> StepPlan:
+    """``step``'s choices (each flush's candidate, a two-level flush's geometry and rail step), made under one
+    model, costed under ``cost_of`` and scheduled as the runtime runs them: what a plan made at full bandwidth costs
+    where the network delivers less (the sizing's hand-off sensitivity). ``flushes`` as for ``plan_step_layouts``."""
+    order = map_order(owner_map) if order is None else order
+    times: list[FlushTimes] = []
+    native: list[float] = []
+    for (dtype, grads), (choice, option) in zip(flushes, step.choices, strict=True):
+        cost = cost_of(dtype)
+        a = analyse_flush(grads, owner_map, True, order=order, cost=cost,
+                          capacity=max([capacity] + [n for _, n in grads]))
+        native.append(a.costs[NATIVE])
+        if choice == TWO_LEVEL and option is not None and cost.two_level is not None:
+            again = cost.two_level.recost(a.sizes, option, cost.dtype_bytes)
+            times.append(FlushTimes(again.stage_us, a.everyone_us))
+        else:
+            times.append(FlushTimes(world_us=a.costs[choice]))
+    keys = {dtype: i for i, dtype in enumerate(dict.fromkeys(d for d, _ in flushes))}
+    steps = schedule(times, [keys[d] for d, _ in flushes], step.per_bucket)
+    return StepPlan((0,) * len(times), steps, sum(native))
+
+
+@dataclass(frozen=True)
+class StepLayouts:
+    """A step's flushes laid out for its plan (``plan_step_layouts``), and the plan's schedule."""
+
+    layouts: tuple[OwnerLayout, ...]
+    plan: StepPlan
+    per_bucket: int
+    choices: tuple[tuple[str, TwoLevelOption | None], ...] = ()  # per flush: its candidate and two-level pipeline
 
 
 def _place_everyone(everyone: Sequence[tuple[int, int, int]], placed: dict[int, list[PlacedPiece]],

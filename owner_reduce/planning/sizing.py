@@ -34,7 +34,7 @@ from .collective_time import A800_NODE, ALLREDUCE, REDUCE, REDUCE_SCATTER, Topol
 from .collectives import HANDOFF, NODE, RAIL
 from .flush_choice import CallTimes, FlushCost
 from .flush_plan import ALL, BucketEntry, FlushRange, plan_flush
-from .owner_layout import OwnerLayout, collectives_of, map_order, plan_owner_layout
+from .owner_layout import OwnerLayout, StepLayouts, collectives_of, cost_step_choices, map_order, plan_step_layouts
 from .owner_map import OwnerMap, Placement
 from .two_level import two_level_of
 from .wording import count_noun
@@ -58,7 +58,9 @@ class Cluster:
     nvls: bool = True
     p2p_bw_scale: float = 1.0
     calibration: CallTimes | None = None
-    rail_same_channels: bool = True  # False: a rail Reduce pays a hop per rank (``collective_time.rail``)
+    # The rail's ring graph has sameChannels, as NCCL's search gives it: its table picks the rail's protocols with one
+    # hop of latency per Reduce; the time is physical either way (``collective_time`` Note (Reduce latency)).
+    rail_same_channels: bool = True
     two_level: bool = True  # the two-level flush is a candidate where the ranks form whole nodes
     nvlinks: int | None = None  # NVLinks per GPU (None: the generation's, ``collective_time.NVLINKS``)
 
@@ -81,7 +83,8 @@ class Cluster:
         topology = self.topology(world_size)
         return FlushCost(topology, dtype_bytes, p2p_bw_scale=self.p2p_bw_scale, calibration=self.calibration,
                          two_level=two_level_of(topology, self.ranks_per_node,
-                                                rail_same_channels=self.rail_same_channels)
+                                                rail_same_channels=self.rail_same_channels,
+                                                p2p_bw_scale=self.p2p_bw_scale)
                          if self.two_level else None)
 
     def with_p2p_scale(self, scale: float) -> Cluster:
@@ -287,20 +290,25 @@ def issued_groups(layout: OwnerLayout, world_size: int) -> tuple[tuple[IssuedCal
 
 
 def _two_level_groups(layout: OwnerLayout, world_size: int) -> tuple[tuple[IssuedCall, ...], ...]:
-    stages: list[list[IssuedCall]] = [[] for _ in range(2 * layout.stages)]
+    """Per stage: the node group, the rails' group (Reduces, or a ReduceScatter per rail), the rails' hand-off round
+    (rail step ``scatter``: sends, node indices on the rail); then the data-parallel communicator's AllReduce."""
     world = []
     per_node = layout.ranks_per_node
     nodes = world_size // per_node
+    stages: list[list[IssuedCall]] = [[] for _ in range(3 * layout.stages)]
+    for t in layout.transfers:  # data-parallel ranks; on the rail, node indices
+        stages[3 * t.stage + 2].append(IssuedCall("send", t.count, peer=t.dst // per_node, rank=t.src // per_node,
+                                                  comm=RAIL, comm_size=nodes, rail=t.src % per_node, stage=t.stage))
     for c in layout.collectives:
-        if c.comm == NODE and c.kind == REDUCE_SCATTER:
-            stages[2 * c.stage].append(IssuedCall(REDUCE_SCATTER, c.per_rank, comm=NODE, comm_size=per_node,
-                                                  stage=c.stage))
-        elif c.comm == NODE:
-            stages[2 * c.stage].append(IssuedCall(REDUCE, c.count, root=c.root, comm=NODE, comm_size=per_node,
-                                                  stage=c.stage))
-        elif c.comm == RAIL:
-            stages[2 * c.stage + 1].append(IssuedCall(REDUCE, c.count, root=c.root, comm=RAIL, comm_size=nodes,
-                                                      rail=c.rail, stage=c.stage))
+        if c.kind == HANDOFF:
+            continue
+        if c.comm in (NODE, RAIL):
+            size = per_node if c.comm == NODE else nodes
+            rail = c.rail if c.comm == RAIL else None
+            call = (IssuedCall(REDUCE_SCATTER, c.per_rank, comm=c.comm, comm_size=size, rail=rail, stage=c.stage)
+                    if c.kind == REDUCE_SCATTER else
+                    IssuedCall(REDUCE, c.count, root=c.root, comm=c.comm, comm_size=size, rail=rail, stage=c.stage))
+            stages[3 * c.stage + (c.comm == RAIL)].append(call)
         else:
             world.append(IssuedCall(c.kind, c.count, comm_size=world_size))
     return tuple(tuple(g) for g in [*stages, world] if g)
@@ -332,9 +340,18 @@ class FlushSizing:
     costs: tuple[tuple[str, float], ...] = ()  # every candidate's modelled time (us)
     gradients: tuple[int, ...] = ()  # elements of each gradient, in arrival order (native's calls)
     groups: tuple[tuple[IssuedCall, ...], ...] = ()  # what reduce_to_owner issues: one entry per NCCL group
+    # Where the step's plan runs it (``step_plan``): its node step's start and end, its rail step's end, its end (us),
+    # and whether it runs alone (no overlap with the flush before or after it)
+    node_start_us: float = 0.0
+    node_end_us: float = 0.0
+    rail_end_us: float = 0.0
+    end_us: float = 0.0
+    alone: bool = True
+    rail_step: str = ""  # a two-level flush's rail step (``two_level`` Note (rail step))
 
     @property
     def layout_over_native(self) -> float:
+        """This flush's own time (its calls, nothing before it in the way) over native's for its gradients."""
         return self.layout_us / self.native_us if self.native_us else 1.0
 
 
@@ -348,7 +365,10 @@ class BucketSizing:
     topology: str = ""  # the alpha-beta estimate's topology ("" when the world size has none)
     # With the hand-off at a share of its modelled network bandwidth: (scale, step ratio and worst flush ratio of
     # the choices made at full bandwidth, step ratio when the model knows the bandwidth and chooses again)
-    handoff_sensitivity: tuple[tuple[float, float, float, float], ...] = ()
+    handoff_sensitivity: tuple[tuple[float, float, float | None, float], ...] = ()
+    schedule_us: float = 0.0  # the step's plan: when its last flush ends (``step_plan``), flushes overlapped
+    cross_flush_overlap: bool = False  # some flush's node step runs during the previous flush's rail step
+    buckets_per_dtype: int = 2  # buffers a dtype keeps, in turn (double buffering)
 
     @property
     def native_calls(self) -> int:
@@ -367,12 +387,20 @@ class BucketSizing:
         return sum(f.layout_calls for f in self.flushes)
 
     def step_us(self, path: str) -> float:
-        """Alpha-beta step time of ``path`` (native, sliced, layout, previous): flushes run one after another."""
+        """Alpha-beta step time of ``path`` (native, sliced, layout, previous): flushes run one after another, but
+        ``layout`` is the step's plan, whose two-level flushes overlap across the node and rail streams."""
+        if path == "layout" and self.flushes:
+            return self.schedule_us
         return sum(getattr(f, f"{path}_us") for f in self.flushes)
 
     def worst_flush(self) -> FlushSizing | None:
-        """The flush whose chosen algorithm is modelled slowest against native (None without flushes)."""
-        return max(self.flushes, key=lambda f: (f.layout_over_native, -f.index), default=None)
+        """Among the flushes that run alone (a flush overlapped with its neighbours is costed with the step), the one
+        modelled slowest against native (None without such flushes)."""
+        return max((f for f in self.flushes if f.alone), key=lambda f: (f.layout_over_native, -f.index), default=None)
+
+    def last_flush_over_native(self) -> float:
+        """The last flush's own time (its calls, nothing before it in the way) over native's: its exposed tail."""
+        return self.flushes[-1].layout_over_native if self.flushes else 1.0
 
     def choices(self) -> dict[str, int]:
         """Flushes per ``algo=`` value, most frequent first."""
@@ -400,26 +428,30 @@ class BucketSizing:
 
 
 def size_buckets(owner_map: OwnerMap, grad_order: Sequence[int], bucket_size: int,
-                 double_buffer: bool = True, dtype_bytes: int = 2, cluster: Cluster | None = None) -> BucketSizing:
+                 double_buffer: bool = True, dtype_bytes: int = 2, cluster: Cluster | None = None, *,
+                 planned: _PlannedStep | None = None) -> BucketSizing:
     """Every flush of one step at ``bucket_size``: calls and modelled times per path on ``cluster`` (default
-    ``Cluster()``)."""
+    ``Cluster()``); ``planned``: the step's plan with these same arguments, already made."""
     n = owner_map.dp_world_size
     cluster = Cluster() if cluster is None else cluster
     topo = cluster.topology(n)
-    cost = cluster.cost(n, dtype_bytes)
-    order = map_order(owner_map)
+    if planned is None:
+        planned = _planned_step(owner_map, grad_order, bucket_size, double_buffer, dtype_bytes, cluster)
+    flushes, step, cost, per_bucket = planned.flushes, planned.step, planned.cost, planned.step.per_bucket
+    timeline = step.plan.steps
     sized = []
-    for index, entries in enumerate(simulate_flushes(owner_map, grad_order, bucket_size, double_buffer), 1):
+    for index, (entries, layout) in enumerate(zip(flushes, step.layouts, strict=True), 1):
         native = plan_flush(entries, owner_map, reduce_to_owner=False)
         owner = plan_flush(entries, owner_map, reduce_to_owner=True, slice_straddlers=False)
         sliced = plan_flush(entries, owner_map, reduce_to_owner=True).ranges
-        capacity = max([int(bucket_size)] + [e.numel for e in entries])
-        layout = plan_owner_layout([(e.param_id, e.numel) for e in entries], owner_map, capacity=capacity,
-                                   order=order, cost=cost)
-        times = {}
+        at = timeline[index - 1] if timeline else None
+        alone = at is None or ((index == 1 or at.node_start >= timeline[index - 2].end)
+                               and (index == len(flushes) or timeline[index].node_start >= at.end))
+        times = {} if at is None else dict(node_start_us=at.node_start, node_end_us=at.node_end,
+                                           rail_end_us=at.rail_end, end_us=at.end, alone=alone)
         if topo is not None:
             costs = dict(layout.costs)
-            times = dict(
+            times.update(
                 native_us=cost.native_us(e.numel for e in entries),
                 sliced_us=cost.calls_us((c.kind, c.count) for c in collectives_of(sliced)),
                 layout_us=layout.modelled_us,
@@ -433,14 +465,66 @@ def size_buckets(owner_map: OwnerMap, grad_order: Sequence[int], bucket_size: in
                                  owners=len({r.root for r in sliced if r.root is not ALL}),
                                  layout_calls=layout.calls, layout_algo=layout.algo,
                                  layout_choice=layout.choice, costs=layout.costs,
-                                 gradients=tuple(e.numel for e in entries),
+                                 gradients=tuple(e.numel for e in entries), rail_step=layout.rail_step,
                                  groups=issued_groups(layout, n), **times))
     name = topo.name if topo is not None else ""
     if name and cost.calibration is not None:
         name += ", calls timed by the calibration file"
     elif name and cost.p2p_bw_scale != 1.0:
         name += f", hand-off at {cost.p2p_bw_scale:g}x its network bandwidth"
-    return BucketSizing(bucket_size=int(bucket_size), world_size=n, flushes=tuple(sized), topology=name)
+    plan = step.plan
+    return BucketSizing(bucket_size=int(bucket_size), world_size=n, flushes=tuple(sized), topology=name,
+                        schedule_us=plan.end_us if topo is not None else 0.0,
+                        cross_flush_overlap=plan.overlapped, buckets_per_dtype=per_bucket)
+
+
+@dataclass(frozen=True)
+class _PlannedStep:
+    """One step's flushes at a bucket size and the plan the model makes for them (``plan_step_layouts``)."""
+
+    flushes: tuple[tuple[BucketEntry, ...], ...]
+    step: StepLayouts
+    cost: FlushCost
+    order: dict[int, int]
+
+    @property
+    def grads(self) -> list[tuple[int, list[tuple[int, int]]]]:
+        return [(0, [(e.param_id, e.numel) for e in entries]) for entries in self.flushes]
+
+
+def _planned_step(owner_map: OwnerMap, grad_order: Sequence[int], bucket_size: int, double_buffer: bool,
+                  dtype_bytes: int, cluster: Cluster) -> _PlannedStep:
+    cost = cluster.cost(owner_map.dp_world_size, dtype_bytes)
+    order = map_order(owner_map)
+    flushes = tuple(tuple(f) for f in simulate_flushes(owner_map, grad_order, bucket_size, double_buffer))
+    grads = [(0, [(e.param_id, e.numel) for e in entries]) for entries in flushes]
+    step = plan_step_layouts(grads, owner_map, True, capacity=int(bucket_size), cost_of=lambda _: cost, order=order,
+                             per_bucket=2 if double_buffer else 1)
+    return _PlannedStep(flushes, step, cost, order)
+
+
+def _handoff_row(full: _PlannedStep, owner_map: OwnerMap, grad_order: Sequence[int], bucket_size: int,
+                 scale: float, dtype_bytes: int, cluster: Cluster, double_buffer: bool
+                 ) -> tuple[float, float, float | None, float]:
+    """(scale, step ratio and worst flush ratio (None: no flush runs alone) of the choices made at full bandwidth,
+    step ratio chosen again) with every p2p transfer (the hand-offs, the rail hand-off) at ``scale`` x its modelled
+    network bandwidth. The choices made at full bandwidth (``full``) keep their candidate, geometry and rail step and
+    are scheduled as the runtime runs them (``owner_layout.cost_step_choices``: overlapped flushes stay overlapped);
+    the worst flush is among those that run alone, as ``BucketSizing.worst_flush``."""
+    scaled = cluster.with_p2p_scale(scale)
+    scaled_cost = scaled.cost(owner_map.dp_world_size, dtype_bytes)
+    fixed = cost_step_choices(full.grads, owner_map, full.step, capacity=int(bucket_size),
+                              cost_of=lambda _: scaled_cost, order=full.order)
+    steps = fixed.steps
+    alone = []
+    for i, (at, entries) in enumerate(zip(steps, full.flushes, strict=True)):
+        native = scaled_cost.native_us(e.numel for e in entries)
+        if native and ((i == 0 or at.node_start >= steps[i - 1].end)
+                       and (i + 1 == len(steps) or steps[i + 1].node_start >= at.end)):
+            alone.append((at.end - at.node_start) / native)
+    worst = max(alone, default=None)
+    again = size_buckets(owner_map, grad_order, bucket_size, double_buffer, dtype_bytes, scaled).us_ratio("layout")
+    return scale, (fixed.end_us / fixed.native_us if fixed.native_us else 1.0), worst, again
 
 
 # ---- the one published measurement ---------------------------------------------------------------------------
@@ -476,9 +560,10 @@ def published_check(owner_map: OwnerMap, total_bytes: float = PUBLISHED["bytes"]
     elems = sum(p.numel for p in owner_map)
     scale = total_bytes / elems
     tensors = [p for p in owner_map if p.numel]
-    allreduce = flush_time_us(((ALLREDUCE, int(p.numel * scale)) for p in tensors), topology)
+    # NCCL's own table, either sameChannels: the check compares NCCL's model, as published, with the measurement.
+    allreduce = flush_time_us(((ALLREDUCE, int(p.numel * scale)) for p in tensors), topology, physical=False)
     owner = flush_time_us(((REDUCE if p.placement is Placement.ONE_OWNER else ALLREDUCE, int(p.numel * scale))
-                           for p in tensors), topology)
+                           for p in tensors), topology, physical=False)
     return PublishedCheck(topology=topology.name, tensors=len(tensors), model_bytes=total_bytes,
                           allreduce_ms=allreduce / 1000, owner_ms=owner / 1000,
                           measured_allreduce_ms=PUBLISHED["allreduce_ms"], measured_owner_ms=PUBLISHED["owner_ms"])
@@ -531,22 +616,19 @@ def size_the_win(owner_map: OwnerMap, grad_order: Sequence[int], bucket_sizes: S
     b = DTYPE_BYTES[dtype]
     buckets = []
     for size in bucket_sizes:
-        sized = size_buckets(owner_map, grad_order, size, dtype_bytes=b, cluster=cluster)
-        rows = []
-        for scale in sensitivity:
-            scaled = size_buckets(owner_map, grad_order, size, dtype_bytes=b, cluster=cluster.with_p2p_scale(scale))
-            fixed = [dict(f_s.costs).get(f.layout_choice, f.layout_us)
-                     for f, f_s in zip(sized.flushes, scaled.flushes, strict=True)]
-            native = [f.native_us for f in sized.flushes]
-            step = sum(fixed) / sum(native) if sum(native) else 1.0
-            worst = max((c / n for c, n in zip(fixed, native, strict=True) if n), default=1.0)
-            rows.append((scale, step, worst, scaled.us_ratio("layout")))
-        buckets.append(replace(sized, handoff_sensitivity=tuple(rows)))
+        full = _planned_step(owner_map, grad_order, size, True, b, cluster)
+        sized = size_buckets(owner_map, grad_order, size, dtype_bytes=b, cluster=cluster, planned=full)
+        rows = tuple(_handoff_row(full, owner_map, grad_order, size, scale, b, cluster, True) for scale in sensitivity)
+        buckets.append(replace(sized, handoff_sensitivity=rows))
     return SizingReport(model=model, world_size=owner_map.dp_world_size, dtype=dtype,
                         summary_line=owner_map.init_line(sliced=True), share=element_share(owner_map),
                         delivered=delivered_bytes(owner_map, b), buckets=tuple(buckets),
                         build_seconds=build_seconds, notes=tuple(notes), ranks_per_node=cluster.ranks_per_node,
                         gpu_generation=cluster.generation, nvls=cluster.nvls)
+
+
+def _worst(ratio: float | None) -> str:
+    return "none" if ratio is None else f"{ratio:.3f}x"
 
 
 def _ms(us: float) -> str:
@@ -609,28 +691,33 @@ def format_report(report: SizingReport) -> str:
             f"(sliced {b.sliced_time_ratio:.3f}; native AllReduce = 2(n-1)/n = {2 * (n - 1) / n:.3f} S/B)",
         ]
         worst = b.worst_flush()
-        if b.topology and worst is not None:
+        if b.topology and b.flushes:
+            alone = (f"worst flush alone #{worst.index} {worst.layout_over_native:.3f} of native ({worst.layout_algo}, "
+                     f"{worst.elems:,} elements)" if worst is not None else "no flush runs alone")
+            overlap = ", flushes overlapped on the node and rail streams" if b.cross_flush_overlap else ""
             lines += [
                 f"  alpha-beta step time on {b.topology}:",
                 f"    native {_ms(b.step_us('native'))}   reduce_to_owner {_ms(b.step_us('layout'))} "
-                f"({b.us_ratio('layout'):.3f} of native)   worst flush #{worst.index} {worst.layout_over_native:.3f} "
-                f"of native ({worst.layout_algo}, {worst.elems:,} elements)",
+                f"({b.us_ratio('layout'):.3f} of native{overlap})   {alone}   last flush "
+                f"{b.last_flush_over_native():.3f}",
                 f"    before the per-flush choice: owner-ordered {_ms(b.step_us('previous'))} "
                 f"({b.us_ratio('previous'):.3f})   arrival order {_ms(b.step_us('sliced'))} "
                 f"({b.us_ratio('sliced'):.3f})   (bandwidth-only {b.sliced_time_ratio:.3f})",
             ]
             lines += [f"    hand-off at {scale:g}x its network bandwidth: the choices above {ratio:.3f} of native "
-                      f"(worst flush {worst_ratio:.3f}); chosen again knowing it {again:.3f}"
+                      f"(worst flush alone {_worst(worst_ratio)}); chosen again knowing it {again:.3f}"
                       for scale, ratio, worst_ratio, again in b.handoff_sensitivity]
     lines += ["", "estimates: ring-model time is bandwidth only, per rank; alpha-beta time is NCCL's tuning model "
-              "(planning/collective_time.py), flushes serial, compute overlap and host time ignored."]
+              "(planning/collective_time.py; a ring Reduce pays a hop per rank), native's flushes serial, "
+              "reduce_to_owner's the step's plan (two-level flushes overlapped on the node and rail streams), compute "
+              "overlap and host time ignored."]
     lines += [f"note: {note}" for note in report.notes]
     return "\n".join(lines)
 
 
 SUMMARY_HEADER = ("| model | ws | bucket | flushes | calls per flush: native / reduce_to_owner | algorithms chosen | "
-                  "step, native | before the choice | reduce_to_owner | worst flush |\n"
-                  "|---|---|---|---|---|---|---|---|---|---|")
+                  "step, native | before the choice | reduce_to_owner | worst flush alone | last flush |\n"
+                  "|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def summary_header(sensitivity: Sequence[float] = ()) -> str:
@@ -650,17 +737,18 @@ def format_summary_rows(report: SizingReport, name: str) -> list[str]:
     for b in report.buckets:
         per = max(len(b.flushes), 1)
         worst = b.worst_flush()
-        if not b.topology or worst is None:
+        if not b.topology or not b.flushes:
             rows.append(f"| {name} | {report.world_size} | {b.bucket_size:.0e} | {len(b.flushes)} | "
-                        "one rank: nothing to reduce |" + " |" * (5 + len(b.handoff_sensitivity)))
+                        "one rank: nothing to reduce |" + " |" * (6 + len(b.handoff_sensitivity)))
             continue
-        sens = "".join(f" {ratio:.3f}x (worst {w:.3f}x; chosen again {again:.3f}x) |"
+        sens = "".join(f" {ratio:.3f}x (worst alone {_worst(w)}; chosen again {again:.3f}x) |"
                        for _, ratio, w, again in b.handoff_sensitivity)
+        alone = f"{worst.layout_over_native:.3f}x ({worst.layout_algo})" if worst is not None else "none alone"
+        overlap = ", overlapped" if b.cross_flush_overlap else ""
         rows.append(f"| {name} | {report.world_size} | {b.bucket_size:.0e} | {len(b.flushes)} | "
-                    f"{b.native_calls / per:.1f} / {b.layout_calls / per:.1f} | {_algos(b)} | "
+                    f"{b.native_calls / per:.1f} / {b.layout_calls / per:.1f} | {_algos(b)}{overlap} | "
                     f"{_ms(b.step_us('native'))} | {b.us_ratio('previous'):.3f}x | "
-                    f"**{b.us_ratio('layout'):.3f}x** | {worst.layout_over_native:.3f}x ({worst.layout_algo}) |"
-                    + sens)
+                    f"**{b.us_ratio('layout'):.3f}x** | {alone} | {b.last_flush_over_native():.3f}x |" + sens)
     return rows
 
 
@@ -679,7 +767,8 @@ def report_to_dict(report: SizingReport) -> dict[str, Any]:
                    native_us=b.step_us("native"), sliced_us=b.step_us("sliced"), layout_us=b.step_us("layout"),
                    previous_us=b.step_us("previous"), sliced_us_ratio=b.us_ratio("sliced"),
                    layout_us_ratio=b.us_ratio("layout"), previous_us_ratio=b.us_ratio("previous"),
-                   worst_flush_over_native=max((f.layout_over_native for f in b.flushes), default=1.0),
+                   worst_flush_over_native=max((f.layout_over_native for f in b.flushes if f.alone), default=1.0),
+                   last_flush_over_native=b.last_flush_over_native(),
                    choices=b.choices())
     return data
 
@@ -687,7 +776,12 @@ def report_to_dict(report: SizingReport) -> dict[str, Any]:
 def plan_to_dicts(report: SizingReport) -> list[dict[str, Any]]:
     """Issue 20's machine-readable plan, one object per bucket size: for each flush what native issues (one
     AllReduce per gradient, in one group) and what reduce_to_owner issues (``groups``: one entry per NCCL group in
-    issue order), with both modelled times, so anyone can cost them their own way."""
+    issue order; a two-level call names its ``comm``, ``rail`` and ``stage``), with both modelled times and where the
+    step's plan runs it, so anyone can cost them their own way. How the step runs (``cross_flush_overlap``,
+    ``buckets_per_dtype``): node groups on the node stream, rail groups (and the rail hand-off's sends) on the rail
+    stream, rail stage ``k`` of flush ``i`` after node stage ``k`` of flush ``i``, anything on the data-parallel
+    communicator after both streams' earlier work, a flush's first node group after the rail end of the flush that
+    last used its bucket (flushes of a dtype take ``buckets_per_dtype`` buckets in turn)."""
     out = []
     for b in report.buckets:
         flushes = []
@@ -695,12 +789,16 @@ def plan_to_dicts(report: SizingReport) -> list[dict[str, Any]]:
             flushes.append({
                 "index": f.index, "gradients": list(f.gradients),
                 "groups": [[asdict(call) for call in group] for group in f.groups],
-                "algo": f.layout_algo, "choice": f.layout_choice,
-                "modelled_us": f.layout_us, "native_modelled_us": f.native_us})
+                "algo": f.layout_algo, "choice": f.layout_choice, "rail_step": f.rail_step or None,
+                "modelled_us": f.layout_us, "native_modelled_us": f.native_us,
+                "schedule_us": {"node_start": f.node_start_us, "node_end": f.node_end_us, "rail_end": f.rail_end_us,
+                                "end": f.end_us}})
         out.append({"model": report.model, "world_size": report.world_size,
                     "ranks_per_node": report.ranks_per_node, "gpu_generation": report.gpu_generation,
                     "nvls": report.nvls, "dtype_bytes": DTYPE_BYTES[report.dtype], "bucket_elems": b.bucket_size,
-                    "topology": b.topology, "flushes": flushes})
+                    "topology": b.topology, "cross_flush_overlap": b.cross_flush_overlap,
+                    "buckets_per_dtype": b.buckets_per_dtype, "step_modelled_us": b.step_us("layout"),
+                    "native_step_modelled_us": b.step_us("native"), "flushes": flushes})
     return out
 
 

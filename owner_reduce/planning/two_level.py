@@ -41,13 +41,26 @@ it, whole nodes only. Pure: numbers in, a layout out; no torch.distributed, no c
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
-from .collective_time import REDUCE, REDUCE_SCATTER, Topology, group_time_us, nvlink_node, nvlinks_of, rail
-from .collectives import NODE, RAIL, Collective
+from .collective_time import (
+    REDUCE,
+    REDUCE_SCATTER,
+    P2pLoad,
+    Topology,
+    group_time_us,
+    nvlink_node,
+    nvlinks_of,
+    p2p_round_us,
+    rail,
+)
+from .collectives import HANDOFF, NODE, RAIL, Collective, Transfer
 from .flush_plan import ALL, FlushRange
 
 STAGE_COUNTS = (1, 2, 4, 8, 16, 32)  # the pipeline depths the model compares (ties: fewer stages)
+RAIL_REDUCE, RAIL_SCATTER = "reduce", "scatter"  # a two-level flush's rail step: Note (rail step)
+RAIL_STEPS = (RAIL_REDUCE, RAIL_SCATTER)
 
 
 @dataclass(frozen=True)
@@ -58,6 +71,7 @@ class TwoLevel:
     nodes: int
     node: Topology
     rail: Topology
+    p2p_bw_scale: float = 1.0  # the rail hand-off's share of its modelled network bandwidth (the sizing's sensitivity)
 
     @property
     def world_size(self) -> int:
@@ -73,44 +87,90 @@ class TwoLevel:
         g = self.ranks_per_node
         return tuple(tuple(m * g + local for m in range(self.nodes)) for local in range(g))
 
-    def time_us(self, sizes: Sequence[int], dtype_bytes: int, max_padding: int | None = None
-                ) -> tuple[float, TwoLevelGeometry]:
-        """(modelled time, layout) of the cheapest pipeline for owner regions of ``sizes`` elements (by rank) that pads
-        at most ``max_padding`` elements (None: any). Compared: every stage count of ``STAGE_COUNTS`` and, for each,
-        every number of leading stages that run a node ReduceScatter (see Note (unequal blocks)); ties go to fewer
-        stages, then to more ReduceScatter stages."""
+    def options(self, sizes: Sequence[int], dtype_bytes: int, max_padding: int | None = None
+                ) -> tuple[TwoLevelOption, ...]:
+        """Every pipeline worth comparing for owner regions of ``sizes`` elements (by rank) that pads at most
+        ``max_padding`` elements (None: any): per stage count of ``STAGE_COUNTS`` and rail step (Note (rail step)),
+        the one whose flush alone is fastest (for the Reduce chains: over how many leading stages run a node
+        ReduceScatter, see Note (unequal blocks); ties: more of them). The step's plan picks among them
+        (``step_plan``), as the flush alone does (``time_us``)."""
         blocks = rail_blocks(sizes, self.ranks_per_node)
         lengths = tuple(sum(b) for b in blocks)
         longest = max(lengths, default=0)
-        best: tuple[float, TwoLevelGeometry] | None = None
-        tried = set()
-        for count in STAGE_COUNTS:
-            width = -(-longest // count) if longest else 0
-            stages = -(-longest // width) if width else 0  # every stage holds part of the longest block
-            if not stages or stages in tried:
-                continue
-            tried.add(stages)
-            node_rs, node_tail, rail_us = self._stage_costs(blocks, lengths, width, stages, dtype_bytes)
-            for scattered in range(stages, -1, -1):
-                if max_padding is not None and sum(max(0, scattered * width - n) for n in lengths) > max_padding:
+        if not longest:
+            return ()
+        out: list[TwoLevelOption] = []
+        for step in RAIL_STEPS:
+            tried = set()
+            for count in STAGE_COUNTS:
+                width = -(-longest // count)
+                if step == RAIL_SCATTER:
+                    width = -(-width // self.nodes) * self.nodes  # every rail rank gets an equal part
+                stages = -(-longest // width)  # every stage holds part of the longest block
+                if stages in tried:
                     continue
-                node_end = rail_end = 0.0
-                for stage in range(stages):
-                    node_end += node_rs if stage < scattered else node_tail[stage]
-                    rail_end = max(node_end, rail_end) + rail_us[stage]
-                if best is None or rail_end < best[0]:
-                    best = (rail_end, TwoLevelGeometry(self.ranks_per_node, stages, width, scattered, lengths))
-        return best if best is not None else (0.0, TwoLevelGeometry(self.ranks_per_node, 0, 0, 0, lengths))
+                tried.add(stages)
+                option = self._best_option(step, blocks, lengths, width, stages, dtype_bytes, max_padding)
+                if option is not None:
+                    out.append(option)
+        return tuple(out)
 
-    def _stage_costs(self, blocks: Sequence[Sequence[int]], lengths: Sequence[int], width: int, stages: int,
-                     dtype_bytes: int) -> tuple[float, list[float], list[float]]:
+    def time_us(self, sizes: Sequence[int], dtype_bytes: int, max_padding: int | None = None
+                ) -> tuple[float, TwoLevelOption | None]:
+        """(modelled time, option) of the fastest pipeline for a flush alone (``options``); ties go to the Reduce
+        chains, then fewer stages."""
+        best: TwoLevelOption | None = None
+        for option in self.options(sizes, dtype_bytes, max_padding):
+            if best is None or option.alone_us < best.alone_us:
+                best = option
+        return (best.alone_us, best) if best is not None else (0.0, None)
+
+    def recost(self, sizes: Sequence[int], option: TwoLevelOption, dtype_bytes: int) -> TwoLevelOption:
+        """``option``'s pipeline (its geometry and rail step, as chosen under another model) costed on this one's
+        topology: what a choice made at one bandwidth costs at another (the sizing's hand-off sensitivity)."""
+        geometry = option.geometry
+        blocks = rail_blocks(sizes, self.ranks_per_node)
+        node_rs, node_tail, rail_us = self._stage_costs(option.rail_step, blocks, geometry.lengths, geometry.width,
+                                                        geometry.stages, dtype_bytes)
+        stage_us = tuple((node_rs if stage < geometry.scattered else node_tail[stage], rail_us[stage])
+                         for stage in range(geometry.stages))
+        return replace(option, stage_us=stage_us)
+
+    def _best_option(self, step: str, blocks: Sequence[Sequence[int]], lengths: Sequence[int], width: int,
+                     stages: int, dtype_bytes: int, max_padding: int | None) -> TwoLevelOption | None:
+        """The fastest option of ``stages`` stages of ``width`` for this rail step, or None where every one pads past
+        ``max_padding``. A rail ReduceScatter needs every block's slice whole: node ReduceScatter stages only."""
+        node_rs, node_tail, rail_us = self._stage_costs(step, blocks, lengths, width, stages, dtype_bytes)
+        best: TwoLevelOption | None = None
+        for scattered in (range(stages, -1, -1) if step == RAIL_REDUCE else (stages,)):
+            if max_padding is not None and sum(max(0, scattered * width - n) for n in lengths) > max_padding:
+                continue
+            stage_us = tuple((node_rs if stage < scattered else node_tail[stage], rail_us[stage])
+                             for stage in range(stages))
+            option = TwoLevelOption(TwoLevelGeometry(self.ranks_per_node, stages, width, scattered, tuple(lengths)),
+                                    step, stage_us)
+            if best is None or option.alone_us < best.alone_us:
+                best = option
+        return best
+
+    def _stage_costs(self, step: str, blocks: Sequence[Sequence[int]], lengths: Sequence[int], width: int,
+                     stages: int, dtype_bytes: int) -> tuple[float, list[float], list[float]]:
         """Per stage of ``width``: the node ReduceScatter's time (the same in every stage), the node Reduces' time if
-        the stage is a tail stage, and the slowest rail's grouped Reduces (the same either way)."""
+        the stage is a tail stage, and the slowest rail's step (the same either way): its grouped Reduces, or its
+        ReduceScatter of the stage's slice and then its hand-off round."""
         g = self.ranks_per_node
         node_rs = group_time_us([(REDUCE_SCATTER, g * width * dtype_bytes)], self.node)
         node_tail = [group_time_us([(REDUCE, _slice(n, stage, width) * dtype_bytes) for n in lengths
                                     if _slice(n, stage, width)], self.node) for stage in range(stages)]
         rail_us = [0.0] * stages
+        if step == RAIL_SCATTER:
+            scatter = group_time_us([(REDUCE_SCATTER, width * dtype_bytes)], self.rail)
+            for block in blocks:
+                for stage in range(stages):
+                    load = _rail_handoff_load(block, stage, width, self.nodes, dtype_bytes)
+                    handoff = p2p_round_us(load, self.rail, self.p2p_bw_scale) if load.peers else 0.0
+                    rail_us[stage] = max(rail_us[stage], scatter + handoff)
+            return node_rs, node_tail, rail_us
         for block in blocks:
             parts: list[list[tuple[str, int]]] = [[] for _ in range(stages)]
             for stage, _, count in _parts(block, width):
@@ -121,8 +181,104 @@ class TwoLevel:
         return node_rs, node_tail, rail_us
 
 
-def two_level_of(topology: Topology | None, ranks_per_node: int, *, rail_same_channels: bool = True
-                 ) -> TwoLevel | None:
+@dataclass(frozen=True)
+class TwoLevelOption:
+    """One way to run a two-level flush: its layout (``geometry``), its rail step (Note (rail step)) and each stage's
+    modelled (node step, rail step) microseconds, which the step's plan schedules on the node and rail streams."""
+
+    geometry: TwoLevelGeometry
+    rail_step: str
+    stage_us: tuple[tuple[float, float], ...]
+
+    @property
+    def alone_us(self) -> float:
+        """The flush alone: ``pipelined_us`` of its stages."""
+        return pipelined_us(self.stage_us)
+
+
+def pipelined_us(stage_us: Sequence[tuple[float, float]]) -> float:
+    """Stages of (node, rail) microseconds, node steps back to back, rail step ``k`` after node step ``k`` and rail
+    step ``k - 1``: when the last rail step ends."""
+    node_end = rail_end = 0.0
+    for node, rail_ in stage_us:
+        node_end += node
+        rail_end = max(node_end, rail_end) + rail_
+    return rail_end
+
+
+def _rail_handoff_load(block: Sequence[int], stage: int, width: int, nodes: int, dtype_bytes: int) -> P2pLoad:
+    """The busiest rail rank of ``_rail_transfers``' round (``collective_time.p2p_load`` of it, every peer on another
+    node), counted without listing the transfers: a receiver gets its region's part of the slice from every other
+    holder of it; a holder sends its part of each region it covers. Regions do not overlap, so a holder inside a
+    region (a whole part) sends to that owner only, and only a holder at a region's end can send to two."""
+    part = width // nodes
+    lo, hi = stage * width, (stage + 1) * width
+    end_peers: dict[int, int] = {}
+    end_bytes: dict[int, int] = {}
+    peers = moved = largest = 0
+    for owner_node, at, size in _spans(tuple(block)):
+        if at >= hi:
+            break
+        start, end = max(at, lo), min(at + size, hi)
+        if start >= end:
+            continue
+        first, last = (start - lo) // part, (end - 1 - lo) // part
+        received = senders = 0
+        for holder in (first, last) if last > first else (first,):
+            if holder != owner_node:
+                count = min(end, lo + (holder + 1) * part) - max(start, lo + holder * part)
+                end_peers[holder] = end_peers.get(holder, 0) + 1
+                end_bytes[holder] = end_bytes.get(holder, 0) + count
+                received += count
+                senders += 1
+                largest = max(largest, count)
+        inner = last - first - 1 - (1 if first < owner_node < last else 0)  # whole parts held by others
+        if inner > 0:
+            peers, moved, largest = max(peers, 1), max(moved, part), max(largest, part)
+            received += inner * part
+            senders += inner
+        peers, moved = max(peers, senders), max(moved, received)
+    peers = max([peers, *end_peers.values()])
+    moved = max([moved, *end_bytes.values()])
+    return P2pLoad(peers, moved * dtype_bytes, 0, largest * dtype_bytes)
+
+
+@lru_cache(maxsize=4096)
+def _spans(block: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """(node, start, size) of a block's non-empty regions, in block order."""
+    out, at = [], 0
+    for node, size in enumerate(block):
+        if size:
+            out.append((node, at, size))
+        at += size
+    return tuple(out)
+
+
+def _rail_transfers(block: Sequence[int], stage: int, width: int, nodes: int, bucket_at: int, dp_of_node: int
+                    ) -> list[Transfer]:
+    """A rail's hand-off in ``stage`` (rail step ``scatter``): its block's slice ``[stage x width, +width)`` was reduced
+    and scattered over the rail, node ``j`` holding its ``j``-th part of ``width / nodes``; every piece of node ``m``'s
+    owner region that node ``j != m`` holds moves to node ``m``. ``bucket_at``: where the slice starts in the bucket;
+    ranks are ``node x dp_of_node`` (the caller adds the local rank). Ordered by (destination, source)."""
+    part = width // nodes
+    lo, hi = stage * width, (stage + 1) * width
+    moves = []
+    at = 0
+    for owner_node, size in enumerate(block):
+        start, end = max(at, lo), min(at + size, hi)
+        while start < end:
+            holder = (start - lo) // part
+            stop = min(end, lo + (holder + 1) * part)
+            if holder != owner_node:
+                moves.append(Transfer(holder * dp_of_node, owner_node * dp_of_node, bucket_at + start - lo,
+                                      stop - start, comm=RAIL, stage=stage))
+            start = stop
+        at += size
+    return sorted(moves, key=lambda t: (t.dst, t.src))
+
+
+def two_level_of(topology: Topology | None, ranks_per_node: int, *, rail_same_channels: bool = True,
+                 p2p_bw_scale: float = 1.0) -> TwoLevel | None:
     """The two-level communicators for ``topology``'s ranks in nodes of ``ranks_per_node``, or None where there is no
     second level to save on: one node, one rank per node, or a last node partly filled (rails of unequal length)."""
     if topology is None or ranks_per_node < 2:
@@ -133,7 +289,7 @@ def two_level_of(topology: Topology | None, ranks_per_node: int, *, rail_same_ch
     nodes = n // ranks_per_node
     return TwoLevel(ranks_per_node, nodes, nvlink_node(ranks_per_node, generation=topology.generation,
                                                        nvls=topology.nvls, links=nvlinks_of(topology)),
-                    rail(nodes, generation=topology.generation, same_channels=rail_same_channels))
+                    rail(nodes, generation=topology.generation, same_channels=rail_same_channels), p2p_bw_scale)
 
 
 def rail_blocks(sizes: Sequence[int], ranks_per_node: int) -> list[list[int]]:
@@ -215,13 +371,14 @@ class TwoLevelGeometry:
         return max(0, self.scattered * self.width - self.lengths[local])
 
 
-def two_level_calls(sizes: Sequence[int], geo: TwoLevelGeometry) -> tuple[tuple[Collective, ...],
-                                                                          tuple[FlushRange, ...],
-                                                                          tuple[FlushRange, ...]]:
+def two_level_calls(sizes: Sequence[int], geo: TwoLevelGeometry, rail_step: str = RAIL_REDUCE
+                    ) -> tuple[tuple[Collective, ...], tuple[FlushRange, ...], tuple[FlushRange, ...],
+                               tuple[Transfer, ...]]:
     """The calls (per stage: the node ReduceScatter or the node Reduces of the blocks that reach a tail stage, then
-    every rail's Reduces), the ranges each owner receives, and the padding of owner regions of ``sizes`` laid out by
-    ``geo``."""
+    every rail's step: its Reduces, or its ReduceScatter and hand-off), the ranges each owner receives, the padding
+    and the rail hand-offs' transfers of owner regions of ``sizes`` laid out by ``geo``."""
     g, w = geo.ranks_per_node, geo.width
+    nodes = len(sizes) // g
     calls: list[list[Collective]] = [[Collective(REDUCE_SCATTER, s * g * w, g * w, per_rank=w, comm=NODE, stage=s)]
                                      for s in range(geo.scattered)]
     for s in range(geo.scattered, geo.stages):
@@ -229,16 +386,28 @@ def two_level_calls(sizes: Sequence[int], geo: TwoLevelGeometry) -> tuple[tuple[
                       for local, n in enumerate(geo.lengths) if _slice(n, s, w)])
     received: list[FlushRange] = []
     padding: list[FlushRange] = []
+    transfers: list[Transfer] = []
     for local, block in enumerate(rail_blocks(sizes, g)):
+        if rail_step == RAIL_SCATTER:
+            for stage in range(geo.stages):
+                at = geo.offset(local, stage * w)
+                calls[stage].append(Collective(REDUCE_SCATTER, at, w, per_rank=w // nodes, comm=RAIL, rail=local,
+                                               stage=stage))
+                moves = [replace(t, src=t.src + local, dst=t.dst + local)
+                         for t in _rail_transfers(block, stage, w, nodes, at, g)]
+                if moves:
+                    calls[stage].append(Collective(HANDOFF, at, w, comm=RAIL, rail=local, stage=stage))
+                    transfers += moves
         at = 0
         for node, size in enumerate(block):
             owner = node * g + local
             for offset, position, count in geo.segments(local, at, size):
-                calls[position // w].append(Collective(REDUCE, offset, count, root=node, comm=RAIL, rail=local,
-                                                       stage=position // w))
+                if rail_step == RAIL_REDUCE:
+                    calls[position // w].append(Collective(REDUCE, offset, count, root=node, comm=RAIL, rail=local,
+                                                           stage=position // w))
                 received.append(FlushRange(offset, count, owner))
             at += size
         for offset, _, count in geo.segments(local, at, geo.padding(local)):
             padding.append(FlushRange(offset, count, ALL))
     return (tuple(c for stage in calls for c in stage), tuple(sorted(received, key=lambda r: r.offset)),
-            tuple(sorted(padding, key=lambda r: r.offset)))
+            tuple(sorted(padding, key=lambda r: r.offset)), tuple(transfers))
