@@ -205,10 +205,12 @@ def test_negative_control_a_handoff_piece_sent_to_the_wrong_rank_shows_as_wrong_
     """Every rank agrees on the misrouted transfer (it is in the shared layout), so the calls match; the true owner
     never receives that piece and keeps its ReduceScatter's NaN there."""
     import owner_reduce.runtime.placement as placement
-    from owner_reduce.harness.faults import break_layout
+    from owner_reduce.harness.faults import break_layout, break_step_layouts
 
-    original = placement.plan_owner_layout
+    original, original_step = placement.plan_owner_layout, placement.plan_step_layouts
     monkeypatch.setattr(placement, "plan_owner_layout",
                         lambda *a, **k: break_layout(original(*a, **k), "handoff_wrong_owner", 3))
+    monkeypatch.setattr(placement, "plan_step_layouts",  # a learned schedule's flushes
+                        lambda *a, **k: break_step_layouts(original_step(*a, **k), "handoff_wrong_owner", 3))
     runtimes, exact = _handoff_steps(ExchangeWorld(3, timeout_s=10))
     assert runtimes[0].stats.handoff_rounds > 0 and not exact

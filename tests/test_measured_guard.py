@@ -244,3 +244,90 @@ def test_negative_control_ranks_deciding_alone_diverge_and_the_exchange_sees_it(
     world, runtimes = _world({0: _NoAgreementFast, 1: _NoAgreement})
     with pytest.raises(ExchangeMismatch):
         _steps(world, runtimes, 1 + 2 * TRIAL_ROUNDS + 1)
+
+
+# ---- a schedule whose flushes overlap: the step timed as a whole ------------------------------------------------
+
+
+def _overlapping_world(monkeypatch, slow_rail: bool):
+    """Four in-process ranks in two nodes of two whose step's plan runs every flush two-level (the planner told to
+    pick the fastest two-level option for each: consecutive flushes overlap), the guard on; ``slow_rail``: every rail
+    call takes ``SLOW_S`` longer on rank 1, so native's calls win the step; else native's AllReduces are the slow
+    ones (on rank 0), so the plan wins."""
+    from fakes import group_threads_as_nodes
+
+    from owner_reduce.planning import owner_layout
+    from owner_reduce.planning.step_plan import StepPlan, schedule
+
+    def every_flush_two_level(options, native, buckets, per_bucket=2):
+        picks = tuple(1 if len(o) > 1 else 0 for o in options)
+        return StepPlan(picks, schedule([o[j] for o, j in zip(options, picks, strict=True)], buckets, per_bucket),
+                        sum(native))
+
+    monkeypatch.setattr(owner_layout, "plan_step", every_flush_two_level)
+    group_threads_as_nodes(monkeypatch, 2)
+    world = ExchangeWorld(4, timeout_s=20)
+    m = flat_map(NUMELS, 4)
+    runtimes = world.run(lambda rank: mirror_runtime(m, rank=rank, graph_id=GRAPH, comm=world.comm(rank),
+                                                     measure=True, bucket=40)[0])
+    if not slow_rail:  # native's AllReduces slow on rank 0: the plan clearly wins (never by chance)
+        comm = runtimes[0].comm
+        fast = comm.all_reduce
+        comm.all_reduce = lambda buf, fast=fast: (fast(buf), time.sleep(SLOW_S / 4))
+    else:
+        rail = runtimes[1].flusher.levels.rail
+        honest = rail.reduce
+
+        def slow(buf, root):
+            honest(buf, root)
+            time.sleep(SLOW_S)
+
+        rail.reduce = slow
+        rail.reduce_scatter = lambda buf, per_rank, honest=rail.reduce_scatter: (honest(buf, per_rank),
+                                                                                   time.sleep(SLOW_S))
+    for rt in runtimes:
+        rt.record_collectives = True
+    return world, runtimes
+
+
+def _four_rank_steps(world, runtimes, steps, first=0):
+    per_step = []
+    for step in range(first, first + steps):
+        before = [len(rt.comm.calls) for rt in runtimes]
+        two_level = [rt.stats.two_level_flushes for rt in runtimes]
+
+        def backward(rank: int, step=step) -> None:
+            rt = runtimes[rank]
+            grads = {pid: torch.arange(1, n + 1, dtype=torch.float32) * (rank + 1) + 100 * step + 10 * pid
+                     for pid, n in enumerate(NUMELS)}
+            rt.start_backward(True)
+            for pid in reversed(range(len(NUMELS))):
+                rt.reduce_grad(grads[pid], GRAPH, pid)
+            rt.end_backward(GRAPH, False)
+
+        world.run(backward)
+        per_step.append([(rt.stats.two_level_flushes - t, rt.comm.calls[n:]) for rt, t, n in
+                         zip(runtimes, two_level, before, strict=True)])
+    return per_step
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("slow_rail", [True, False], ids=["native-wins", "plan-kept"])
+def test_a_plan_whose_flushes_overlap_is_timed_as_a_whole_step_and_kept_or_overruled_whole(slow_rail, monkeypatch):
+    world, runtimes = _overlapping_world(monkeypatch, slow_rail)
+    per_step = _four_rank_steps(world, runtimes, 1 + 2 * TRIAL_ROUNDS + 2)
+    assert "measuring the step against native's calls" in runtimes[0].stats.schedule_lines[0]
+    for rt in runtimes:
+        s = rt.stats
+        assert (s.trial_steps, s.trials_decided) == (6, 1), s
+        assert rt.flusher.timed is None and rt.flusher.step_start is None
+    (line,) = runtimes[0].stats.measured_lines
+    assert "the step's reduction (flushes overlapped) over 3 steps each way" in line, line
+    two_level_after = [n for n, _ in per_step[-1]]
+    if slow_rail:
+        assert line.endswith("native's calls for every flush from now on, overruled by measurement"), line
+        assert two_level_after == [0, 0, 0, 0]  # every rank runs native's calls, every flush
+        assert all(kind == "all_reduce" for _, calls in per_step[-1] for kind, _, _ in calls)
+    else:
+        assert "the plan kept" in line, line
+        assert all(n > 1 for n in two_level_after)  # the overlapped two-level plan, every rank

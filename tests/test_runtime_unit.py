@@ -264,6 +264,7 @@ def test_fault_injection_still_reaches_cached_plans(monkeypatch):
 
     monkeypatch.setattr(flush_module, "plan_flush", flush_module.plan_flush)  # restored after the test
     monkeypatch.setattr(placement_module, "plan_owner_layout", placement_module.plan_owner_layout)  # broken too
+    monkeypatch.setattr(placement_module, "plan_step_layouts", placement_module.plan_step_layouts)
     inject("wrong_root", 2)
     rt, _ = _runtime(rank=1, probe=False)  # the first owner range, c -> rank 1, now goes to rank 0
     _backward(rt, _grads())
@@ -377,50 +378,49 @@ def test_a800_ranks_are_modelled_with_their_eight_nvlinks(monkeypatch):
 
 
 
-def test_a_two_level_stage_that_raises_still_joins_the_level_streams():
-    """Before: ``levels_end`` was skipped, so the reduce stream (which every later wait polls) did not cover what the
-    node stream had issued. The failed call's error is the one raised."""
+def test_a_two_level_stage_that_raises_still_leaves_the_levels_joined_at_the_next_wait():
+    """Before: ``levels_end`` was skipped when a stage raised, so the reduce stream (which every later wait polls) did
+    not cover what the node stream had issued. Now every host wait joins the levels first, whatever raised."""
     import contextlib
 
-    from owner_reduce.planning.collectives import NODE, RAIL, REDUCE, REDUCE_SCATTER, Collective
-    from owner_reduce.planning.flush_choice import FlushCost
-    from owner_reduce.runtime.flush import Flusher, Levels
+    from owner_reduce.runtime.streams import CudaStreams
 
-    class Streams:
+    class Stream:
+        def __init__(self, name):
+            self.name, self.waited = name, []
+
+        def wait_stream(self, other):
+            self.waited.append(other.name)
+
+        def query(self):
+            return True
+
+    class Cuda:
         def __init__(self):
-            self.log = []
+            self.current = Stream("compute")
 
-        def levels_begin(self):
-            self.log.append("begin")
+        def Stream(self, device, priority=0):  # noqa: N802 - torch.cuda's name
+            return Stream(f"stream{id(self) % 7}-{priority}")
+
+        def current_stream(self, device=None):
+            return self.current
 
         @contextlib.contextmanager
-        def level(self, name):
-            yield
+        def stream(self, stream):
+            before, self.current = self.current, stream
+            try:
+                yield
+            finally:
+                self.current = before
 
-        def node_stage_done(self):
-            self.log.append("stage")
-
-        def levels_end(self):
-            self.log.append("end")
-
-    class FailingRail(MirrorComm):
-        def reduce(self, buf, root):
-            raise RuntimeError("rail call failed")
-
-    from owner_reduce.runtime.stats import RuntimeStats
-
-    flusher = Flusher(OwnerMap.from_group_tables([TABLES], 2), OwnerReduceFlags(True, False), {}, RuntimeStats(),
-                      FlushCost(None))
-    flusher.levels = Levels(MirrorComm(0, 2), FailingRail(0, 2))
-    bucket = torch.ones(8)
-    stages = (((Collective(REDUCE_SCATTER, 0, 8, per_rank=4, comm=NODE),),
-               (Collective(REDUCE, 0, 4, root=1, comm=RAIL, rail=0),)),)
-    cached = types.SimpleNamespace(stages=stages)
-    views = (((bucket,), (bucket[:4],)),)
-    streams = Streams()
-    with pytest.raises(RuntimeError, match="rail call failed"):
-        flusher._two_level(cached, views, streams, 3)
-    assert streams.log == ["begin", "stage", "end"]
+    streams = CudaStreams(torch.device("cpu"), cuda=Cuda())
+    with pytest.raises(RuntimeError, match="rail call failed"), streams.levels():
+        raise RuntimeError("rail call failed")
+    node, rail = streams._levels["node"], streams._levels["rail"]
+    node.name, rail.name = "node", "rail"
+    polled = []
+    streams.synchronize(lambda done: polled.append(done()))
+    assert streams.reduce_stream.waited == ["node", "rail"] and polled == [True]
 
 
 def test_the_free_memory_reading_at_init_waits_for_nothing_on_the_device(monkeypatch):

@@ -115,6 +115,7 @@ def test_negative_control_layout_off_by_one_slice_is_caught(rank, monkeypatch):
     from owner_reduce.harness.faults import inject
 
     monkeypatch.setattr(placement_module, "plan_owner_layout", placement_module.plan_owner_layout)  # restored after
+    monkeypatch.setattr(placement_module, "plan_step_layouts", placement_module.plan_step_layouts)
     monkeypatch.setattr(flush_module, "plan_flush", flush_module.plan_flush)
     inject("layout_off_by_one", 2)
     rt, _ = _runtime(rank=rank)

@@ -46,6 +46,11 @@ def wrong_rail(layout: OwnerLayout) -> OwnerLayout:
     return dataclasses.replace(layout, collectives=tuple(calls))
 
 
+def break_step_layouts(step: Any, fault: str, world_size: int) -> Any:
+    """A learned schedule's ``StepLayouts`` with every flush's layout broken as ``break_layout`` breaks one."""
+    return dataclasses.replace(step, layouts=tuple(break_layout(layout, fault, world_size) for layout in step.layouts))
+
+
 def break_layout(layout: OwnerLayout, fault: str, world_size: int) -> OwnerLayout:
     """``layout`` with its first owner call broken as ``fault`` says; ``layout_off_by_one`` packs the same pieces
     one slice later (the last piece first), a valid packing that disagrees with the calls and the copy-out."""
@@ -94,11 +99,16 @@ def inject(fault: str, world_size: int) -> None:
     import owner_reduce.runtime.placement as placement_module
 
     original_layout = placement_module.plan_owner_layout
+    original_step = placement_module.plan_step_layouts
 
     def broken_layout(*args: Any, **kwargs: Any) -> Any:
         return break_layout(original_layout(*args, **kwargs), fault, world_size)
 
+    def broken_step(*args: Any, **kwargs: Any) -> Any:
+        return break_step_layouts(original_step(*args, **kwargs), fault, world_size)
+
     placement_module.plan_owner_layout = broken_layout
+    placement_module.plan_step_layouts = broken_step
     if fault in ("layout_off_by_one", "handoff_wrong_owner", "wrong_rail"):
         return
     original = flush_module.plan_flush

@@ -60,6 +60,9 @@ class TrainSpec:
     # several nodes): the two-level flush's node and rail communicators; 0 keeps the launch's (one node).
     ranks_per_node: int = 0
     env: tuple[tuple[str, str], ...] = ()  # environment variables for this run only (e.g. OWNER_REDUCE_VERDICTS)
+    # The two-level flush's rail steps the model may choose (``planning.two_level.RAIL_STEPS``; () all of them): tests
+    # cover each one where the model would pick another at their sizes.
+    rail_steps: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -233,6 +236,10 @@ def train(rank: int, world_size: int, spec: TrainSpec,
     os.environ.update(dict(spec.env))
     if spec.ranks_per_node:
         _group_as_nodes(rank, spec.ranks_per_node)
+    if spec.rail_steps:
+        from ..planning import two_level
+
+        two_level.RAIL_STEPS = spec.rail_steps
     model, batch = _model_and_batches(spec, rank)
     zero: dict[str, Any] = {"stage": spec.zero_stage}
     if spec.reduce_bucket_size is not None:

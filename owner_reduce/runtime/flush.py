@@ -56,7 +56,8 @@ from .stats import FlushRecord, RuntimeStats, emit
 
 _LOG_NAMES = {REDUCE: "reduce", REDUCE_SCATTER: "reduce_scatter", ALLREDUCE: "all_reduce", HANDOFF: "handoff"}
 _LEVEL_LOG_NAMES = {(NODE, REDUCE_SCATTER): "node_reduce_scatter", (NODE, REDUCE): "node_reduce",
-                    (RAIL, REDUCE): "rail_reduce"}
+                    (RAIL, REDUCE): "rail_reduce", (RAIL, REDUCE_SCATTER): "rail_reduce_scatter",
+                    (RAIL, HANDOFF): "rail_handoff"}
 # Per two-level stage: (its node calls' buffers, this rank's rail calls' buffers), views of the bucket.
 _LevelViews = tuple[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]], ...]
 _FLUSH_CACHE_LIMIT = 256  # distinct bucket contents remembered; beyond it the cache starts over
@@ -138,8 +139,9 @@ class _CachedFlush:
     all_reduce_calls: int
     reduce_scatter_calls: int
     staged: tuple[tuple[int, int, int], ...] = ()  # (bucket offset, staging offset, elements): Note (staging)
-    # two-level, per stage: (the node calls: one ReduceScatter or a tail's Reduces, this rank's rail's calls)
-    stages: tuple[tuple[tuple[Collective, ...], tuple[Collective, ...]], ...] = ()
+    # two-level, per stage: (the node calls: one ReduceScatter or a tail's Reduces, this rank's rail's calls, its rail
+    # hand-off's sends and receives: peers as rail ranks)
+    stages: tuple[tuple[tuple[Collective, ...], tuple[Collective, ...], tuple[_P2p, ...]], ...] = ()
 
 
 class Flusher:
@@ -167,6 +169,7 @@ class Flusher:
         # The measured guard (``trial``): id(scheduled flush) -> key, for the flushes on trial; None outside trials.
         self.timed: dict[int, Any] | None = None
         self.marks: list[tuple[Any, Any, Any]] = []  # (key, start, end) per timed flush, read after the stream wait
+        self.step_start: tuple[Any, Any] | None = None  # (key, start mark) of a step timed as a whole (``trial``)
 
     def forget_plans(self) -> None:
         """A grad buffer was registered or moved: the cached copy-out lists point at the old ones."""
@@ -193,33 +196,69 @@ class Flusher:
         key = None
         if timed is not None and pending.scheduled is not None and pending.count == len(pending.scheduled.ids):
             key = timed.get(id(pending.scheduled))
-        with streams.reducing():
-            start = streams.mark() if key is not None else None
-            if cached.staged:
-                buffer = self._staged(cached, bucket)
-            used = buffer.narrow(0, 0, cached.span)
-            for pad in cached.padding:
-                buffer.narrow(0, pad.offset, pad.count).zero_()
-            if self.pre_div:
-                used.div_(comm.world_size)
-            sources, levels = self._views(cached, bucket, used)
-            if cached.stages:
-                self._two_level(cached, levels, streams, index)
-            if cached.calls:
-                self._world_calls(comm, cached, buffer, index)
-            if cached.p2p:
-                with comm.group(flush=index):  # after the first group: see Note (two groups for a hand-off)
-                    for op in cached.p2p:
-                        piece = buffer.narrow(0, op.offset, op.count)
-                        if op.send:
-                            comm.send(piece, op.peer)
-                        else:
-                            comm.recv(piece, op.peer)
-            self._copy_out(cached, sources)
-            if key is not None:
-                self.marks.append((key, start, streams.mark()))
-            streams.bucket_released(bucket)
+        if cached.stages:
+            self._flush_two_level(cached, bucket, streams, index, key)
+        else:
+            with streams.reducing():
+                start = streams.mark() if key is not None else None
+                if cached.staged:
+                    buffer = self._staged(cached, bucket)
+                used = self._prepare(cached, buffer)
+                sources, _ = self._views(cached, bucket, used)
+                if cached.calls:
+                    self._world_calls(comm, cached, buffer, index)
+                if cached.p2p:
+                    with comm.group(flush=index):  # after the first group: see Note (two groups for a hand-off)
+                        self._p2p(comm, cached.p2p, buffer)
+                self._copy_out(cached, sources)
+                self._marked(key, start, streams)
+                streams.bucket_released(bucket)
         self._count(cached, buffer, pending.scheduled is not None)
+
+    def _flush_two_level(self, cached: _CachedFlush, bucket: Any, streams: Any, index: int, key: Any) -> None:
+        """Padding, pre-division and the node steps on the node stream, the rail steps, the data-parallel calls, the
+        copy-out and the bucket's free event on the rail stream (``streams`` Note (two levels)): the next flush's node
+        step waits for none of this flush's rail step."""
+        buffer = bucket.buffer
+        with streams.levels():
+            start = streams.mark(NODE) if key is not None else None
+            used = self._prepare(cached, buffer)
+            sources, views = self._views(cached, bucket, used)
+            self._two_level(cached, views, streams, index, buffer)
+            with streams.level(RAIL):
+                if cached.calls:
+                    self._world_calls(self.comm, cached, buffer, index)
+                self._copy_out(cached, sources)
+                self._marked(key, start, streams, RAIL)
+                streams.bucket_released(bucket, RAIL)
+
+    def _prepare(self, cached: _CachedFlush, buffer: torch.Tensor) -> torch.Tensor:
+        """Zero the padding and pre-divide the span the flush reduces (as the native runtime); the span's view."""
+        used = buffer.narrow(0, 0, cached.span)
+        for pad in cached.padding:
+            buffer.narrow(0, pad.offset, pad.count).zero_()
+        if self.pre_div:
+            used.div_(self.comm.world_size)
+        return used
+
+    def _marked(self, key: Any, start: Any, streams: Any, level: str | None = None) -> None:
+        """A timed flush's marks (``trial`` Note (timing)); a step timed as a whole keeps its start for the end of
+        backward (``step_start``)."""
+        if key is None:
+            return
+        if key.whole_step:
+            self.step_start = (key, start)
+        else:
+            self.marks.append((key, start, streams.mark(level)))
+
+    @staticmethod
+    def _p2p(comm: ReduceComm, ops: Sequence[_P2p], buffer: torch.Tensor) -> None:
+        for op in ops:
+            piece = buffer.narrow(0, op.offset, op.count)
+            if op.send:
+                comm.send(piece, op.peer)
+            else:
+                comm.recv(piece, op.peer)
 
     @staticmethod
     def _world_calls(comm: ReduceComm, cached: _CachedFlush, buffer: torch.Tensor, index: int) -> None:
@@ -234,31 +273,34 @@ class Flusher:
                 else:
                     comm.all_reduce(segment)
 
-    def _two_level(self, cached: _CachedFlush, views: _LevelViews, streams: Any, index: int) -> None:
-        """Each stage: the node ReduceScatter or the tail's node Reduces (node stream), then this rank's rail Reduces
-        (rail stream, after that stage's node step); see ``streams`` Note (two levels). Each stage's calls on one
+    def _two_level(self, cached: _CachedFlush, views: _LevelViews, streams: Any, index: int,
+                   buffer: torch.Tensor) -> None:
+        """Each stage: the node ReduceScatter or the tail's node Reduces (node stream), then this rank's rail step (rail
+        stream, after that stage's node step): its Reduces, or its ReduceScatter and then its hand-off round (a
+        second group: Note (two groups for a hand-off)); see ``streams`` Note (two levels). Each stage's calls on one
         communicator are one group."""
         levels = self.levels
         assert levels is not None, "a two-level flush without node and rail communicators"
         node, rail = levels.node, levels.rail
-        streams.levels_begin()
-        try:
-            for (node_calls, reduces), (node_views, rail_views) in zip(cached.stages, views, strict=True):
-                with streams.level(NODE), node.group(flush=index):
-                    for c, view in zip(node_calls, node_views, strict=True):
-                        if c.kind == REDUCE_SCATTER:
-                            node.reduce_scatter(view, c.per_rank)
-                        else:
-                            node.reduce(view, c.root)
-                streams.node_stage_done()
-                if reduces:
-                    with streams.level(RAIL), rail.group(flush=index):
-                        for c, view in zip(reduces, rail_views, strict=True):
-                            rail.reduce(view, c.root)
-        finally:
-            # Also after a failed stage: the reduce stream joins whatever the levels issued, so every later wait on it
-            # (the error path's, cleanup's) covers their kernels and the buffers they use.
-            streams.levels_end()
+        for (node_calls, rail_calls, handoff), (node_views, rail_views) in zip(cached.stages, views, strict=True):
+            with streams.level(NODE), node.group(flush=index):
+                for c, view in zip(node_calls, node_views, strict=True):
+                    if c.kind == REDUCE_SCATTER:
+                        node.reduce_scatter(view, c.per_rank)
+                    else:
+                        node.reduce(view, c.root)
+            streams.node_stage_done()
+            if rail_calls:
+                with streams.level(RAIL):
+                    with rail.group(flush=index):
+                        for c, view in zip(rail_calls, rail_views, strict=True):
+                            if c.kind == REDUCE_SCATTER:
+                                rail.reduce_scatter(view, c.per_rank)
+                            else:
+                                rail.reduce(view, c.root)
+                    if handoff:
+                        with rail.group(flush=index):
+                            self._p2p(rail, handoff, buffer)
 
     def _staged(self, cached: _CachedFlush, bucket: Any) -> torch.Tensor:
         """Copy the pieces present into the bucket's staging buffer (see Note (staging)); return that buffer."""
@@ -286,7 +328,7 @@ class Flusher:
             bucket.views.clear()
         sources = used.split_with_sizes(cached.split_sizes)[1::2] if cached.copy_out else ()
         levels = tuple((tuple(used.narrow(0, c.offset, c.count) for c in node),
-                        tuple(used.narrow(0, c.offset, c.count) for c in rail)) for node, rail in cached.stages)
+                        tuple(used.narrow(0, c.offset, c.count) for c in rail)) for node, rail, _ in cached.stages)
         views = (sources, levels)
         bucket.views[id(cached)] = (cached, views)
         return views
@@ -395,16 +437,21 @@ class Flusher:
             cursor = c.src_offset + c.dst.numel()
         split_sizes.append(span - cursor)
         p2p = tuple(_P2p(t.src == rank, t.dst if t.src == rank else t.src, t.offset, t.count)
-                    for t in transfers if rank in (t.src, t.dst))
-        stages: list[tuple[list[Collective], list[Collective]]] = []
+                    for t in transfers if t.comm == WORLD and rank in (t.src, t.dst))
+        stages: list[tuple[list[Collective], list[Collective], list[_P2p]]] = []
         if any(c.comm != WORLD for c in collectives):
             local = self.levels.local if self.levels is not None else -1
-            stages = [([], []) for _ in range(1 + max(c.stage for c in collectives if c.comm == NODE))]
+            per_node = self.levels.node.world_size if self.levels is not None else 1
+            stages = [([], [], []) for _ in range(1 + max(c.stage for c in collectives if c.comm == NODE))]
             for c in collectives:
                 if c.comm == NODE:
                     stages[c.stage][0].append(c)
-                elif c.comm == RAIL and c.rail == local:
+                elif c.comm == RAIL and c.rail == local and c.kind != HANDOFF:
                     stages[c.stage][1].append(c)
+            for t in transfers:  # a rail hand-off: this rank's sends and receives, peers as rail ranks (nodes)
+                if t.comm == RAIL and rank in (t.src, t.dst):
+                    peer = (t.dst if t.src == rank else t.src) // per_node
+                    stages[t.stage][2].append(_P2p(t.src == rank, peer, t.offset, t.count))
             # What this rank issues: its node's calls, its rail's, and the data-parallel communicator's.
             collectives = tuple(c for c in collectives if c.comm != RAIL or c.rail == local)
         kinds = [c.kind for c in collectives if c.comm == WORLD]
@@ -414,7 +461,7 @@ class Flusher:
                             collectives=collectives, padding=padding, span=span, algo=algo_of_calls(collectives),
                             reduce_calls=kinds.count(REDUCE), all_reduce_calls=kinds.count(ALLREDUCE),
                             reduce_scatter_calls=kinds.count(REDUCE_SCATTER), staged=staged,
-                            stages=tuple((tuple(node), tuple(rail)) for node, rail in stages))
+                            stages=tuple((tuple(node), tuple(rail), tuple(handoff)) for node, rail, handoff in stages))
 
     def _remember(self, key: tuple[Any, ...], cached: _CachedFlush) -> None:
         if len(self._cache) >= _FLUSH_CACHE_LIMIT:
@@ -436,8 +483,9 @@ class Flusher:
         if cached.stages:
             s.two_level_flushes += 1
             s.two_level_stages += len(cached.stages)
-            s.node_calls += sum(len(node) for node, _ in cached.stages)
-            s.rail_calls += sum(len(rail) for _, rail in cached.stages)
+            s.node_calls += sum(len(node) for node, _, _ in cached.stages)
+            s.rail_calls += sum(len(rail) for _, rail, _ in cached.stages)
+            s.rail_handoffs += sum(bool(handoff) for _, _, handoff in cached.stages)
         if cached.p2p:
             s.handoff_rounds += 1
             sends = sum(op.send for op in cached.p2p)

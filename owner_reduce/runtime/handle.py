@@ -142,7 +142,7 @@ class OwnerReduceRuntime:
             try:
                 cost, facts = self._check_agreement(int(reduce_bucket_size))
                 self.flusher.comm = self.comm
-                cost = self._make_levels(cost, facts)
+                cost = self._make_levels(cost, facts, bool(compile_config.double_buffer))
                 self.flusher.cost = cost
                 buckets = DoubleBufferedBuckets(int(reduce_bucket_size), bool(compile_config.double_buffer),
                                                 self._bucket_limits)
@@ -358,7 +358,7 @@ class OwnerReduceRuntime:
         line = (f"{SCHEDULE_PREFIX} graph #{number}: {count_noun(len(flushes), 'flush', 'flushes')} per backward: "
                 + ", ".join(f"{a} x{n}" for a, n in choices.items()))
         if cost.topology is not None:
-            chosen = sum(f.layout.modelled_us for f in flushes)
+            chosen = schedule.modelled_us or sum(f.layout.modelled_us for f in flushes)
             native = sum(cost.for_dtype_bytes(f.dtype.itemsize).native_us(f.numels) for f in flushes)
             ratio = chosen / native if native else 1.0
             calibrated = isinstance(cost.calibration, Calibration)
@@ -369,8 +369,12 @@ class OwnerReduceRuntime:
                      + ("" if cost.force == AUTO else f", {FORCE_ENV_VAR}={cost.force}") + ")")
             trial = sum(f.layout.choice != NATIVE for f in flushes)
             known = self._known_verdicts(schedule)
+            if schedule.overlapped:
+                line += "; flushes overlap on the node and rail streams"
             if self._measuring and trial and known is not None:
                 line += f"; verdicts replayed from {self._book_sources.get(known.key)} (no trial)"
+            elif self._measuring and trial and schedule.overlapped:
+                line += f"; measuring the step against native's calls over the next {2 * TRIAL_ROUNDS} steps"
             elif self._measuring and trial:
                 line += (f"; measuring {count_noun(trial, 'flush', 'flushes')} against native's calls over the next "
                          f"{2 * TRIAL_ROUNDS} steps")
@@ -664,7 +668,7 @@ class OwnerReduceRuntime:
 
     # ---- the two-level flush's communicators -------------------------------------------------------------
 
-    def _make_levels(self, cost: FlushCost, facts: list[tuple[int, int]]) -> FlushCost:
+    def _make_levels(self, cost: FlushCost, facts: list[tuple[int, int]], double_buffer: bool) -> FlushCost:
         """The node and rail communicators (``planning.two_level``), made once here on every rank alike, where a
         two-level flush can run: the owner path on, the algorithm ``auto`` (without a calibration) or ``two_level``,
         ranks in whole nodes of more than one rank on more than one node, and in launcher order (global rank = node x
@@ -709,7 +713,10 @@ class OwnerReduceRuntime:
                   else f"{max(0, free_before - free_after) / 2**20:.0f} MiB of device memory")
         line = (f"owner_reduce: two-level flush ready: {levels.nodes} nodes x {per_node} ranks; {levels.nodes} node "
                 f"communicators of {per_node} ranks and {per_node} rail communicators of {levels.nodes} ranks "
-                f"({self.comm.name}), made in {seconds:.2f} s, {memory}")
+                f"({self.comm.name}), made in {seconds:.2f} s, {memory}; "
+                + ("a step's flushes may overlap (the node stage of one under the rail stage of the one before) over 2 "
+                   "buckets per dtype (double_buffer true)" if double_buffer else
+                   "a step's flushes run one after another on 1 bucket per dtype (double_buffer false)"))
         self.stats.two_level_line = line
         if self.comm.rank == 0:
             emit(line)

@@ -21,7 +21,7 @@ stream or event call (``streams``), no allocation.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -30,14 +30,14 @@ import torch
 from ..planning.collectives import NATIVE
 from ..planning.flush_choice import FlushCost
 from ..planning.measured import NATIVE_VARIANT
-from ..planning.owner_layout import OwnerLayout, map_order, plan_owner_layout
+from ..planning.owner_layout import OwnerLayout, StepLayouts, map_order, plan_owner_layout, plan_step_layouts
 from ..planning.owner_map import OwnerMap
 from .buckets import DoubleBufferedBuckets, ReduceBucket
 from .flush import Flusher, Pending
 from .schedule import Follower, Schedule, ScheduledFlush, learn
 from .stats import RuntimeStats
 from .streams import CudaStreams, HostStreams, make_streams
-from .trial import Trial
+from .trial import TimedKey, Trial
 
 Recording = list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...]]]  # a schedule as learned: (dtype, ids, numels)
 
@@ -193,6 +193,7 @@ class GradPlacer:
             self._leave_schedule()  # this backward ended before its schedule did
         for dtype in list(self._pending):
             self._flush(dtype)
+        self.step_end()
         graph = self._backward_graph
         self._end_schedule(learn_graph=True)
         trial = self._trials.get(graph) if completed else None
@@ -257,7 +258,7 @@ class GradPlacer:
 
     def _learn(self, graph: int, recording: Recording) -> None:
         """``graph``'s schedule from ``recording``; its trial starts, or its known verdicts' winners are installed."""
-        schedule = learn(graph, recording, self._layout_of)
+        schedule = learn(graph, recording, self._step_layouts)
         self._schedules[graph] = schedule
         self._stats.schedules_learned += 1
         if self._on_learned is not None:
@@ -280,6 +281,19 @@ class GradPlacer:
     def restore_recordings(self, recordings: list[Recording]) -> None:
         self._restored = [list(r) for r in recordings]
 
+    def _step_layouts(self, flushes: Sequence[tuple[torch.dtype, Sequence[tuple[int, int]]]]) -> StepLayouts:
+        """A learned schedule's flushes laid out together for the step (``owner_layout.plan_step_layouts``), with the
+        buffers a dtype keeps (two when double-buffered)."""
+        # Looked up in this module at call time: the harness's fault injection replaces it here.
+        return plan_step_layouts(flushes, self._owner_map, self._owner, capacity=self.buckets.size,
+                                 cost_of=lambda dtype: self._cost.for_dtype_bytes(dtype.itemsize),
+                                 order=self._map_order, per_bucket=self.buckets_per_dtype)
+
+    @property
+    def buckets_per_dtype(self) -> int:
+        """What a dtype's flushes take turns on (``buckets``): the step's plan schedules bucket reuse with it."""
+        return 2 if self.buckets.double_buffer else 1
+
     def _layout_of(self, dtype: torch.dtype, grads: list[tuple[int, int]], cost: FlushCost | None = None
                    ) -> OwnerLayout:
         capacity = max([self.buckets.size] + [n for _, n in grads])
@@ -300,22 +314,31 @@ class GradPlacer:
         return bool(self._trials)
 
     def _timed_changed(self) -> None:
-        """The flusher times exactly the running trials' flushes (keys: (graph, trial flush, variant))."""
-        timed = {flush_id: (graph, *key) for graph, trial in self._trials.items()
+        """The flusher times exactly the running trials' flushes, or steps (``TimedKey``)."""
+        timed = {flush_id: TimedKey(graph, *key) for graph, trial in self._trials.items()
                  for flush_id, key in trial.timed.items()}
         self._flusher.timed = timed or None
         if not timed:
             self._flusher.marks.clear()
+            self._flusher.step_start = None
+
+    def step_end(self) -> None:
+        """The end of a backward whose step is timed as a whole: its end mark (``trial`` Note (timing)), before the
+        host waits."""
+        started = self._flusher.step_start
+        if started is not None and self.streams is not None:
+            self._flusher.step_start = None
+            self._flusher.marks.append((started[0], started[1], self.streams.step_end_mark()))
 
     def take_marks(self) -> None:
-        """After the reduce stream was waited: each timed flush's time goes to its trial."""
+        """After the reduce stream was waited: each timed flush's (or step's) time goes to its trial."""
         marks = self._flusher.marks
         streams = self.streams
-        for (graph, index, variant), start, end in marks:
-            trial = self._trials.get(graph)
+        for key, start, end in marks:
+            trial = self._trials.get(key.graph)
             if trial is not None and streams is not None:
-                trial.add_sample(index, variant, streams.elapsed_us(start, end))
-                self._stats.trial_native_flushes += variant == NATIVE_VARIANT
+                trial.add_sample(key.index, key.variant, streams.elapsed_us(start, end))
+                self._stats.trial_native_flushes += key.variant == NATIVE_VARIANT
         marks.clear()
 
     def finished_trials(self) -> list[tuple[int, Trial]]:

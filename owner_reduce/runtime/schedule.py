@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..planning.owner_layout import OwnerLayout
+from ..planning.owner_layout import OwnerLayout, StepLayouts
 
 
 @dataclass(frozen=True)
@@ -36,21 +36,32 @@ class ScheduledFlush:
 
 @dataclass(frozen=True)
 class Schedule:
-    """A graph's flushes, per dtype, in the order they happen."""
+    """A graph's flushes, per dtype, in the order they happen; ``overlapped``: the step's plan overlaps consecutive
+    flushes (``planning.step_plan``), so a flush's own time no longer says what it costs (``trial``); ``first_dtype``:
+    the dtype of the step's first flush."""
 
     graph_id: int
     flushes: dict[Any, tuple[ScheduledFlush, ...]]
+    overlapped: bool = False
+    first_dtype: Any = None
+    modelled_us: float = 0.0  # the step's plan: when its last flush ends (``step_plan``)
+
+    def first(self) -> ScheduledFlush | None:
+        """The flush the step starts with."""
+        flushes = self.flushes.get(self.first_dtype) or next(iter(self.flushes.values()), ())
+        return flushes[0] if flushes else None
 
 
 def learn(graph_id: int, recorded: Sequence[tuple[Any, tuple[int, ...], tuple[int, ...]]],
-          layout_of: Callable[[Any, Sequence[tuple[int, int]]], OwnerLayout]) -> Schedule:
+          layouts_of: Callable[[Sequence[tuple[Any, Sequence[tuple[int, int]]]]], StepLayouts]) -> Schedule:
     """A schedule from the flushes recorded in one arrival-order backward ((dtype, ids, numels) in order);
-    ``layout_of(dtype, grads)`` lays out one flush."""
+    ``layouts_of([(dtype, grads), ...])`` lays out the step's flushes together (``owner_layout.plan_step_layouts``)."""
+    step = layouts_of([(dtype, list(zip(ids, numels, strict=True))) for dtype, ids, numels in recorded])
     by_dtype: dict[Any, list[ScheduledFlush]] = {}
-    for dtype, ids, numels in recorded:
-        layout = layout_of(dtype, list(zip(ids, numels, strict=True)))
+    for (dtype, ids, numels), layout in zip(recorded, step.layouts, strict=True):
         by_dtype.setdefault(dtype, []).append(ScheduledFlush(dtype, tuple(ids), tuple(numels), layout))
-    return Schedule(graph_id, {d: tuple(f) for d, f in by_dtype.items()})
+    return Schedule(graph_id, {d: tuple(f) for d, f in by_dtype.items()}, overlapped=step.plan.overlapped,
+                    first_dtype=recorded[0][0] if recorded else None, modelled_us=step.plan.end_us)
 
 
 class Follower:

@@ -52,7 +52,8 @@ class RuntimeStats:
     two_level_flushes: int = 0  # flushes run on the node and rail communicators (``planning.two_level``)
     two_level_stages: int = 0  # their pipeline stages
     node_calls: int = 0  # ReduceScatters and (tail stages) Reduces this rank issued on its node communicator
-    rail_calls: int = 0  # Reduces this rank issued on its rail communicator
+    rail_calls: int = 0  # Reduces and ReduceScatters this rank issued on its rail communicator
+    rail_handoffs: int = 0  # hand-off rounds on its rail (two-level flushes whose rail step is a ReduceScatter)
     two_level_line: str | None = None  # what rank 0 printed when the node and rail communicators were made
     schedules_learned: int = 0
     schedules_restored: int = 0  # learned from a checkpoint's schedule at a resumed run's first backward

@@ -13,20 +13,27 @@ order, and inductor reusing a graph buffer in place): no ``record_stream`` and n
 Note (reduce): at a flush the reduce stream waits for the current stream (every copy of the bucket is behind it);
 pre-division, the collectives (issued under ``torch.cuda.stream(reduce)``, they run on it) and the copy-out run
 on the reduce stream.
-Note (bucket reuse): after a flush the bucket records a "free" event on the reduce stream; before the first copy
-into that bucket again, the current stream waits for it (once per bucket fill, not per gradient). A bucket whose
+Note (bucket reuse): after a flush the bucket records a "free" event on the stream its flush ended on (the reduce
+stream; the rail stream for a two-level flush); before the first copy into that bucket again, the current stream
+waits for it (once per bucket fill, not per gradient). A bucket whose
 buffer must grow first drains the reduce stream on the host, which frees the old buffer safely (the caching
 allocator hands a freed block to the next allocation on the stream it was allocated on, the current one); buffers
 grow only in the first step that needs it (``buckets`` Note (growth)).
-Note (two levels): a two-level flush (``planning.two_level``) runs its node ReduceScatters on a node stream and its
-rail Reduces on a rail stream, both entered from the reduce stream: the node stream waits for the reduce stream once
-(pre-division and padding are behind it), each node stage records an event that the rail stream waits for before
-that stage's rail calls (stage ``k``'s rail step reads only what node step ``k`` wrote, so node step ``k + 1`` runs
-meanwhile; one event serves every stage and flush: a wait takes the event's last record when it is enqueued, and
-each record is waited for at once), and at the end the reduce stream waits for both, so the copy-out, the bucket's
-free event and every host wait on the reduce stream cover them (the buckets are released or grown only after such a
-wait). No host wait in between. The GPU must run both levels' kernels at once (different communicators on different
-streams): NCCL's kernels take one block per channel, far from a GPU's SMs.
+Note (two levels): a two-level flush (``planning.two_level``) runs on two streams of its own and never on the reduce
+stream, so that the levels of consecutive flushes overlap (``planning.step_plan``): flush ``i + 1``'s node step runs
+while flush ``i``'s rail step does. Its node stream waits for the current stream (every copy into the bucket is
+behind it, and so is the wait for the bucket's free event: Note (bucket reuse)) and for the reduce stream (a
+one-level flush before it); padding, pre-division and the node ReduceScatters (or a tail stage's node Reduces) run on
+it. Each node stage records an event that the rail stream waits for before that stage's rail calls (stage ``k``'s rail
+step reads only what node step ``k`` wrote; one event serves every stage and flush: a wait takes the event's last
+record when it is enqueued, and each record is waited for at once). The rail stream keeps issue order: after the last
+stage's rail calls it runs the flush's calls on the data-parallel communicator (gradients that reach every rank), the
+copy-out and the bucket's free event, so the bucket is reused only after its rail step has read it, and the node
+stream of the next flush waits for nothing of this one's rail step. Where DeepSpeed needs the reduced gradients the
+reduce stream joins both (``synchronize``: end of backward, bucket growth, cleanup), and a one-level flush's reduce
+stream waits for both before its calls (the data-parallel communicator is never used from two streams at once). No
+host wait in between. The GPU must run both levels' kernels at once (different communicators on different streams):
+NCCL's kernels take one block per channel, far from a GPU's SMs.
 Note (priority): the reduce stream is high priority, as z1.cpp's ``getStreamFromPool(true)``: the reduction should
 not queue behind the backward kernels it overlaps.
 Note (optimizer): ``end_backward`` waits for the reduce stream, so the grad buffers are final before step().
@@ -67,14 +74,15 @@ class HostStreams:
     def reducing(self) -> Iterator[None]:
         yield
 
-    def bucket_released(self, bucket: Any) -> None:
+    def bucket_released(self, bucket: Any, level: str | None = None) -> None:
         pass
 
     def synchronize(self, wait: Callable[[Callable[[], bool]], None] | None = None) -> None:
         pass
 
-    def levels_begin(self) -> None:
-        pass
+    @contextlib.contextmanager
+    def levels(self) -> Iterator[None]:
+        yield
 
     @contextlib.contextmanager
     def level(self, name: str) -> Iterator[None]:
@@ -83,17 +91,20 @@ class HostStreams:
     def node_stage_done(self) -> None:
         pass
 
-    def levels_end(self) -> None:
+    def join(self) -> None:
         pass
 
     @staticmethod
-    def mark() -> float:
+    def mark(level: str | None = None) -> float:
         """A point in the flush's work (``trial`` Note (timing)): the wall clock, the work being synchronous."""
         return time.perf_counter()
 
     @staticmethod
     def elapsed_us(start: float, end: float) -> float:
         return (end - start) * 1e6
+
+    def step_end_mark(self) -> float:
+        return self.mark()
 
 
 class CudaStreams:
@@ -106,6 +117,7 @@ class CudaStreams:
         self.reduce_stream = cuda.Stream(device, priority=_HIGH_PRIORITY)
         self._levels: dict[str, Any] = {}  # "node" / "rail" -> its stream, made by the first two-level flush
         self._stage_event: Any = None  # recorded after every node stage: see Note (two levels)
+        self._levels_ahead = False  # a two-level flush was issued since the reduce stream last waited for the levels
 
     def bucket_acquired(self, bucket: Any) -> None:
         """Before the first copy into ``bucket`` since its last flush: the current stream waits for that flush."""
@@ -116,27 +128,40 @@ class CudaStreams:
 
     @contextlib.contextmanager
     def reducing(self) -> Iterator[None]:
+        """A one-level flush: on the reduce stream, after the current stream and any two-level flush before it (Note
+        (two levels))."""
         stream = self.reduce_stream
         stream.wait_stream(self._cuda.current_stream(self.device))
+        self.join()
         with self._cuda.stream(stream):
             yield
 
-    def bucket_released(self, bucket: Any) -> None:
+    def bucket_released(self, bucket: Any, level: str | None = None) -> None:
+        """The bucket's free event, on the stream its flush ends on: the reduce stream, or a two-level flush's rail
+        stream (``level``)."""
         event = self._cuda.Event()
-        event.record(self.reduce_stream)
+        event.record(self.reduce_stream if level is None else self._levels[level])
         bucket.free_event = event
 
     def synchronize(self, wait: Callable[[Callable[[], bool]], None] | None = None) -> None:
+        self.join()
         if wait is None:
             self.reduce_stream.synchronize()
         else:
             wait(self.reduce_stream.query)
 
-    def levels_begin(self) -> None:
-        """Inside ``reducing()``, before a two-level flush's first stage: see Note (two levels)."""
+    @contextlib.contextmanager
+    def levels(self) -> Iterator[None]:
+        """A two-level flush: on the node stream, after the current stream and the reduce stream (Note (two
+        levels)); the streams are made by the first one."""
         if not self._levels:
             self._levels = {name: self._cuda.Stream(self.device, priority=_HIGH_PRIORITY) for name in ("node", "rail")}
-        self._levels["node"].wait_stream(self.reduce_stream)
+        node = self._levels["node"]
+        node.wait_stream(self._cuda.current_stream(self.device))
+        node.wait_stream(self.reduce_stream)
+        self._levels_ahead = True
+        with self._cuda.stream(node):
+            yield
 
     @contextlib.contextmanager
     def level(self, name: str) -> Iterator[None]:
@@ -152,15 +177,25 @@ class CudaStreams:
         event.record(self._levels["node"])
         self._levels["rail"].wait_event(event)
 
-    def levels_end(self) -> None:
-        self.reduce_stream.wait_stream(self._levels["node"])
-        self.reduce_stream.wait_stream(self._levels["rail"])
+    def join(self) -> None:
+        """The reduce stream after everything the levels issued (before a host wait on it, a one-level flush, a step's
+        end mark); nothing to do where no two-level flush was issued since the last join."""
+        if self._levels_ahead:
+            self._levels_ahead = False
+            for level in self._levels.values():
+                self.reduce_stream.wait_stream(level)
 
-    def mark(self) -> Any:
-        """A point in the flush's work (``trial`` Note (timing)): a timing event on the reduce stream."""
+    def mark(self, level: str | None = None) -> Any:
+        """A point in the flush's work (``trial`` Note (timing)): a timing event on the reduce stream, or on a
+        two-level flush's ``level`` stream."""
         event = self._cuda.Event(enable_timing=True)
-        event.record(self.reduce_stream)
+        event.record(self.reduce_stream if level is None else self._levels[level])
         return event
+
+    def step_end_mark(self) -> Any:
+        """The end of a step's reduction (``trial`` Note (timing)): on the reduce stream, after it joined the levels."""
+        self.join()
+        return self.mark()
 
     @staticmethod
     def elapsed_us(start: Any, end: Any) -> float:

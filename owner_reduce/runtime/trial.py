@@ -6,11 +6,17 @@ out as native's (one AllReduce per gradient, z1.cpp's calls); the placement foll
 (model first), the flusher times the trial flushes, and once every trial flush has ``TRIAL_ROUNDS`` samples of each
 variant the handle gathers every rank's medians in one collective and installs the schedule of winners.
 
-Note (timing): a flush is timed where its work runs: on the GPU two CUDA events on the reduce stream around
+Note (timing): a flush is timed where its work runs: on the GPU two CUDA events on the stream it runs on around
 everything the flush does there (padding, pre-division, the groups, the hand-off, the copy-out), read after
 ``end_backward``'s bounded wait; on the CPU the wall clock around the same code, whose collectives complete (their
 works waited) before it returns. Only trial flushes are timed, and only during their trial: outside it the hot path
 pays one ``None`` check per flush.
+
+Note (whole step): where the step's plan overlaps flushes (``Schedule.overlapped``: a flush's node step runs during
+the previous flush's rail step), a flush's own time no longer says what it costs, so the trial times the step's
+reduction as a whole, from the first flush's start (an event where it starts, the node stream) to the end of the
+last (an event on the reduce stream after it joined both levels, at ``end_backward``), against native's calls for
+every flush, and every rank keeps one of the two schedules.
 
 Note (identical on every rank): which flushes a trial covers, the order of the variants and the step at which a
 trial ends follow from the schedule and the backwards, the same on every rank (``schedule`` Note (identical on every
@@ -21,12 +27,13 @@ the graph's trial on every rank alike; the schedule learned again starts a new o
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..planning.collectives import NATIVE
 from ..planning.measured import (
     MODEL,
     NATIVE_VARIANT,
+    STEP,
     TRIAL_ROUNDS,
     TrialFlush,
     Verdict,
@@ -37,9 +44,20 @@ from ..planning.verdict_book import schedule_key
 from .schedule import Schedule, ScheduledFlush
 
 
+class TimedKey(NamedTuple):
+    """What a timed flush's marks belong to: its graph's trial, the trial flush (0 for a step timed as a whole), the
+    variant, and whether the marks span the whole step (from this flush's start to the end of backward)."""
+
+    graph: int
+    index: int
+    variant: int
+    whole_step: bool = False
+
+
 class Trial:
     """One graph's trial (see the module docstring). ``timed`` maps ``id`` of each variant's scheduled flush to
-    (trial flush number, variant); the flushes are held by the schedules, so their ids are not reused meanwhile."""
+    (trial flush number, variant, whole step); the flushes are held by the schedules, so their ids are not reused
+    meanwhile. A schedule whose flushes overlap (``Schedule.overlapped``) is timed as a whole: Note (whole step)."""
 
     def __init__(self, model: Schedule, native_layout: Callable[[ScheduledFlush], OwnerLayout],
                  native_modelled_us: Callable[[ScheduledFlush], float], rounds: int = TRIAL_ROUNDS,
@@ -48,7 +66,8 @@ class Trial:
         self.key = key_of(model, world_size)  # ``verdict_book`` Note (key)
         self.steps = 0  # backwards that followed a variant in full
         self.flushes: list[tuple[int, ScheduledFlush, ScheduledFlush, float]] = []  # (number, model, native, us)
-        self.timed: dict[int, tuple[int, int]] = {}
+        self.timed: dict[int, tuple[int, int, bool]] = {}
+        self.whole_step = model.overlapped
         native_by_dtype: dict[Any, tuple[ScheduledFlush, ...]] = {}
         number = 0
         for dtype, flushes in model.flushes.items():
@@ -60,12 +79,20 @@ class Trial:
                     continue
                 native = ScheduledFlush(flush.dtype, flush.ids, flush.numels, native_layout(flush))
                 variant.append(native)
-                index = len(self.flushes)
-                self.flushes.append((number, flush, native, native_modelled_us(flush)))
-                self.timed[id(flush)] = (index, MODEL)
-                self.timed[id(native)] = (index, NATIVE_VARIANT)
+                if not self.whole_step:
+                    index = len(self.flushes)
+                    self.flushes.append((number, flush, native, native_modelled_us(flush)))
+                    self.timed[id(flush)] = (index, MODEL, False)
+                    self.timed[id(native)] = (index, NATIVE_VARIANT, False)
             native_by_dtype[dtype] = tuple(variant)
-        self.schedules = (model, Schedule(model.graph_id, native_by_dtype))
+        native_schedule = Schedule(model.graph_id, native_by_dtype, first_dtype=model.first_dtype)
+        self.schedules = (model, native_schedule)
+        first, native_first = model.first(), native_schedule.first()
+        if self.whole_step and first is not None and native_first is not None:
+            native_us = sum(native_modelled_us(f) for fs in model.flushes.values() for f in fs)
+            self.flushes.append((0, first, native_first, native_us))
+            self.timed[id(first)] = (0, MODEL, True)
+            self.timed[id(native_first)] = (0, NATIVE_VARIANT, True)
         self.samples: list[tuple[list[float], list[float]]] = [([], []) for _ in self.flushes]
 
     @property
@@ -92,16 +119,22 @@ class Trial:
         return pack_samples(self.samples, self.rounds)
 
     def winners(self, verdicts: Sequence[Verdict]) -> tuple[Schedule, tuple[TrialFlush, ...]]:
-        """The schedule every rank keeps (each trial flush's winner) and what the measured line reports."""
+        """The schedule every rank keeps (each trial flush's winner, or for a step timed as a whole one of the two
+        schedules) and what the measured line reports."""
+        model_schedule, native_schedule = self.schedules
+        if self.whole_step:
+            (number, model, _, native_us), = self.flushes
+            (verdict,) = verdicts
+            report = (TrialFlush(0, STEP, model_schedule.modelled_us, native_us, verdict),)
+            return (native_schedule if verdict.native_wins else model_schedule), report
         winner: dict[int, ScheduledFlush] = {}
         report = []
         for (number, model, native, native_us), verdict in zip(self.flushes, verdicts, strict=True):
             winner[id(model)] = native if verdict.native_wins else model
             report.append(TrialFlush(number, model.layout.algo,
                                      model.layout.modelled_us, native_us, verdict))
-        model_schedule = self.schedules[MODEL]
         kept = {d: tuple(winner.get(id(f), f) for f in fs) for d, fs in model_schedule.flushes.items()}
-        return Schedule(model_schedule.graph_id, kept), tuple(report)
+        return Schedule(model_schedule.graph_id, kept, first_dtype=model_schedule.first_dtype), tuple(report)
 
 
 def key_of(schedule: Schedule, world_size: int) -> str:
@@ -111,6 +144,8 @@ def key_of(schedule: Schedule, world_size: int) -> str:
 
 
 def trial_flushes(schedule: Schedule) -> list[tuple[int, str]]:
-    """(number in the graph, the model's algorithm) of each flush a trial of ``schedule`` covers: ``Trial``'s order."""
+    """(number in the graph, the model's algorithm) of each flush a trial of ``schedule`` covers: ``Trial``'s order
+    (a step timed as a whole: one, the step)."""
     numbered = enumerate((f for flushes in schedule.flushes.values() for f in flushes), start=1)
-    return [(number, f.layout.algo) for number, f in numbered if f.layout.choice != NATIVE]
+    covered = [(number, f.layout.algo) for number, f in numbered if f.layout.choice != NATIVE]
+    return [(0, STEP)] if covered and schedule.overlapped else covered
