@@ -264,7 +264,8 @@ def _two_level_issue_costs(rounds: int, stage_counts: tuple[int, ...] = (1, 8, 3
             ((Collective(REDUCE_SCATTER, s * per_node * width, per_node * width, per_rank=width, comm=NODE,
                          stage=s),),
              tuple(Collective(REDUCE, s * per_node * width + 10 * i, 10, root=i, comm=RAIL, rail=0, stage=s)
-                   for i in range(rail_calls)))
+                   for i in range(rail_calls)),
+             ())  # the rail step's Reduces: no hand-off round
             for s in range(stages)))
         bucket = types.SimpleNamespace(views={})
         samples: dict[bool, list[int]] = {True: [], False: []}
@@ -274,7 +275,7 @@ def _two_level_issue_costs(rounds: int, stage_counts: tuple[int, ...] = (1, 8, 3
                     bucket.views.clear()
                 start = time.perf_counter_ns()
                 _, views = Flusher._views(plan, bucket, buffer)
-                flusher._two_level(plan, views, streams, 1)
+                flusher._two_level(plan, views, streams, 1, buffer)
                 samples[kept].append(time.perf_counter_ns() - start)
         out[stages] = tuple(statistics.median(samples[kept]) / 1e3 / stages for kept in (True, False))
     return out
