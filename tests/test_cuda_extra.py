@@ -179,3 +179,14 @@ def test_pyproject_brings_cupy_only_through_one_extra_per_cuda_major():
     for name, requirements in extras.items():
         if name not in cuda_extra.EXTRAS.values():
             assert not {n for n in names(requirements) if n.startswith(("cupy", "nvidia-nccl"))}, name
+
+
+def test_describe_names_torchs_cuda_the_extra_the_cupy_and_a_problem():
+    assert cuda_extra.describe("2.14.1+cu130", "13.0", (CU13,), True) == (
+        "CUDA extra: torch 2.14.1+cu130 is a CUDA 13 build: pip install 'owner_reduce[cu13]'; cupy installed: "
+        "cupy-cuda13x 14.2.0")
+    assert cuda_extra.describe("2.13.0+cpu", None, (CU12,), True) == (
+        "CUDA extra: torch 2.13.0+cpu is not a CUDA build: no cupy NCCL; cupy installed: cupy-cuda12x 14.2.0")
+    mismatch = cuda_extra.describe("2.14.1+cu130", "13.0", (CU12,), True)
+    assert mismatch.endswith("; PROBLEM: " + cupy_problem("2.14.1+cu130", "13.0", (CU12,), True))
+    assert "cupy installed: none; PROBLEM: " in cuda_extra.describe("2.14.1+cu130", "13.0", (), False)

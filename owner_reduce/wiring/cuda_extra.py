@@ -102,13 +102,33 @@ def cupy_problem(torch_version: str, torch_cuda: str | None, dists: Sequence[Cup
             f"pip uninstall -y {dist.name} && {extra_for(major)}")
 
 
+def describe(torch_version: str, torch_cuda: str | None, dists: Sequence[CupyDist], cupy_module_found: bool) -> str:
+    """One line for tools (``scripts/gpu_plan.py``): torch's CUDA, the extra that fits it, the cupy installed, and
+    the installation message if there is one."""
+    major = cuda_major(torch_cuda)
+    fits = (f"torch {torch_version} is a CUDA {major} build: {extra_for(major)}" if major is not None
+            else f"torch {torch_version} is not a CUDA build: no cupy NCCL")
+    have = _named(dists) or ("a cupy module without package metadata" if cupy_module_found else "none")
+    problem = cupy_problem(torch_version, torch_cuda, dists, cupy_module_found)
+    return f"CUDA extra: {fits}; cupy installed: {have}" + (f"; PROBLEM: {problem}" if problem else "")
+
+
 def _cupy_module_found() -> bool:
     """Whether a ``cupy`` module is on the path (found, not imported)."""
     return importlib.util.find_spec("cupy") is not None
 
 
-def environment_problem() -> str | None:
-    """``cupy_problem`` for this interpreter: torch's version and CUDA, and the installed cupy distributions."""
+def _environment() -> tuple[str, str | None, tuple[CupyDist, ...], bool]:
     import torch
 
-    return cupy_problem(torch.__version__, torch.version.cuda, installed_cupy_dists(), _cupy_module_found())
+    return torch.__version__, torch.version.cuda, installed_cupy_dists(), _cupy_module_found()
+
+
+def environment_problem() -> str | None:
+    """``cupy_problem`` for this interpreter: torch's version and CUDA, and the installed cupy distributions."""
+    return cupy_problem(*_environment())
+
+
+def describe_environment() -> str:
+    """``describe`` for this interpreter."""
+    return describe(*_environment())
