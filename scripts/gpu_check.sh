@@ -37,7 +37,12 @@ MODE=run
 ARCH=${GPU_CHECK_ARCH:-90}
 WHL=${GPU_CHECK_WHL_DIR:-.whl}
 NCCL_DIR="$WHL/nccl"
-NCCL_FETCH=${GPU_CHECK_NCCL_FETCH:-2.32.3}  # nvidia-nccl-cu13 (the image's torch is +cu130); 2.32.3 ran on the H200
+NCCL_FETCH=${GPU_CHECK_NCCL_FETCH:-2.32.3}  # 2.32.3 ran on the H200
+# The CUDA major of the GPU image's torch (+cu130: 13), so the NCCL fetched is owner_reduce[cu13]'s nvidia-nccl-cu13;
+# on the GPU, gpu_plan.py prints whether the image's cupy fits its torch ("CUDA extra: ..."), and a machine without a
+# GPU torch installs through scripts/env.sh, which picks the extra for the torch it finds.
+CUDA_MAJOR=${GPU_CHECK_CUDA_MAJOR:-13}
+NCCL_PACKAGE="nvidia-nccl-cu$CUDA_MAJOR"
 CARRY_LIMIT=$((64 * 1024 * 1024))
 usage() { echo "usage: bash scripts/gpu_check.sh [--fetch-wheels [--arch N] | --dry-run]" >&2; exit 2; }
 while [ $# -gt 0 ]; do
@@ -50,6 +55,9 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+if ! [[ "$CUDA_MAJOR" =~ ^1[23]$ ]]; then
+  echo "gpu_check: GPU_CHECK_CUDA_MAJOR must be 12 or 13 (owner_reduce's extras cu12, cu13), got '$CUDA_MAJOR'" >&2; exit 2
+fi
 if ! [[ "$ARCH" =~ ^[1-9][0-9]{1,2}$ ]]; then
   echo "gpu_check: --arch must be a compute capability without the dot (90 for sm_90), got '$ARCH'" >&2; exit 2
 fi
@@ -92,8 +100,8 @@ if [ "$MODE" = fetch ]; then
   NCCL_CACHE=${GPU_CHECK_NCCL_CACHE:-${TMPDIR:-/tmp}/owner_reduce_nccl_wheel}
   mkdir -p "$NCCL_CACHE"
   $PIP download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${PLATFORMS[@]}" \
-    -d "$NCCL_CACHE" "nvidia-nccl-cu13==$NCCL_FETCH"
-  NCCL_WHEEL=$(ls "$NCCL_CACHE"/nvidia_nccl_cu13-"$NCCL_FETCH"-*.whl | head -1)
+    -d "$NCCL_CACHE" "$NCCL_PACKAGE==$NCCL_FETCH"
+  NCCL_WHEEL=$(ls "$NCCL_CACHE"/"${NCCL_PACKAGE//-/_}"-"$NCCL_FETCH"-*.whl | head -1)
   echo "NCCL: stripping $(basename "$NCCL_WHEEL") to sm_$ARCH (from $NCCL_CACHE; not carried) ..."
   "$FETCH_PY" scripts/nccl_strip.py prepare "$NCCL_WHEEL" "$NCCL_DIR" --arch "$ARCH"
   carry_report

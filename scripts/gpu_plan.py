@@ -101,6 +101,16 @@ def _torch_facts() -> tuple[str, tuple[int, int, int] | None, str, int]:
     return torch.__version__, nccl, words, gpus
 
 
+def _cuda_extra_line() -> str:
+    """Whether the installed cupy fits torch's CUDA, and the extra that would (what install() warns about)."""
+    try:
+        from owner_reduce.wiring.cuda_extra import describe_environment
+
+        return describe_environment()
+    except Exception as error:  # noqa: BLE001 - reported, never fatal
+        return f"CUDA extra: unknown ({type(error).__name__}: {error})"
+
+
 def main() -> int:
     torch_version, torch_nccl, torch_words, gpus = _torch_facts()
     cupy_nccl = _cupy_nccl()
@@ -121,6 +131,7 @@ def main() -> int:
     ws2, why = decide_ws2(cupy_nccl, gpus, None if overridden else torch_nccl)
     print(f"GPUs: {gpus}{gpus_note}", flush=True)
     print(f"ws>=2 on one GPU: {'will run' if ws2 else 'will be SKIPPED'}: {why}", flush=True)
+    print(_cuda_extra_line(), flush=True)
     have_ds = importlib.util.find_spec("deepspeed") is not None
     have_cupy = importlib.util.find_spec("cupy") is not None
     print(f"DECISION gpus={gpus} ws2={int(ws2)} have_ds={int(have_ds)} have_cupy={int(have_cupy)}", flush=True)

@@ -13,10 +13,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.timeout(400)
 def test_demo_short_run(tmp_path):
+    # stdout and stderr into one pipe, as on a terminal: every rank's probe lines and rank 0's progress bar meet there
     proc = subprocess.run([sys.executable, "scripts/demo.py", "--steps", "4", "--world-size", "2", "--out",
-                           str(tmp_path), "--timeout", "300"], cwd=ROOT, capture_output=True, text=True, timeout=380)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+                           str(tmp_path), "--timeout", "300"], cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=380)
+    assert proc.returncode == 0, proc.stdout[-6000:]
     out = proc.stdout
+    # The progress bar and the probe lines each on lines of their own (the bar used to be redrawn with \r and no
+    # newline, so the next step's probe lines were written into the middle of it).
+    assert "\r" not in out
+    assert all(line.startswith("[dc-probe]") for line in out.splitlines() if "[dc-probe]" in line)
+    bars = [line for line in out.splitlines() if "steps  loss" in line]
+    assert len(bars) == 8 and all(re.fullmatch(r"  \[[#.]{30}\] [1-4]/4 steps  loss \d+\.\d{4}", b) for b in bars)
     assert re.search(r"^DeepCompile reduce_to_owner: \d+/30 gradients reduce to one rank$", out, re.M)
     assert re.search(r"^\[dc-probe\]\[r0\] flushReduceBucket #1 dtype=Float tasks=\d+ ", out, re.M)
     assert "collective calls per flush" in out and "bytes saved:" in out
@@ -36,3 +44,14 @@ def test_demo_short_run(tmp_path):
     assert a["calls_per_flush"] == a["calls_per_flush_last_step"] == 1 and o["calls_per_flush_last_step"] >= 1
     assert o["calls_per_flush"] > o["calls_per_flush_last_step"] and o["measured_lines"] == []
     assert set(a["algos"]) == {"allreduce"} and o["algos"] and "flush algorithm, one step" in out
+
+
+def test_progress_bar_is_whole_lines_at_each_tenth():
+    from owner_reduce.harness.toy_training import progress_line
+
+    lines = {done: progress_line(done, 100, 1.5) for done in range(1, 101)}
+    drawn = [done for done, line in lines.items() if line is not None]
+    assert drawn == [1, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100]
+    assert lines[1] == "  [..............................] 1/100 steps  loss 1.5000\n"
+    assert lines[100] == "  [##############################] 100/100 steps  loss 1.5000\n"
+    assert [done for done in range(1, 5) if progress_line(done, 4, 1.0)] == [1, 2, 3, 4]

@@ -65,6 +65,13 @@ def test_an_arch_with_a_dot_is_refused_naming_the_value():
     assert "--arch must be a compute capability without the dot (90 for sm_90), got '9.0'" in done.stderr
 
 
+def test_a_cuda_major_without_an_extra_is_refused_naming_the_value():
+    env = {**os.environ, "GPU_CHECK_CUDA_MAJOR": "11"}
+    done = subprocess.run(["bash", str(SCRIPT), "--fetch-wheels"], capture_output=True, text=True, timeout=30, env=env)
+    assert done.returncode == 2
+    assert "GPU_CHECK_CUDA_MAJOR must be 12 or 13 (owner_reduce's extras cu12, cu13), got '11'" in done.stderr
+
+
 PLAN_WS2 = ("nccl_ws2", "nccl_ws4", "e2e_ws2", "pytest_cuda", "bf16_ws4", "e2e_ws4", "two_level_ws4", "e2e_ws1")
 
 
@@ -135,6 +142,7 @@ def test_dry_run_without_nccl_2_30_plans_ws1_and_says_ws2_ws4_are_skipped(tmp_pa
 
 def test_dry_run_with_the_real_libnccl(tmp_path):
     """No override, nothing carried: the NCCL that cupy loads here (libnccl loads without a GPU) decides."""
+    pytest.importorskip("cupy.cuda.nccl")  # the base install (no cu12/cu13 extra) has no cupy
     done = _dry_run(tmp_path)
     assert done.returncode == 0, done.stderr
     nccl = _load("gpu_plan")
@@ -148,6 +156,11 @@ def test_dry_run_with_the_real_libnccl(tmp_path):
     expected = "will run" if version >= (2, 30, 0) and not torch.cuda.is_available() or \
         version >= (2, 30, 0) and tuple(torch.cuda.nccl.version()) >= (2, 30, 0) else "will be SKIPPED"
     assert f"ws>=2 on one GPU: {expected}" in done.stdout
+    # whether this interpreter's cupy fits its torch's CUDA (what install() warns about), from package metadata
+    from owner_reduce.wiring.cuda_extra import describe_environment
+
+    assert describe_environment() in done.stdout.splitlines()
+    assert describe_environment().startswith(f"CUDA extra: torch {torch.__version__} ")
 
 
 def test_ws2_decision():

@@ -496,6 +496,17 @@ class _Cupy14:
         return types.SimpleNamespace(device=types.SimpleNamespace(id=0), data=types.SimpleNamespace(ptr=0x7000))
 
 
+def _export(capsules: list, kind: str, tensor, *, dl_device=None, copy=None, **versioned) -> object:
+    """torch._C's DLPack export, recorded: ``_to_dlpack(t, dl_device=, copy=)`` (unversioned) and
+    ``_to_dlpack_versioned(t, dl_device=, copy=)``, which torch 2.14 and later also pass ``read_only=`` (the versioned
+    protocol's flags). An unknown keyword fails here, as it would in torch."""
+    unknown = set(versioned) - ({"read_only"} if kind == "versioned" else set())
+    if unknown:
+        raise TypeError(f"_to_dlpack ({kind}): unexpected keyword {sorted(unknown)}")
+    capsules.append((kind, {"dl_device": dl_device, "copy": copy, **versioned}))
+    return object()
+
+
 @pytest.mark.parametrize("current", ["reduce", "default"])
 def test_dlpack_views_add_no_event_and_no_stream_wait(monkeypatch, current):
     """Views are made again after every bucket release (every step of a one-graph model): making them must not make
@@ -503,10 +514,9 @@ def test_dlpack_views_add_no_event_and_no_stream_wait(monkeypatch, current):
     cuda = _CountingCuda(current)
     for name in ("current_device", "current_stream", "default_stream", "ExternalStream", "Event"):
         monkeypatch.setattr(torch.cuda, name, getattr(cuda, name))
-    capsules = []
-    monkeypatch.setattr(torch._C, "_to_dlpack", lambda t, dl_device=None, copy=None: capsules.append(t) or object())
-    monkeypatch.setattr(torch._C, "_to_dlpack_versioned",
-                        lambda t, dl_device=None, copy=None: capsules.append(t) or object())
+    capsules: list[tuple[str, dict]] = []
+    monkeypatch.setattr(torch._C, "_to_dlpack", functools.partial(_export, capsules, "unversioned"))
+    monkeypatch.setattr(torch._C, "_to_dlpack_versioned", functools.partial(_export, capsules, "versioned"))
     comm = object.__new__(nccl_comm.CupyNcclComm)
     comm.rank, comm.device, comm._views = 0, 0, {}
     comm._cupy = _Cupy14()
@@ -515,10 +525,14 @@ def test_dlpack_views_add_no_event_and_no_stream_wait(monkeypatch, current):
         views = [comm._view_of(b, "reduce(root=1, count=4, dtype=float32)") for b in buffers]
         assert [v.ptr for v in views] == [0x7000, 0x7000] and len(comm._views) == 2
         comm.release_buffers()
-    assert len(capsules) == 6  # torch's __dlpack__ ran to its end for every view
+    # torch's __dlpack__ ran to its end for every view; without max_version it exports the unversioned capsule
+    # (DLPack 0.8, no flags field, so never read-only: NCCL writes the buffer in place), which cupy 14 takes as is.
+    assert capsules == [("unversioned", {"dl_device": None, "copy": None})] * 6
     assert cuda.events == [] and cuda.waits == []
     # Negative control: handing cupy the tensor itself (cupy then passes its stream) is what the counters catch.
     _Cupy14().from_dlpack(_CudaBuffer())
+    kind, kwargs = capsules[-1]  # cupy asks for DLPack 1.0: the versioned capsule, writable (read_only off, 2.14+)
+    assert kind == "versioned" and kwargs.get("read_only", False) is False
     if current == "reduce":
         assert cuda.events == ["recorded on reduce"] and cuda.waits == ["default waits"]
     else:  # the default stream is current: torch sees the same stream and synchronizes nothing

@@ -139,12 +139,29 @@ def _model_and_batches(spec: TrainSpec, rank: int) -> tuple[Any, Any]:
     return model, batch
 
 
-def _progress(done: int, total: int, loss: float) -> None:
+def progress_line(done: int, total: int, loss: float) -> str | None:
+    """Rank 0's progress bar after step ``done`` of ``total``: one whole line at the first step, at every tenth of
+    the run and at the last step; None between them.
+
+    Note (other writers): every rank prints its probe lines (and rank 0 its schedule and measured lines) to the same
+    terminal or pipe, from processes of their own. A bar redrawn in place (``\\r``, no newline) leaves its line open
+    between updates, so those lines were written into the middle of it. Each update is a line of its own, written
+    in one write with its newline (as ``runtime.stats.emit`` writes the probe's), so no other line can fall inside
+    it and nothing later overwrites it; at most 11 lines per run.
+    """
+    if done not in (1, total) and done * 10 // total == (done - 1) * 10 // total:
+        return None
     width = 30
     filled = width * done // total
-    end = "\n" if done == total else ""
-    sys.stderr.write(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} steps  loss {loss:.4f}{end}")
-    sys.stderr.flush()
+    return f"  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} steps  loss {loss:.4f}\n"
+
+
+def _progress(done: int, total: int, loss: float) -> None:
+    line = progress_line(done, total, loss)
+    if line is not None:
+        sys.stderr.flush()
+        sys.stderr.write(line)
+        sys.stderr.flush()
 
 
 def _time_runtime(runtime: Any) -> dict[str, list[int]]:

@@ -49,7 +49,10 @@ own current stream (the reduce stream, in a flush) and make the default stream w
 compute would wait for the previous flush's collectives whenever views are made (every step where the buckets
 are released). None is needed: cupy never touches the memory on a stream of its own, every collective on it
 is issued on a torch stream ordered after the current stream at call time (Note (stream)), and a view is reused
-by every later flush, so a synchronization when it is made could order only its first use anyway.
+by every later flush, so a synchronization when it is made could order only its first use anyway. Without
+``max_version`` torch (2.9 to 2.15 alike) exports the unversioned capsule (DLPack 0.8, ``_C._to_dlpack``): it has
+no flags field, so it is never read-only, as it must not be (NCCL writes the buffer in place); torch 2.14's
+``read_only`` applies to the versioned capsule only, and cupy 14 takes either capsule as is.
 
 Note (in flight): NCCL reports no per-call completion, so after each group (or a call outside one) an event is
 recorded on the stream it was issued on and kept with its flush and first call until it completes: a stalled wait

@@ -11,6 +11,7 @@ likewise calls straight through when both flags are off.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -65,12 +66,31 @@ def _make_compile_config_factory(original: type) -> tuple[type, Any]:
     return OwnerReduceCompileConfig, compile_config
 
 
+def warn_about_cupy(environ: dict[str, str] | None = None) -> str | None:
+    """Log, once per node (``LOCAL_RANK`` 0 or unset), the installation message of ``cuda_extra`` when cupy does not
+    fit torch's CUDA; return it (every rank). A check that fails is itself the message: it never stops install()."""
+    from deepspeed.utils import logger
+
+    from .cuda_extra import PREFIX, environment_problem
+
+    try:
+        problem = environment_problem()
+    except Exception as error:  # noqa: BLE001 - an odd environment must not stop install()
+        problem = f"{PREFIX}: could not compare cupy with torch's CUDA ({type(error).__name__}: {error})"
+    if problem is not None and (os.environ if environ is None else environ).get("LOCAL_RANK", "0") == "0":
+        logger.warning(problem)
+    return problem
+
+
 def is_installed() -> bool:
     return bool(_installed)
 
 
 def install() -> None:
-    """Make ``deepspeed.initialize`` accept ``compile.reduce_to_owner`` and ``compile.reduce_probe``. Idempotent."""
+    """Make ``deepspeed.initialize`` accept ``compile.reduce_to_owner`` and ``compile.reduce_probe``. Idempotent.
+
+    Also says, as a warning, when cupy does not fit torch's CUDA (missing, another CUDA major, two cupy wheels):
+    ``warn_about_cupy``."""
     with _lock:
         if _installed:
             return
@@ -101,6 +121,7 @@ def install() -> None:
         _installed.update(compile_config=original, config_cls=config_cls, init_z1_and_2=original_init,
                           do_warning_check=original_warning_check, save_checkpoint=original_save,
                           load_checkpoint=original_load)
+    warn_about_cupy()
 
 
 def uninstall() -> None:

@@ -1,0 +1,192 @@
+"""The installation message about cupy and torch's CUDA (``wiring.cuda_extra``), with faked versions: no GPU, and
+no cupy wheel of another CUDA major needs to be installed."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import re
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import owner_reduce
+from owner_reduce.wiring import cuda_extra, install
+from owner_reduce.wiring.cuda_extra import CupyDist, cupy_dists, cupy_problem
+
+CU12 = CupyDist("cupy-cuda12x", "14.2.0", 12)
+CU13 = CupyDist("cupy-cuda13x", "14.2.0", 13)
+
+
+@pytest.mark.parametrize(("text", "major"), [("13.0", 13), ("12.8", 12), ("13", 13), (None, None), ("", None)])
+def test_cuda_major_of_torch_version_cuda(text, major):
+    assert cuda_extra.cuda_major(text) == major
+
+
+def test_cupy_distributions_are_read_by_name_with_their_cuda_major():
+    found = cupy_dists([("numpy", "2.3"), ("CuPy_CUDA13x", "14.1.0"), ("cupy-cuda12x", "14.2.0"), ("cupy", "14.0"),
+                        ("cupy-rocm-6-0", "13.6.0"), ("cupyx-extra", "1.0"), ("cupy-cuda12x", "14.2.0")])
+    assert found == (CupyDist("cupy", "14.0", None), CU12, CupyDist("cupy-cuda13x", "14.1.0", 13),
+                     CupyDist("cupy-rocm-6-0", "13.6.0", None))
+
+
+def test_installed_cupy_distributions_are_this_interpreters():
+    """Against the real metadata: exactly the cupy wheels pip reports here (the suite's venv has one, for its torch)."""
+    expected = []
+    for name, major in (("cupy-cuda12x", 12), ("cupy-cuda13x", 13)):
+        try:
+            expected.append(CupyDist(name, importlib.metadata.version(name), major))
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    assert [d for d in cuda_extra.installed_cupy_dists() if d.cuda_major is not None] == expected
+
+
+@pytest.mark.parametrize("dists", [(), (CU12,), (CU12, CU13)])
+def test_a_cpu_torch_gets_no_message(dists):
+    assert cupy_problem("2.13.0+cpu", None, dists, cupy_module_found=False) is None
+
+
+@pytest.mark.parametrize(("torch_version", "cuda", "dists"), [("2.14.1+cu130", "13.0", (CU13,)),
+                                                              ("2.13.0+cu128", "12.8", (CU12,)),
+                                                              ("2.14.1+cu130", "13.0", (CupyDist("cupy", "14.2.0",
+                                                                                                 None),))])
+def test_a_matching_or_unknown_cupy_gets_no_message(torch_version, cuda, dists):
+    assert cupy_problem(torch_version, cuda, dists, cupy_module_found=True) is None
+
+
+def test_a_cupy_of_another_cuda_major_names_both_and_the_extra():
+    message = cupy_problem("2.14.1+cu130", "13.0", (CU12,), cupy_module_found=True)
+    assert message == ("owner_reduce: installation: cupy-cuda12x 14.2.0 is built for CUDA 12, but torch 2.14.1+cu130 "
+                       "is a CUDA 13 build: two CUDA runtimes in one process, and cupy NCCL may fail to load (then the "
+                       "owner path reduces through torch.distributed (NCCL) instead of cupy NCCL); pip uninstall -y "
+                       "cupy-cuda12x && pip install 'owner_reduce[cu13]'")
+    assert "pip install 'owner_reduce[cu12]'" in cupy_problem("2.13.0+cu128", "12.8", (CU13,), True)
+
+
+@pytest.mark.parametrize(("cuda", "extra"), [("13.0", "owner_reduce[cu13]"), ("12.8", "owner_reduce[cu12]")])
+def test_no_cupy_with_a_cuda_torch_names_the_extra(cuda, extra):
+    message = cupy_problem("2.14.1+cuXX", cuda, (), cupy_module_found=False)
+    assert message.startswith(f"owner_reduce: installation: torch 2.14.1+cuXX is a CUDA {cuda[:2]} build and no cupy "
+                              "is installed, so the owner path reduces through torch.distributed (NCCL)")
+    assert message.endswith(f"for cupy NCCL: pip install '{extra}'")
+    # a cupy module without any distribution (a source tree on the path): its CUDA is unknown, nothing is said
+    assert cupy_problem("2.14.1+cuXX", cuda, (), cupy_module_found=True) is None
+
+
+def test_a_cuda_major_without_an_extra_names_the_cupy_wheel():
+    assert cupy_problem("3.0.0+cu140", "14.0", (), False).endswith("for cupy NCCL: pip install cupy-cuda14x")
+
+
+def test_two_cupy_distributions_are_named_as_broken():
+    message = cupy_problem("2.14.1+cu130", "13.0", (CU12, CU13), cupy_module_found=True)
+    assert message == ("owner_reduce: installation: 2 cupy distributions are installed at once (cupy-cuda12x 14.2.0, "
+                       "cupy-cuda13x 14.2.0): they write the same 'cupy' package over each other, so neither is intact "
+                       "(cupy may fail to import, or load libraries of both); torch 2.14.1+cu130 is a CUDA 13 build: "
+                       "pip uninstall -y cupy-cuda12x cupy-cuda13x && pip install 'owner_reduce[cu13]'")
+
+
+# ---- at install(): DeepSpeed's logger, faked versions ---------------------------------------------------------------
+
+
+class _Logged:
+    """DeepSpeed's logger does not propagate to the root logger: listen on it directly."""
+
+    def __init__(self) -> None:
+        from deepspeed.utils import logger
+
+        self.lines: list[str] = []
+        self._logger = logger
+        self._handler = logging.Handler(level=logging.WARNING)
+        self._handler.emit = lambda record: self.lines.append(record.getMessage())
+        logger.addHandler(self._handler)
+
+    def close(self) -> list[str]:
+        self._logger.removeHandler(self._handler)
+        return [line for line in self.lines if line.startswith("owner_reduce: installation")]
+
+
+def _fake_environment(monkeypatch, version: str, cuda: str | None, dists: list[tuple[str, str]]) -> None:
+    """torch's version and CUDA, and the installed distributions (as ``importlib.metadata`` returns them)."""
+    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    fakes = [types.SimpleNamespace(metadata={"Name": name}, version=v) for name, v in [("numpy", "2.3"), *dists]]
+    monkeypatch.setattr(cuda_extra, "_distributions", lambda: iter(fakes))
+
+
+@pytest.fixture
+def fresh_install():
+    assert not owner_reduce.is_installed()
+    yield
+    owner_reduce.uninstall()
+
+
+@pytest.mark.parametrize(("dists", "expected"), [
+    ([("cupy-cuda12x", "14.2.0")], "cupy-cuda12x 14.2.0 is built for CUDA 12, but torch 2.14.1+cu130 is a CUDA 13"),
+    ([("cupy-cuda12x", "14.2.0"), ("cupy-cuda13x", "14.2.0")], "2 cupy distributions are installed at once"),
+])
+def test_install_warns_through_deepspeeds_logger(monkeypatch, fresh_install, dists, expected):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    _fake_environment(monkeypatch, "2.14.1+cu130", "13.0", dists)
+    logged = _Logged()
+    owner_reduce.install()
+    owner_reduce.install()  # idempotent: nothing new is installed, nothing is said again
+    lines = logged.close()
+    assert len(lines) == 1 and expected in lines[0] and lines[0].endswith("pip install 'owner_reduce[cu13]'")
+
+
+def test_install_with_a_matching_cupy_says_nothing(monkeypatch, fresh_install):
+    _fake_environment(monkeypatch, "2.14.1+cu130", "13.0", [("cupy-cuda13x", "14.2.0")])
+    logged = _Logged()
+    owner_reduce.install()
+    assert logged.close() == []
+
+
+def test_the_message_is_logged_once_per_node_and_returned_on_every_rank(monkeypatch):
+    _fake_environment(monkeypatch, "2.14.1+cu130", "13.0", [])
+    monkeypatch.setattr(cuda_extra, "_cupy_module_found", lambda: False)
+    logged = _Logged()
+    other = install.warn_about_cupy({"LOCAL_RANK": "3"})
+    first = install.warn_about_cupy({"LOCAL_RANK": "0"})
+    assert other == first and "no cupy is installed" in first
+    assert logged.close() == [first]
+
+
+def test_a_failing_check_is_a_message_not_an_install_failure(monkeypatch):
+    def broken():
+        raise RuntimeError("metadata unreadable")
+
+    monkeypatch.setattr(cuda_extra, "installed_cupy_dists", broken)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert install.warn_about_cupy({}) == ("owner_reduce: installation: could not compare cupy with torch's CUDA "
+                                           "(RuntimeError: metadata unreadable)")
+
+
+def test_pyproject_brings_cupy_only_through_one_extra_per_cuda_major():
+    """The base install has no cupy and no NCCL wheel (CPU and torch.distributed need neither); each CUDA extra brings
+    the one cupy and NCCL of its major, and the extras are the ones the message names."""
+    tomllib = pytest.importorskip("tomllib")  # python >= 3.11
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+
+    def names(requirements: list[str]) -> set[str]:
+        return {re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower() for r in requirements}
+
+    assert not {n for n in names(project["dependencies"]) if n.startswith(("cupy", "nvidia-nccl"))}
+    extras = project["optional-dependencies"]
+    for major, extra in cuda_extra.EXTRAS.items():
+        assert names(extras[extra]) == {f"cupy-cuda{major}x", f"nvidia-nccl-cu{major}"}
+    for name, requirements in extras.items():
+        if name not in cuda_extra.EXTRAS.values():
+            assert not {n for n in names(requirements) if n.startswith(("cupy", "nvidia-nccl"))}, name
+
+
+def test_describe_names_torchs_cuda_the_extra_the_cupy_and_a_problem():
+    assert cuda_extra.describe("2.14.1+cu130", "13.0", (CU13,), True) == (
+        "CUDA extra: torch 2.14.1+cu130 is a CUDA 13 build: pip install 'owner_reduce[cu13]'; cupy installed: "
+        "cupy-cuda13x 14.2.0")
+    assert cuda_extra.describe("2.13.0+cpu", None, (CU12,), True) == (
+        "CUDA extra: torch 2.13.0+cpu is not a CUDA build: no cupy NCCL; cupy installed: cupy-cuda12x 14.2.0")
+    mismatch = cuda_extra.describe("2.14.1+cu130", "13.0", (CU12,), True)
+    assert mismatch.endswith("; PROBLEM: " + cupy_problem("2.14.1+cu130", "13.0", (CU12,), True))
+    assert "cupy installed: none; PROBLEM: " in cuda_extra.describe("2.14.1+cu130", "13.0", (), False)
