@@ -29,7 +29,6 @@ JSON's sha256, 12 hex digits) is what ranks compare. Pure: no torch, no communic
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -37,11 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .json_digest import canonical_digest
+
 FORMAT = "owner_reduce.calibration/1"
 ENV_VAR = "OWNER_REDUCE_CALIBRATION"
 CALL_KINDS = ("allreduce", "reduce", "reduce_scatter")  # collective_time.KINDS' call kinds, as FlushCost asks them
 MAX_BANDWIDTH_GBS = 10_000.0  # the bandwidth of a fit whose time does not grow with the bytes (10 TB/s: "free")
-DIGEST_CHARS = 12
 
 
 @dataclass(frozen=True)
@@ -147,8 +147,7 @@ class Calibration:
 
     def digest(self) -> str:
         """sha256 of the canonical JSON (sorted keys, no spaces), first 12 hex digits: the same file on every rank."""
-        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()[:DIGEST_CHARS]
+        return canonical_digest(self.to_dict())
 
     @classmethod
     def from_json(cls, text: str, source: str = "<text>") -> Calibration:

@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .json_digest import canonical_digest
 from .measured import TrialFlush, Verdict
 
 FORMAT = "owner_reduce.verdicts/1"
 ENV_VAR = "OWNER_REDUCE_VERDICTS"
 CHECKPOINT_KEY = "owner_reduce"  # in the checkpoint's client state (``engine.save_checkpoint``): ``checkpoint_payload``
 CHECKPOINT_FORMAT = "owner_reduce.checkpoint/1"
-DIGEST_CHARS = 12
 KEY_CHARS = 16
 
 
@@ -96,8 +96,7 @@ class VerdictBook:
 
     def digest(self) -> str:
         """sha256 of the canonical JSON, first 12 hex digits: what ranks compare (Note (agreement))."""
-        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()[:DIGEST_CHARS]
+        return canonical_digest(self.to_dict())
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<dict>") -> VerdictBook:
@@ -198,5 +197,4 @@ def parse_checkpoint_payload(data: Any, source: str) -> tuple[VerdictBook | None
 
 def payload_digest(data: Any) -> str:
     """sha256 of a payload's canonical JSON, 12 hex digits: what ranks compare at ``load_checkpoint``."""
-    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(canonical.encode()).hexdigest()[:DIGEST_CHARS]
+    return canonical_digest(data)
