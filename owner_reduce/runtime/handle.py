@@ -716,7 +716,8 @@ class OwnerReduceRuntime:
                 f"({self.comm.name}), made in {seconds:.2f} s, {memory}; "
                 + ("a step's flushes may overlap (the node stage of one under the rail stage of the one before) over 2 "
                    "buckets per dtype (double_buffer true)" if double_buffer else
-                   "a step's flushes run one after another on 1 bucket per dtype (double_buffer false)"))
+                   "a step's flushes run one after another on 1 bucket per dtype (double_buffer false)")
+                + ("" if free_before is not None else "; without CUDA streams they run one after another here"))
         self.stats.two_level_line = line
         if self.comm.rank == 0:
             emit(line)
