@@ -36,6 +36,7 @@ from .flush_choice import CallTimes, FlushCost
 from .flush_plan import ALL, BucketEntry, FlushRange, plan_flush
 from .owner_layout import OwnerLayout, StepLayouts, collectives_of, cost_step_choices, map_order, plan_step_layouts
 from .owner_map import OwnerMap, Placement
+from .step_plan import runs_alone
 from .two_level import two_level_of
 from .wording import count_noun
 
@@ -439,16 +440,15 @@ def size_buckets(owner_map: OwnerMap, grad_order: Sequence[int], bucket_size: in
         planned = _planned_step(owner_map, grad_order, bucket_size, double_buffer, dtype_bytes, cluster)
     flushes, step, cost, per_bucket = planned.flushes, planned.step, planned.cost, planned.step.per_bucket
     timeline = step.plan.steps
+    alone = runs_alone(timeline)
     sized = []
     for index, (entries, layout) in enumerate(zip(flushes, step.layouts, strict=True), 1):
         native = plan_flush(entries, owner_map, reduce_to_owner=False)
         owner = plan_flush(entries, owner_map, reduce_to_owner=True, slice_straddlers=False)
         sliced = plan_flush(entries, owner_map, reduce_to_owner=True).ranges
         at = timeline[index - 1] if timeline else None
-        alone = at is None or ((index == 1 or at.node_start >= timeline[index - 2].end)
-                               and (index == len(flushes) or timeline[index].node_start >= at.end))
         times = {} if at is None else dict(node_start_us=at.node_start, node_end_us=at.node_end,
-                                           rail_end_us=at.rail_end, end_us=at.end, alone=alone)
+                                           rail_end_us=at.rail_end, end_us=at.end, alone=alone[index - 1])
         if topo is not None:
             costs = dict(layout.costs)
             times.update(
@@ -515,14 +515,12 @@ def _handoff_row(full: _PlannedStep, owner_map: OwnerMap, grad_order: Sequence[i
     scaled_cost = scaled.cost(owner_map.dp_world_size, dtype_bytes)
     fixed = cost_step_choices(full.grads, owner_map, full.step, capacity=int(bucket_size),
                               cost_of=lambda _: scaled_cost, order=full.order)
-    steps = fixed.steps
-    alone = []
-    for i, (at, entries) in enumerate(zip(steps, full.flushes, strict=True)):
+    ratios = []
+    for at, by_itself, entries in zip(fixed.steps, runs_alone(fixed.steps), full.flushes, strict=True):
         native = scaled_cost.native_us(e.numel for e in entries)
-        if native and ((i == 0 or at.node_start >= steps[i - 1].end)
-                       and (i + 1 == len(steps) or steps[i + 1].node_start >= at.end)):
-            alone.append((at.end - at.node_start) / native)
-    worst = max(alone, default=None)
+        if native and by_itself:
+            ratios.append((at.end - at.node_start) / native)
+    worst = max(ratios, default=None)
     again = size_buckets(owner_map, grad_order, bucket_size, double_buffer, dtype_bytes, scaled).us_ratio("layout")
     return scale, (fixed.end_us / fixed.native_us if fixed.native_us else 1.0), worst, again
 

@@ -170,6 +170,13 @@ def plan_step(options: Sequence[Sequence[FlushTimes]], native: Sequence[float], 
     return StepPlan(tuple(picks), steps, native_us)
 
 
+def runs_alone(steps: Sequence[Step]) -> tuple[bool, ...]:
+    """Per flush of a schedule: whether it overlaps neither neighbour (its node step starts after the previous flush
+    ended, and the next flush's starts after it ended), so that its own time is what it costs the step."""
+    return tuple((i == 0 or step.node_start >= steps[i - 1].end)
+                 and (i + 1 == len(steps) or steps[i + 1].node_start >= step.end) for i, step in enumerate(steps))
+
+
 def _alone_bound(options: Sequence[Sequence[FlushTimes]], native: Sequence[float], buckets: Sequence[int],
                  per_bucket: int, picks: tuple[int, ...]) -> tuple[int, ...]:
     """A two-level flush that runs alone (its node step starts after the previous flush ended, and the next flush
@@ -178,10 +185,8 @@ def _alone_bound(options: Sequence[Sequence[FlushTimes]], native: Sequence[float
     picks = list(picks)
     while True:
         steps = schedule([options[i][j] for i, j in enumerate(picks)], buckets, per_bucket)
-        alone = [i for i, step in enumerate(steps) if picks[i]
-                 and (i == 0 or step.node_start >= steps[i - 1].end)
-                 and (i + 1 == len(steps) or steps[i + 1].node_start >= step.end)
-                 and options[i][picks[i]].alone_us > native[i]]
+        alone = [i for i, by_itself in enumerate(runs_alone(steps))
+                 if picks[i] and by_itself and options[i][picks[i]].alone_us > native[i]]
         if not alone:
             return tuple(picks)
         picks[alone[0]] = 0
