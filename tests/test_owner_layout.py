@@ -181,9 +181,34 @@ def test_random_flat_layouts_reduce_correctly(ws, algo):
         if algo != "auto" and touched:
             assert layout.choice == algo
         expected = {REDUCE_SCATTER: 1, ALLREDUCE: 1, REDUCE: len(touched), HANDOFF: 1 + bool(layout.transfers)}
-        assert layout.calls == (expected[layout.choice] if touched else len(layout.collectives))
+        if layout.choice == REDUCE and touched:  # one Reduce per owner, or its region cut into consecutive ones
+            _assert_reduces_cover_each_region_in_order(layout)
+            assert {c.root for c in layout.collectives if c.kind == REDUCE} == touched
+            assert layout.calls >= len(touched)
+            if layout.calls > len(touched) + any(c.kind == ALLREDUCE for c in layout.collectives):
+                assert layout.modelled_us < _uncut_reduce_us(layout, m, algo)  # a cut only where it pays
+        else:
+            assert layout.calls == (expected[layout.choice] if touched else len(layout.collectives))
         assert layout.modelled_us == dict(layout.costs)[layout.choice]
         simulate(layout, m, seed=trial)
+
+
+def _assert_reduces_cover_each_region_in_order(layout):
+    """Each owner's Reduces are consecutive parts of its range, back to back, covering it exactly."""
+    for r in layout.plan.ranges:
+        if r.root is ALL:
+            continue
+        parts = [c for c in layout.collectives if c.kind == REDUCE and c.root == r.root]
+        assert parts[0].offset == r.offset and sum(c.count for c in parts) == r.count
+        assert all(a.offset + a.count == b.offset for a, b in zip(parts, parts[1:], strict=False))
+
+
+def _uncut_reduce_us(layout, m, algo):
+    """The Reduce candidate's modelled time with one Reduce per owner (no cut), as NCCL's planner costs the group."""
+    cost = _forced(m, algo)
+    calls = [(REDUCE, r.count) for r in layout.plan.ranges if r.root is not ALL]
+    calls += [(c.kind, c.count) for c in layout.collectives if c.kind == ALLREDUCE]
+    return cost.calls_us(calls)
 
 
 def test_handoff_cuts_the_flush_into_equal_chunks_and_moves_each_piece_to_its_owner():
@@ -246,3 +271,21 @@ def test_algo_names_and_plain_collectives():
                                                                              Collective(ALLREDUCE, 3, 2))
     with pytest.raises(ValueError, match="bucket holds 3 elements"):
         plan_owner_layout([(0, 3)], _map3())
+
+
+def test_a_region_cut_into_consecutive_reduces_reduces_correctly_and_a_short_cut_is_caught():
+    """Regions of 16 and 2 elements: two aggregates in NCCL's planner (16 is not under 4x 2), so the model cuts the
+    larger into consecutive Reduces to the same root (``aggregation``). Negative control: the cut's last Reduce one
+    element short leaves an element of rank 0's region unreduced, and the simulated flush sees it."""
+    m = flat_map([16, 2, 14], 2)  # partitions of 16: p0 on rank 0, p1 and p2 on rank 1
+    layout = plan_owner_layout(_arrival(m, [0, 1]), m, cost=_forced(m, REDUCE))
+    cut_calls = [c for c in layout.collectives if c.root == 0]
+    assert len(cut_calls) > 1 and sum(c.count for c in cut_calls) == 16
+    _assert_reduces_cover_each_region_in_order(layout)
+    assert layout.modelled_us < _uncut_reduce_us(layout, m, REDUCE)
+    simulate(layout, m)
+    last = cut_calls[-1]
+    short = dataclasses.replace(layout, collectives=tuple(dataclasses.replace(c, count=c.count - 1) if c is last else c
+                                                          for c in layout.collectives))
+    with pytest.raises(AssertionError):
+        simulate(short, m)

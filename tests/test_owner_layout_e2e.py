@@ -15,6 +15,7 @@ import pytest
 from test_runtime_e2e import _max_param_diff, _run_with_reference, _scheduled_run_matching_plain
 
 from owner_reduce.harness.toy_training import TrainSpec
+from owner_reduce.planning.aggregation import cut
 
 ALGO_RE = re.compile(r" calls=(\d+) .* algo=(\S+)$")
 
@@ -67,3 +68,32 @@ def test_negative_control_layout_off_by_one_slice_is_caught():
     assert all(r["stats"].scheduled_flushes > 0 for r in broken)
     differs = any(_max_param_diff(b["params"], p["params"]) > 0 for b, p in zip(broken, plain, strict=True))
     assert differs, "a layout off by one slice went unnoticed by the comparison"
+
+
+BIG = (("dim", 550), ("layers", 13))  # 13 matrices of 302,500 elements: partition boundaries inside them
+
+
+@pytest.mark.timeout(420)
+def test_reduces_cut_so_that_nccl_aggregates_them_train_bitwise_equal_to_plain_zero():
+    """ws 4 in one node, 13 matrices of 302,500 elements, buckets of 1.9M: the middle flush of a step touches ranks 0,
+    1 and 2 with regions of 680,625, 983,125 and 151,250 elements. One Reduce each would be two aggregates in NCCL's
+    planner (983,125 is not under 4x 151,250), two latencies; the model cuts the larger regions into 2 and 3
+    consecutive Reduces (``planning.aggregation``) and the six run as one aggregate. The guard is off
+    (``OWNER_REDUCE_MEASURE=0``) so that every scheduled flush is the model's."""
+    spec = TrainSpec(mode="owner", backend="eager", model="few_big_tensors", model_kwargs=BIG, steps=2,
+                     reduce_bucket_size=1_900_000, record_collectives=True, env=(("OWNER_REDUCE_MEASURE", "0"),))
+    owner = _scheduled_run_matching_plain(4, spec)
+    for rank, r in enumerate(owner):
+        calls = [(name, root, count) for name, root, count, _ in r["collective_log"]]
+        roots = [root for name, root, _ in calls]
+        found = [i for i in range(len(calls)) if roots[i:i + 6] == [0, 0, 1, 1, 1, 2]]
+        assert len(found) == spec.steps - 1, (rank, calls)  # every scheduled step's middle flush (the first: arrival)
+        middle = calls[found[0]:found[0] + 6]
+        assert all(name == "reduce" for name, _, _ in middle), middle
+        for root, pieces in ((0, 2), (1, 3)):  # consecutive parts of the root's region, cut as ``aggregation.cut``
+            counts = tuple(count for _, at, count in middle if at == root)
+            assert counts == cut(sum(counts), pieces), middle
+        s = r["stats"]
+        assert s.schedules_learned >= 1 and s.trial_steps == 0, (rank, s)
+        lines = [ALGO_RE.search(line) for line in s.probe_lines]
+        assert [m.group(1) for m in lines if m.group(2) == "reduce"].count("6") == spec.steps - 1, s.probe_lines

@@ -8,7 +8,8 @@ cheapest runs:
 
 - ``reduce_scatter``: one ReduceScatter over the owner regions padded to equal size (a flush that covers every
   rank with near-equal regions: ZeRO's own flat layout);
-- ``reduce``: one Reduce per owner the flush touches;
+- ``reduce``: one Reduce per owner the flush touches, a larger region cut into consecutive Reduces to its owner
+  where that lets NCCL's planner run them as one aggregate, one chain's latency (``aggregation``);
 - ``handoff``: one ReduceScatter over the flush cut into ``world_size`` equal chunks, then one grouped send/recv
   round that moves each reduced chunk's pieces to the ranks that own them (each rank receives exactly what it keeps);
 - ``allreduce``: one AllReduce of the whole flush (what the native runtime sends, in one call);
@@ -151,11 +152,15 @@ def agreed_topology(world_size: int, ranks_per_node: Sequence[int], sm_majors: S
     return topology_of(world_size, per_node, generation, links=links)
 
 
-def choose(costs: Mapping[str, float], force: str = AUTO) -> str:
-    """The candidate that runs: the forced one if it is among ``costs``, else the cheapest (ties: fewest calls)."""
+def choose(costs: Mapping[str, float], force: str = AUTO, calls: Mapping[str, int] | None = None) -> str:
+    """The candidate that runs: the forced one if it is among ``costs``, else the cheapest; ties go to the fewest
+    ``calls`` (each candidate's calls where known: a Reduce per owner may be cut into several, ``aggregation``), then
+    ``CANDIDATES``' order."""
     if force != AUTO and force in costs:
         return force
-    return min((c for c in CANDIDATES if c in costs), key=lambda c: (costs[c], CANDIDATES.index(c)))
+    counts = calls or {}
+    return min((c for c in CANDIDATES if c in costs),
+               key=lambda c: (costs[c], counts.get(c, 0), CANDIDATES.index(c)))
 
 
 @dataclass(frozen=True)

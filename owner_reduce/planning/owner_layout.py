@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from .aggregation import cut, reduce_pieces
 from .collective_time import named_topology
 from .collectives import (
     ALLREDUCE,
@@ -166,15 +167,23 @@ class FlushAnalysis:
     two_level: tuple[TwoLevelOption, ...] = ()
     everyone_us: float = 0.0
     force: str = AUTO
+    reduce_pieces: tuple[int, ...] = ()  # per rank: the consecutive Reduces its region runs as (``aggregation``)
 
     @property
     def sizes(self) -> list[int]:
         return [sum(p[3] for p in region) for region in self.regions]
 
+    @property
+    def calls(self) -> dict[str, int]:
+        """The calls each one-level candidate issues (ties go to the fewest: ``flush_choice.choose``)."""
+        everyone = bool(self.everyone)
+        return {REDUCE: sum(self.reduce_pieces) + everyone, REDUCE_SCATTER: 1 + everyone, HANDOFF: 2 + everyone,
+                ALLREDUCE: 1, NATIVE: len(self.entries)}
+
     def one_level_choice(self) -> str:
         """The cheapest candidate that is not two-level (or the forced one)."""
         one_level = {k: v for k, v in self.costs.items() if k != TWO_LEVEL}
-        return choose(one_level, self.force)
+        return choose(one_level, self.force, self.calls)
 
     def best_two_level(self) -> TwoLevelOption | None:
         """The two-level pipeline fastest for the flush alone (ties: the first, ``TwoLevel.options``' order)."""
@@ -226,8 +235,9 @@ def analyse_flush(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, reduce_
     costs: dict[str, float] = {ALLREDUCE: cost.calls_us([(ALLREDUCE, owner_elems + all_elems)]),
                                NATIVE: cost.native_us(e.numel for e in entries)}
     transfers: tuple[Transfer, ...] = ()
+    pieces: tuple[int, ...] = ()
     if owner_elems:
-        costs[REDUCE] = cost.calls_us([(REDUCE, s) for s in sizes if s] + everyone_call)
+        pieces, costs[REDUCE] = reduce_pieces(sizes, everyone_call, cost.calls_us)
         if n > 1:
             transfers = _packed_transfers(sizes, chunk)
             costs[HANDOFF] = (cost.calls_us([(REDUCE_SCATTER, packed_span)] + everyone_call)
@@ -243,7 +253,7 @@ def analyse_flush(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, reduce_
         if options:
             costs[TWO_LEVEL] = min(o.alone_us for o in options) + everyone_us
     return FlushAnalysis(tuple(entries), counted, tuple(tuple(r) for r in regions), tuple(everyone), costs, transfers,
-                         per_rank, chunk, packed_span, options, everyone_us, cost.force)
+                         per_rank, chunk, packed_span, options, everyone_us, cost.force, pieces)
 
 
 def plan_owner_layout(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, reduce_to_owner: bool = True, *,
@@ -253,7 +263,7 @@ def plan_owner_layout(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, red
     arguments). A learned schedule's flushes are chosen together instead (``plan_step_layouts``)."""
     analysis = analyse_flush(grads, owner_map, reduce_to_owner, capacity=capacity,
                              max_padding_share=max_padding_share, order=order, cost=cost)
-    choice = choose(analysis.costs, analysis.force)
+    choice = choose(analysis.costs, analysis.force, analysis.calls | {TWO_LEVEL: len(analysis.entries) + 1})
     return build_layout(analysis, choice, analysis.best_two_level() if choice == TWO_LEVEL else None)
 
 
@@ -286,8 +296,11 @@ def build_layout(analysis: FlushAnalysis, choice: str, option: TwoLevelOption | 
             offset += length
         if sizes[rank]:
             ranges.append(FlushRange(start, sizes[rank], rank if owner_root else ALL))
-            if choice == REDUCE:
-                collectives.append(Collective(REDUCE, start, sizes[rank], rank))
+            if choice == REDUCE:  # one Reduce per owner, or its region cut so NCCL aggregates them (``aggregation``)
+                at = start
+                for part in cut(sizes[rank], analysis.reduce_pieces[rank]):
+                    collectives.append(Collective(REDUCE, at, part, rank))
+                    at += part
         if choice == REDUCE_SCATTER and sizes[rank] < per_rank:
             padding.append(FlushRange(offset, per_rank - sizes[rank], rank))
             offset = start + per_rank
