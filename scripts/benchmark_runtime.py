@@ -265,7 +265,7 @@ def _two_level_issue_costs(rounds: int, stage_counts: tuple[int, ...] = (1, 8, 3
                          stage=s),),
              tuple(Collective(REDUCE, s * per_node * width + 10 * i, 10, root=i, comm=RAIL, rail=0, stage=s)
                    for i in range(rail_calls)),
-             ())  # the rail step's Reduces: no hand-off round
+             (), ())  # the rail step's Reduces: no rail hand-off round, no node hand-off (by owner)
             for s in range(stages)))
         bucket = types.SimpleNamespace(views={})
         samples: dict[bool, list[int]] = {True: [], False: []}

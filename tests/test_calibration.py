@@ -397,8 +397,9 @@ def test_an_incomplete_calibration_on_every_rank_refuses_at_init_not_after_the_f
 
 @pytest.mark.timeout(30)
 def test_under_a_calibration_no_node_or_rail_communicator_is_made(monkeypatch, capsys):
-    """Two nodes of two: without a calibration the node and rail communicators are made (two-level is a candidate);
-    under one they are not (not a candidate: no creations, no device memory, no "two-level flush ready")."""
+    """Two nodes of two: without a calibration the node, rail and node hand-off communicators are made (two-level is a
+    candidate); under one they are not (not a candidate: no creations, no device memory, no "two-level flush
+    ready")."""
     from fakes import ExchangeWorld, group_threads_as_nodes, mirror_runtime
 
     group_threads_as_nodes(monkeypatch, 2)
@@ -410,7 +411,8 @@ def test_under_a_calibration_no_node_or_rail_communicator_is_made(monkeypatch, c
         out = capsys.readouterr().out
         made = [rt.comm.subs for rt in runtimes]
         if cal is None:
-            assert all(len(subs) == 2 for subs in made) and "two-level flush ready" in out
+            assert all([sub.role for sub in subs] == ["node", "rail", "node hand-off"] for subs in made)
+            assert "two-level flush ready" in out
         else:
             assert made == [[]] * 4 and all(rt.flusher.levels is None for rt in runtimes)
             assert "two-level flush ready" not in out and runtimes[0].stats.two_level_line is None

@@ -268,3 +268,32 @@ def test_never_slower_than_grouped_native_and_the_win_at_scale(world_size):
         # Ampere's NVLinks bound its ring: the A800's 8 x 20 GB/s across nodes, the A100's 10 x 24.
         assert "8 x 20 GB/s" in by_cluster["a800"].buckets[0].topology
         assert "10 x 24 GB/s" in by_cluster["a100"].buckets[0].topology
+
+
+def _size_13b(world_size: int) -> dict:
+    """In a fresh process: Llama-13B's layout sized at DeepSpeed's default bucket, with and without NVLS."""
+    from owner_reduce.offline_sizing.fake_engine import build_layout
+    from owner_reduce.planning.sizing import Cluster, size_the_win
+
+    layout = build_layout(ModelSpec("llama-13b"), world_size)
+    return {key: size_the_win(layout.owner_map, layout.grad_order, (500_000_000,), model="llama-13b",
+                              cluster=cluster).buckets[0]
+            for key, cluster in (("hopper", Cluster()), ("hopper-no-nvls", Cluster(nvls=False)))}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [64, 512, 1024])
+def test_llama_13b_meets_the_bars_at_the_default_bucket(world_size):
+    """Issue 32's cells that the Reduce chains alone missed: Llama-13B at ws 1024 (rail-bound: balanced rails) and at
+    ws 64 without NVLS (2-3 owners per flush: Reduces cut so that NCCL aggregates them), with the same bounds."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=fresh_process_context()) as pool:
+        by_cluster = pool.submit(_size_13b, world_size).result()
+    for key, b in by_cluster.items():
+        limit = _LIMITS[key][0 if world_size == 64 else 1]
+        assert b.us_ratio("layout") <= limit, (key, world_size, b.us_ratio("layout"), b.choices())
+        worst = b.worst_flush()
+        assert worst is None or worst.layout_over_native <= 1.0 + 1e-9, (key, world_size, worst)
+        if b.cross_flush_overlap:
+            assert b.last_flush_over_native() <= 1.5 + 1e-9, (key, world_size)
+    if world_size == 1024:  # rail-bound: the model balances the rails
+        assert any(f.rail_layout == "balanced" for f in by_cluster["hopper"].flushes)

@@ -65,7 +65,45 @@ class LevelComm(HbComm):
 
     def _split(self, groups):
         members = list(next(g for g in groups if self.rank in g))
-        return HbComm(self._hb, members.index(self.rank), len(members))
+        made = self.__dict__.setdefault("made", [])
+        if len(made) == 2:  # node, rail, then the node hand-off (``handle._make_levels``)
+            sub = NodeHandoffComm(self._hb, members.index(self.rank), len(members), made[0], self.world_size)
+        else:
+            sub = (NodeComm if not made else HbComm)(self._hb, members.index(self.rank), len(members))
+        made.append(sub)
+        return sub
+
+
+class NodeComm(HbComm):
+    """The node communicator, keeping every node call's input (all ranks alike) for the node hand-off's receives."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.inputs: list[tuple[int, torch.Tensor]] = []
+
+    def reduce_scatter(self, buf: torch.Tensor, per_rank: int) -> None:
+        self.inputs.append((buf.storage_offset(), buf.clone()))
+        super().reduce_scatter(buf, per_rank)
+
+    def reduce(self, buf: torch.Tensor, root: int) -> None:
+        self.inputs.append((buf.storage_offset(), buf.clone()))
+        super().reduce(buf, root)
+
+
+class NodeHandoffComm(HbComm):
+    """A balanced flush's node hand-off: a part arrives as its rail left it, every rank's input summed (the
+    data-parallel world size times the node step's input, all ranks alike)."""
+
+    def __init__(self, hb, rank, world_size, node: NodeComm, total: int) -> None:
+        super().__init__(hb, rank, world_size)
+        self._node, self._total = node, total
+
+    def recv(self, buf: torch.Tensor, peer: int) -> None:
+        self.calls.append(("recv", peer, buf.numel()))
+        at = buf.storage_offset()
+        start, values = next((start, v) for start, v in reversed(self._node.inputs)
+                             if start <= at and at + buf.numel() <= start + v.numel())
+        buf.copy_(values[at - start:at - start + buf.numel()] * self._total)
 
 
 def _runtime(hb, algo, stage, params=PARAMS, ws=WS, rank=RANK, bucket=BUCKET, comm_cls=None):
@@ -215,7 +253,14 @@ def _rail_step(monkeypatch, step: str) -> None:
         monkeypatch.setattr(owner_layout, "TWO_LEVEL_MAX_PADDING_SHARE", 4.0)
 
 
-@pytest.mark.parametrize("step", ["reduce", "scatter"])
+def _balanced(monkeypatch, balanced: bool = True) -> None:
+    """Every two-level flush with balanced rails (``two_level`` Note (balanced rails)), or none."""
+    from owner_reduce.planning import two_level
+
+    monkeypatch.setattr(two_level, "RAIL_LAYOUTS", (two_level.BALANCED if balanced else two_level.BY_OWNER,))
+
+
+@pytest.mark.parametrize("step", ["reduce", "scatter", "reduce-balanced", "scatter-balanced"])
 @pytest.mark.parametrize("rank", [0, 3], ids=["rail0", "rail1"])
 @pytest.mark.parametrize("release", [False, True], ids=["kept", "released"])
 @pytest.mark.parametrize("stage", [1, 2], ids=["z1", "z2"])
@@ -227,13 +272,19 @@ def test_no_race_in_two_level_flushes_on_node_and_rail_streams(stage, release, r
     leaving and relearning schedules, each dtype's bucket reused within a backward: no race, and the grad buffers hold
     the right sums."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    step, balanced = step.removesuffix("-balanced"), step.endswith("-balanced")
     _rail_step(monkeypatch, step)
+    _balanced(monkeypatch, balanced)  # balanced: each stage's node hand-off round on the rail stream, then copy-out
     hb, rt, expected = _run("two_level", stage, 2, release, rank=rank, ws=4, comm_cls=LevelComm)
     assert not hb.races, f"{len(hb.races)} distinct races:\n{hb.report()}"
     s = rt.stats
     assert s.two_level_flushes >= 6 and s.node_calls >= s.two_level_stages and s.rail_calls > 0, s
     names = {name for name, *_ in rt.collective_log}
-    if step == "reduce":  # both kinds of node step ran: ReduceScatter stages and tail stages' node Reduces
+    assert ("node_handoff" in names) == balanced, names
+    if balanced:
+        assert s.node_handoffs > 0 and s.node_handoff_sends > 0 and s.node_handoff_recvs > 0, s
+        assert {"node_reduce_scatter", "rail_reduce_scatter" if step == "scatter" else "rail_reduce"} <= names, names
+    elif step == "reduce":  # both kinds of node step ran: ReduceScatter stages and tail stages' node Reduces
         assert {"node_reduce_scatter", "node_reduce"} <= names, names
     else:
         assert {"node_reduce_scatter", "rail_reduce_scatter"} <= names and s.rail_handoffs > 0, (names, s)
@@ -260,6 +311,28 @@ def _freed_on_the_node_stream(self, bucket, level=None):
     event = self._cuda.Event()
     event.record(self._levels["node"] if level is not None else self.reduce_stream)
     bucket.free_event = event
+
+
+def _node_handoff_on_the_node_stream(self, streams, parts, buffer, index):
+    """The node hand-off round issued on the node stream: it sends parts its rail step (rail stream) still writes."""
+    from owner_reduce.planning.collectives import NODE
+
+    with streams.level(NODE), self.levels.handoff.group(flush=index):
+        self._p2p(self.levels.handoff, parts, buffer)
+
+
+@pytest.mark.parametrize("rank", [0, 3], ids=["rail0", "rail1"])
+def test_a_node_hand_off_on_the_node_stream_is_reported(rank, monkeypatch):
+    """Negative control for Note (node hand-off): the same balanced run with the hand-off round on the node stream
+    reads the parts before its rail step has reduced them, a race."""
+    from owner_reduce.runtime.flush import Flusher
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    _balanced(monkeypatch)
+    hb, rt, _ = _run("two_level", 1, 1, False, rank=rank, ws=4, comm_cls=LevelComm,
+                     patches=[(Flusher, "_node_handoff", _node_handoff_on_the_node_stream)])
+    assert rt.stats.node_handoffs > 0
+    assert hb.races, "a node hand-off on the node stream went unnoticed"
 
 
 @pytest.mark.parametrize("drop", ["node_stage_done", "join", "levels", "bucket_released"])

@@ -62,10 +62,11 @@ def _assert_two_level_ran(run: tuple, spec: TrainSpec, world_size: int) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("world_size", "ranks_per_node", "stage", "grad_accum", "rail_step"),
-                         [(4, 2, 1, 1, "scatter"), (4, 2, 2, 2, "reduce"), (6, 2, 2, 2, "reduce"),
-                          (8, 4, 1, 2, "scatter")])
-def test_two_level_matches_plain_zero_bitwise(world_size, ranks_per_node, stage, grad_accum, rail_step):
+@pytest.mark.parametrize(("world_size", "ranks_per_node", "stage", "grad_accum", "rail_step", "layout"),
+                         [(4, 2, 1, 1, "scatter", "by_owner"), (4, 2, 2, 2, "reduce", "by_owner"),
+                          (6, 2, 2, 2, "reduce", "by_owner"), (8, 4, 1, 2, "scatter", "by_owner"),
+                          (6, 2, 1, 2, "reduce", "balanced"), (8, 4, 2, 1, "scatter", "balanced")])
+def test_two_level_matches_plain_zero_bitwise(world_size, ranks_per_node, stage, grad_accum, rail_step, layout):
     """Nodes of 2 (ws 4, 6) and 4 (ws 8), stages 1 and 2, GA 1 and 2, two optimizer groups, straddling gradients;
     bitwise equal to plain ZeRO on the same data.
 
@@ -75,13 +76,19 @@ def test_two_level_matches_plain_zero_bitwise(world_size, ranks_per_node, stage,
     algorithms (seen: 3e-8 after 4 steps). There every gradient is made exact (``ExactLinear``: inputs of a few bits,
     a loss linear in the outputs) and every rank's data differ, so any order gives the same bits and any share lost,
     doubled or sent to the wrong owner shows. Each rail step runs (the Reduce chains, or a rail ReduceScatter and its
-    hand-off), and consecutive flushes overlap their levels (the step's plan: every flush two-level)."""
+    hand-off), and consecutive flushes overlap their levels (the step's plan: every flush two-level). Balanced: every
+    region cut over every rail, then handed to its owner inside its node (``two_level`` Note (balanced rails))."""
     spec = dataclasses.replace(TWO_LEVEL, ranks_per_node=ranks_per_node, zero_stage=stage, grad_accum=grad_accum,
-                               rail_steps=(rail_step,))
+                               rail_steps=(rail_step,), rail_layouts=(layout,))
     if world_size > 4:
         spec = dataclasses.replace(spec, model="exact_linear", same_data=False, reduce_bucket_size=BUCKET)
     run, plain = _run(world_size, spec)
     _assert_two_level_ran(run, spec, world_size)
+    for rank, r in enumerate(run):  # the node hand-off ran on its own communicator, and only where balanced
+        s = r["stats"]
+        names = {name for name, *_ in r["collective_log"]}
+        assert ("node_handoff" in names) == (layout == "balanced"), (rank, names)
+        assert (s.node_handoff_sends + s.node_handoff_recvs > 0) == (layout == "balanced"), (rank, s)
     for rank, (o, p) in enumerate(zip(run, plain, strict=True)):
         assert o["losses"] == p["losses"], f"rank {rank}: losses differ"
         assert all(torch.equal(o["params"][k], p["params"][k]) for k in p["params"]), \
@@ -90,7 +97,8 @@ def test_two_level_matches_plain_zero_bitwise(world_size, ranks_per_node, stage,
         assert run[0]["losses"] != run[1]["losses"]
         # Small buckets: flushes of a few owners, whose longer node blocks end in node Reduces (tail stages).
         names = {name for r in run for name, *_ in r["collective_log"]}
-        assert rail_step == "scatter" or {"node_reduce", "node_reduce_scatter"} <= names, names
+        # (Balanced blocks are equal to an element: no tails.)
+        assert rail_step == "scatter" or layout == "balanced" or {"node_reduce", "node_reduce_scatter"} <= names, names
 
 
 @pytest.mark.timeout(300)

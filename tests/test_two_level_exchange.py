@@ -47,16 +47,30 @@ def _step(world, runtimes, ws: int, step: int) -> None:
                 assert torch.equal(buf, want), f"step {step}, rank {rank}, param {pid}"
 
 
+def _rail_layout(monkeypatch, layout: str) -> None:
+    from owner_reduce.planning import two_level
+
+    monkeypatch.setattr(two_level, "RAIL_LAYOUTS", (layout,))
+
+
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout", ["by_owner", "balanced"])
 @pytest.mark.parametrize(("ws", "per_node"), [(4, 2), (6, 2), (8, 4)])
-def test_two_level_flushes_exchange_over_node_and_rail_communicators(ws, per_node, monkeypatch):
+def test_two_level_flushes_exchange_over_node_and_rail_communicators(ws, per_node, layout, monkeypatch):
+    """By owner (each region on its owner's rail) and balanced (each region cut over every rail, then handed to its
+    owner inside the node on the node hand-off communicator: ``two_level`` Note (balanced rails))."""
+    _rail_layout(monkeypatch, layout)
     world, runtimes = _world(ws, per_node, monkeypatch)
     for step in range(3):  # learning (arrival order), then the two-level schedule twice
         _step(world, runtimes, ws, step)
     nodes = ws // per_node
     for rank, rt in enumerate(runtimes):
         levels = rt.flusher.levels
-        assert (levels.node.role, levels.rail.role) == ("node", "rail")
+        assert (levels.node.role, levels.rail.role, levels.handoff.role) == ("node", "rail", "node hand-off")
+        assert levels.handoff.members == levels.node.members
+        s = rt.stats
+        moved = s.node_handoff_sends + s.node_handoff_recvs
+        assert len(levels.handoff.calls) == moved and (moved > 0) == (layout == "balanced"), s
         assert levels.node.members == tuple(range(rank // per_node * per_node, (rank // per_node + 1) * per_node))
         assert levels.rail.members == tuple(range(rank % per_node, ws, per_node))
         assert (levels.node.world_size, levels.rail.world_size) == (per_node, nodes)
@@ -81,3 +95,17 @@ def test_negative_control_a_rank_of_one_rail_issuing_another_call_is_reported(mo
     with pytest.raises(ExchangeMismatch, match=r"on the rail communicator of data-parallel ranks 1, 3 differs across "
                                                r"ranks"):
         _step(world, runtimes, 4, 1)
+
+
+@pytest.mark.timeout(120)
+def test_negative_control_a_balanced_part_handed_to_the_wrong_owner_is_reported(monkeypatch):
+    """One rank of a node sends a part to another local rank than its owner: its owner waits for a receive that no
+    send matches, and the world reports it."""
+    _rail_layout(monkeypatch, "balanced")
+    world, runtimes = _world(8, 4, monkeypatch)
+    _step(world, runtimes, 8, 0)  # learning
+    handoff = runtimes[1].flusher.levels.handoff  # data-parallel rank 1: local rank 1 of node 0
+    honest = handoff.send
+    handoff.send = lambda buf, peer: honest(buf, (peer + 1) % 4 if (peer + 1) % 4 != 1 else (peer + 2) % 4)
+    with pytest.raises(AssertionError, match=r"node hand-off"):
+        _step(world, runtimes, 8, 1)

@@ -11,13 +11,22 @@ import torch
 from fakes import flat_map
 
 from owner_reduce.harness.faults import wrong_rail
+from owner_reduce.planning import two_level
 from owner_reduce.planning.collective_time import rail, topology_of
-from owner_reduce.planning.collectives import NODE, RAIL, TWO_LEVEL, WORLD
+from owner_reduce.planning.collectives import NODE, NODE_HANDOFF, RAIL, TWO_LEVEL, WORLD
 from owner_reduce.planning.flush_choice import FlushCost, parse_force
 from owner_reduce.planning.owner_layout import map_order, plan_owner_layout
 from owner_reduce.planning.sizing import issued_groups
 from owner_reduce.planning.step_plan import FlushTimes, plan_step
-from owner_reduce.planning.two_level import TwoLevelGeometry, rail_blocks, two_level_calls, two_level_of
+from owner_reduce.planning.two_level import (
+    BALANCED,
+    TwoLevelGeometry,
+    balanced_parts,
+    balanced_sizes,
+    rail_blocks,
+    two_level_calls,
+    two_level_of,
+)
 
 
 def _cost(world_size: int, per_node: int, force: str = TWO_LEVEL) -> FlushCost:
@@ -62,6 +71,11 @@ def _simulate(layout, world_size: int, per_node: int) -> list[torch.Tensor]:
             for t in layout.transfers:
                 if t.comm == RAIL and t.stage == c.stage and t.src % per_node == c.rail:
                     bufs[t.dst][t.offset:t.offset + t.count] = bufs[t.src][t.offset:t.offset + t.count]
+        elif c.comm == NODE_HANDOFF:  # a balanced layout's hand-off round inside every node, that stage's
+            moved = [(t, bufs[t.src][t.offset:t.offset + t.count].clone()) for t in layout.transfers
+                     if t.comm == NODE_HANDOFF and t.stage == c.stage]
+            for t, values in moved:
+                bufs[t.dst][t.offset:t.offset + t.count] = values
         elif c.comm == RAIL:
             members = [m * per_node + c.rail for m in range(nodes)]
             total = sum(bufs[r][c.offset:c.offset + c.count] for r in members)
@@ -194,7 +208,7 @@ def test_a_flush_whose_padding_would_pass_the_bound_runs_its_tails_as_node_reduc
     bound = sum(sizes) // 8
     options = levels.options(sizes, 2, max_padding=bound)
     assert options and all(sum(o.geometry.padding(local) for local in range(8)) <= bound for o in options)
-    chains = [o for o in options if o.rail_step == "reduce"]
+    chains = [o for o in options if o.rail_step == "reduce" and o.rail_layout != BALANCED]
     assert chains and all(o.geometry.scattered < o.geometry.stages for o in chains)
     geo = chains[0].geometry  # every stage a ReduceScatter would pad past the bound
     padded = TwoLevelGeometry(8, geo.stages, geo.width, geo.stages, geo.lengths)
@@ -204,7 +218,8 @@ def test_a_flush_whose_padding_would_pass_the_bound_runs_its_tails_as_node_reduc
 def test_recost_gives_an_option_its_own_times_and_other_ones_at_another_bandwidth():
     """``TwoLevel.recost`` (the sizing's hand-off sensitivity): an option costed again under its own model has its own
     stage times; under a rail hand-off at a quarter of its bandwidth a rail ReduceScatter step gets dearer and a Reduce
-    chain does not (it sends nothing point to point); the geometry and rail step stay."""
+    chain does not (it sends nothing point to point across nodes; a balanced layout's NVLink hand-off is not the
+    network's); the geometry and rail step stay."""
     topo = topology_of(512, 8, "hopper", nvls=True)
     full, quarter = two_level_of(topo, 8), two_level_of(topo, 8, p2p_bw_scale=0.25)
     sizes = [0] * 512
@@ -222,3 +237,76 @@ def test_recost_gives_an_option_its_own_times_and_other_ones_at_another_bandwidt
             assert nodes_same and all(a > b for a, b in rails), (option, again)
         else:
             assert again == option
+
+
+def _assert_every_owner_has_its_sum(layout, world_size, per_node):
+    bufs, want = _simulate(layout, world_size, per_node)
+    checked = 0
+    for g in layout.grads:
+        for p in g.pieces:
+            for r in range(world_size) if p.root is None else [p.root]:
+                got = bufs[r][p.bucket_offset:p.bucket_offset + p.length]
+                assert torch.equal(got, want[p.bucket_offset:p.bucket_offset + p.length]), (g.param_id, p, r)
+                checked += p.length
+    return checked
+
+
+@pytest.mark.parametrize("rail_step", ["reduce", "scatter"])
+@pytest.mark.parametrize(("world_size", "per_node"), [(4, 2), (6, 2), (8, 4), (16, 4)])
+def test_balanced_rails_carry_every_region_on_every_rail_and_hand_each_part_to_its_owner(world_size, per_node,
+                                                                                         rail_step, monkeypatch):
+    """Note (balanced rails): every owner region cut into ``per_node`` parts, part ``j`` reduced across nodes on
+    rail ``j`` to local rank ``j`` of the owner's node, then handed to the owner over the node: every owner gets its
+    sum, every rail carries a part of every region. Negative control: one part handed to the wrong local rank."""
+    monkeypatch.setattr(two_level, "RAIL_LAYOUTS", (BALANCED,))
+    monkeypatch.setattr(two_level, "RAIL_STEPS", (rail_step,))
+    owner_map = flat_map([37, 5, 64, 3, 90, 11, 26, 8, 55], world_size)
+    grads = [(p.param_id, p.numel) for p in owner_map][::-1]
+    layout = plan_owner_layout(grads, owner_map, cost=_cost(world_size, per_node))
+    assert layout.choice == TWO_LEVEL and layout.rail_step == rail_step
+    assert _assert_every_owner_has_its_sum(layout, world_size, per_node) >= sum(n for _, n in grads)
+    moves = [t for t in layout.transfers if t.comm == NODE_HANDOFF]
+    assert moves and all(t.src // per_node == t.dst // per_node and t.src != t.dst for t in moves)
+    assert {c.stage for c in layout.collectives if c.comm == NODE_HANDOFF} == {t.stage for t in moves}
+    sizes = [sum(p.length for g in layout.grads for p in g.pieces if p.root == r) for r in range(world_size)]
+    blocks = rail_blocks(balanced_sizes(sizes, per_node), per_node)
+    assert max(map(sum, blocks)) - min(map(sum, blocks)) <= len([s for s in sizes if s])  # even to an element each
+    wrong = moves[0]
+    broken = dataclasses.replace(layout, transfers=tuple(
+        dataclasses.replace(t, dst=t.dst - t.dst % per_node + (t.dst + 1) % per_node) if t is wrong else t
+        for t in layout.transfers))
+    bufs, want = _simulate(broken, world_size, per_node)
+    assert not torch.equal(bufs[wrong.dst][wrong.offset:wrong.offset + wrong.count],
+                           want[wrong.offset:wrong.offset + wrong.count])
+
+
+def test_balanced_parts_follow_each_block_node_by_node_and_owner_by_owner():
+    sizes = [10, 0, 7, 3, 0, 5, 0, 0]  # two nodes of 4: node 0 owners 0, 2, 3; node 1 owner 5
+    parts = balanced_parts(sizes, 4)
+    assert balanced_sizes(sizes, 4) == [3 + 2 + 1, 3 + 2 + 1, 2 + 2 + 1, 2 + 1 + 0, 2, 1, 1, 1]
+    block0 = [(o, n, at) for o, _, j, at, n in parts if j == 0]
+    assert block0 == [(0, 3, 0), (2, 2, 3), (3, 1, 5), (5, 2, 6)]
+    for owner, size in enumerate(sizes):
+        assert sum(n for o, _, _, _, n in parts if o == owner) == size
+
+
+def test_the_balanced_hand_off_is_costed_on_both_streams_and_chosen_where_rails_are_uneven():
+    """ws 64 in nodes of 8, a flush of 3 large owners on local ranks 6, 7 and 0: by owner, 3 of 8 rails carry it;
+    balanced, all 8 carry an eighth, and the NVLink hand-off is charged to both streams."""
+    cost = _cost(64, 8, force="auto")
+    sizes = [0] * 64
+    sizes[54], sizes[55], sizes[56] = 61_079_600, 203_372_880, 194_309_760
+    options = cost.two_level_options(sizes)
+    by_owner = min((o for o in options if o.rail_layout != BALANCED), key=lambda o: o.alone_us)
+    balanced = min((o for o in options if o.rail_layout == BALANCED), key=lambda o: o.alone_us)
+    assert balanced.alone_us < 0.6 * by_owner.alone_us  # 3 of 8 rails carried it
+    again = cost.two_level.recost(sizes, balanced, cost.dtype_bytes)
+    assert again.stage_us == balanced.stage_us
+    bare = cost.two_level._stage_costs(balanced.rail_step, rail_blocks(balanced_sizes(sizes, 8), 8),
+                                       balanced.geometry.lengths, balanced.geometry.width, balanced.geometry.stages,
+                                       cost.dtype_bytes)
+    handoff = cost.two_level._node_handoff_us(sizes, balanced.geometry.width, balanced.geometry.stages,
+                                              cost.dtype_bytes)
+    (node, rail_), = balanced.stage_us[:1]
+    assert handoff[0] > 0 and node == pytest.approx(bare[0] + handoff[0]) and rail_ == pytest.approx(
+        bare[2][0] + handoff[0])

@@ -63,6 +63,7 @@ class TrainSpec:
     # The two-level flush's rail steps the model may choose (``planning.two_level.RAIL_STEPS``; () all of them): tests
     # cover each one where the model would pick another at their sizes.
     rail_steps: tuple[str, ...] = ()
+    rail_layouts: tuple[str, ...] = ()  # the two-level layouts the model may choose (``two_level.RAIL_LAYOUTS``)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -253,10 +254,11 @@ def train(rank: int, world_size: int, spec: TrainSpec,
     os.environ.update(dict(spec.env))
     if spec.ranks_per_node:
         _group_as_nodes(rank, spec.ranks_per_node)
-    if spec.rail_steps:
+    if spec.rail_steps or spec.rail_layouts:
         from ..planning import two_level
 
-        two_level.RAIL_STEPS = spec.rail_steps
+        two_level.RAIL_STEPS = spec.rail_steps or two_level.RAIL_STEPS
+        two_level.RAIL_LAYOUTS = spec.rail_layouts or two_level.RAIL_LAYOUTS
     model, batch = _model_and_batches(spec, rank)
     zero: dict[str, Any] = {"stage": spec.zero_stage}
     if spec.reduce_bucket_size is not None:

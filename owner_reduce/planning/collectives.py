@@ -20,6 +20,9 @@ NATIVE = "native"  # a flush's choice (not a call kind): one AllReduce per gradi
 TWO_LEVEL = "two_level"  # a flush's choice: a ReduceScatter in each node, then Reduces on the rails (``two_level``)
 KINDS = (REDUCE_SCATTER, HANDOFF, REDUCE, ALLREDUCE)  # the order algo_of names them in
 WORLD, NODE, RAIL = "world", "node", "rail"  # the communicator a call runs on (``Collective.comm``)
+# A balanced two-level flush's NVLink hand-off: the ranks of one node, on a communicator of their own that only the
+# rail stream uses (``two_level`` Note (balanced rails)).
+NODE_HANDOFF = "node_handoff"
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,9 @@ class Transfer:
     """After the flush's ReduceScatter, rank ``src`` holds the reduced bucket elements ``[offset, offset + count)``
     and sends them to rank ``dst``, which keeps them and receives them at the same offsets of its bucket. ``src`` and
     ``dst`` are data-parallel ranks; ``comm`` ``rail``: a two-level flush's hand-off along a rail after its rail
-    ReduceScatter in stage ``stage`` (both ranks on that rail; the runtime sends on the rail communicator)."""
+    ReduceScatter in stage ``stage`` (both ranks on that rail; the runtime sends on the rail communicator);
+    ``node_handoff``: a balanced two-level flush's hand-off inside a node after stage ``stage``'s rail step (both ranks
+    on that node; the runtime sends on the node hand-off communicator, from the rail stream)."""
 
     src: int
     dst: int

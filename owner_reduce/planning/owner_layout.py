@@ -42,7 +42,7 @@ from .flush_choice import AUTO, FlushCost, choose
 from .flush_plan import ALL, BucketEntry, FlushPlan, FlushRange, merge_ranges, plan_flush
 from .owner_map import OwnerMap, Placement
 from .step_plan import FlushTimes, StepPlan, plan_step, schedule
-from .two_level import TwoLevelOption, two_level_calls
+from .two_level import BALANCED, TwoLevelGeometry, TwoLevelOption, balanced_parts, two_level_calls
 
 __all__ = ["ALLREDUCE", "HANDOFF", "NATIVE", "REDUCE", "REDUCE_SCATTER", "Collective", "OwnerLayout", "PlacedGrad",
            "PlacedPiece", "Transfer", "algo_of", "collectives_of", "default_cost", "map_order",
@@ -103,6 +103,7 @@ class OwnerLayout:
     stages: int = 0  # a two-level flush's pipeline stages (0: not two-level)
     ranks_per_node: int = 0  # a two-level flush's node communicator size (0: not two-level)
     rail_step: str = ""  # a two-level flush's rail step (``two_level`` Note (rail step))
+    rail_layout: str = ""  # a two-level flush's layout over the rails (``two_level`` Note (balanced rails))
     stage_us: tuple[tuple[float, float], ...] = ()  # a two-level flush's modelled (node, rail) us per stage
     everyone_us: float = 0.0  # a two-level flush's modelled AllReduce of gradients that reach every rank
 
@@ -337,16 +338,19 @@ def _two_level_layout(entries: Sequence[BucketEntry], counted: FlushPlan, costs:
     geo = option.geometry
     ranks_per_node = geo.ranks_per_node
     placed: dict[int, list[PlacedPiece]] = {e.param_id: [] for e in entries}
-    positions = [0] * ranks_per_node  # where the next owner region starts in each block
-    for owner in sorted(range(len(regions)), key=lambda o: (o % ranks_per_node, o)):
-        local = owner % ranks_per_node
-        at = positions[local]
-        for _, param_id, src_offset, length in regions[owner]:
-            for offset, position, count in geo.segments(local, at, length):
-                placed[param_id].append(PlacedPiece(param_id, src_offset + position - at, count, offset, owner))
-            at += length
-        positions[local] = at
-    collectives, ranges, padding, transfers = two_level_calls(sizes, geo, option.rail_step)
+    if option.rail_layout == BALANCED:
+        _place_balanced(regions, sizes, geo, placed)
+    else:
+        positions = [0] * ranks_per_node  # where the next owner region starts in each block
+        for owner in sorted(range(len(regions)), key=lambda o: (o % ranks_per_node, o)):
+            local = owner % ranks_per_node
+            at = positions[local]
+            for _, param_id, src_offset, length in regions[owner]:
+                for offset, position, count in geo.segments(local, at, length):
+                    placed[param_id].append(PlacedPiece(param_id, src_offset + position - at, count, offset, owner))
+                at += length
+            positions[local] = at
+    collectives, ranges, padding, transfers = two_level_calls(sizes, geo, option.rail_step, option.rail_layout)
     collectives, ranges = list(collectives), list(ranges)
     all_elems = sum(p[2] for p in everyone)
     if all_elems:
@@ -356,7 +360,30 @@ def _two_level_layout(entries: Sequence[BucketEntry], counted: FlushPlan, costs:
                        collectives=tuple(collectives), padding=padding, total=offset, transfers=transfers,
                        choice=TWO_LEVEL, modelled_us=modelled_us, costs=tuple(sorted(costs.items())),
                        stages=geo.stages, ranks_per_node=ranks_per_node, rail_step=option.rail_step,
+                       rail_layout=option.rail_layout,
                        stage_us=option.stage_us, everyone_us=modelled_us - option.alone_us)
+
+
+def _place_balanced(regions: Sequence[Sequence[tuple[tuple[int, int], int, int, int]]], sizes: Sequence[int],
+                    geo: TwoLevelGeometry, placed: dict[int, list[PlacedPiece]]) -> None:
+    """Each owner region's pieces in a balanced layout (``two_level`` Note (balanced rails)): the region cut into
+    ``G`` parts in region order, part ``j`` at its position in block ``j`` (``balanced_parts``)."""
+    parts: dict[int, list[tuple[int, int, int]]] = {}  # owner -> (block, position, elements) of its parts, in order
+    for owner, _, part, position, count in balanced_parts(sizes, geo.ranks_per_node):
+        parts.setdefault(owner, []).append((part, position, count))
+    for owner, region in enumerate(regions):
+        cursor = iter(parts.get(owner, ()))
+        block, position, left = next(cursor, (0, 0, 0))
+        for _, param_id, src_offset, length in region:
+            done = 0
+            while done < length:
+                if not left:
+                    block, position, left = next(cursor)
+                n = min(left, length - done)
+                for offset, at, count in geo.segments(block, position, n):
+                    placed[param_id].append(PlacedPiece(param_id, src_offset + done + at - position, count, offset,
+                                                        owner))
+                done, position, left = done + n, position + n, left - n
 
 
 def plan_step_layouts(flushes: Sequence[tuple[Any, Sequence[tuple[int, int]]]], owner_map: OwnerMap,

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .collective_time import A800_NODE, ALLREDUCE, REDUCE, REDUCE_SCATTER, Topology, flush_time_us, topology_of
-from .collectives import HANDOFF, NODE, RAIL
+from .collectives import HANDOFF, NODE, NODE_HANDOFF, RAIL
 from .flush_choice import CallTimes, FlushCost
 from .flush_plan import ALL, BucketEntry, FlushRange, plan_flush
 from .owner_layout import OwnerLayout, StepLayouts, collectives_of, cost_step_choices, map_order, plan_step_layouts
@@ -292,13 +292,19 @@ def issued_groups(layout: OwnerLayout, world_size: int) -> tuple[tuple[IssuedCal
 
 def _two_level_groups(layout: OwnerLayout, world_size: int) -> tuple[tuple[IssuedCall, ...], ...]:
     """Per stage: the node group, the rails' group (Reduces, or a ReduceScatter per rail), the rails' hand-off round
-    (rail step ``scatter``: sends, node indices on the rail); then the data-parallel communicator's AllReduce."""
+    (rail step ``scatter``: sends, node indices on the rail), the node hand-off round (balanced rails: sends on the
+    ``node_handoff`` communicator, data-parallel ranks, run on the rail stream); then the data-parallel communicator's
+    AllReduce."""
     world = []
     per_node = layout.ranks_per_node
     nodes = world_size // per_node
-    stages: list[list[IssuedCall]] = [[] for _ in range(3 * layout.stages)]
+    stages: list[list[IssuedCall]] = [[] for _ in range(4 * layout.stages)]
     for t in layout.transfers:  # data-parallel ranks; on the rail, node indices
-        stages[3 * t.stage + 2].append(IssuedCall("send", t.count, peer=t.dst // per_node, rank=t.src // per_node,
+        if t.comm == NODE_HANDOFF:
+            stages[4 * t.stage + 3].append(IssuedCall("send", t.count, peer=t.dst, rank=t.src, comm=NODE_HANDOFF,
+                                                      comm_size=per_node, stage=t.stage))
+            continue
+        stages[4 * t.stage + 2].append(IssuedCall("send", t.count, peer=t.dst // per_node, rank=t.src // per_node,
                                                   comm=RAIL, comm_size=nodes, rail=t.src % per_node, stage=t.stage))
     for c in layout.collectives:
         if c.kind == HANDOFF:
@@ -309,7 +315,7 @@ def _two_level_groups(layout: OwnerLayout, world_size: int) -> tuple[tuple[Issue
             call = (IssuedCall(REDUCE_SCATTER, c.per_rank, comm=c.comm, comm_size=size, rail=rail, stage=c.stage)
                     if c.kind == REDUCE_SCATTER else
                     IssuedCall(REDUCE, c.count, root=c.root, comm=c.comm, comm_size=size, rail=rail, stage=c.stage))
-            stages[3 * c.stage + (c.comm == RAIL)].append(call)
+            stages[4 * c.stage + (c.comm == RAIL)].append(call)
         else:
             world.append(IssuedCall(c.kind, c.count, comm_size=world_size))
     return tuple(tuple(g) for g in [*stages, world] if g)
@@ -349,6 +355,7 @@ class FlushSizing:
     end_us: float = 0.0
     alone: bool = True
     rail_step: str = ""  # a two-level flush's rail step (``two_level`` Note (rail step))
+    rail_layout: str = ""  # a two-level flush's layout over the rails (``two_level`` Note (balanced rails))
 
     @property
     def layout_over_native(self) -> float:
@@ -466,6 +473,7 @@ def size_buckets(owner_map: OwnerMap, grad_order: Sequence[int], bucket_size: in
                                  layout_calls=layout.calls, layout_algo=layout.algo,
                                  layout_choice=layout.choice, costs=layout.costs,
                                  gradients=tuple(e.numel for e in entries), rail_step=layout.rail_step,
+                                 rail_layout=layout.rail_layout,
                                  groups=issued_groups(layout, n), **times))
     name = topo.name if topo is not None else ""
     if name and cost.calibration is not None:
@@ -777,7 +785,9 @@ def plan_to_dicts(report: SizingReport) -> list[dict[str, Any]]:
     issue order; a two-level call names its ``comm``, ``rail`` and ``stage``), with both modelled times and where the
     step's plan runs it, so anyone can cost them their own way. How the step runs (``cross_flush_overlap``,
     ``buckets_per_dtype``): node groups on the node stream, rail groups (and the rail hand-off's sends) on the rail
-    stream, rail stage ``k`` of flush ``i`` after node stage ``k`` of flush ``i``, anything on the data-parallel
+    stream, rail stage ``k`` of flush ``i`` after node stage ``k`` of flush ``i``, a balanced flush's node hand-off
+    (``comm`` ``node_handoff``, ``rail_layout`` ``balanced``) on the rail stream after that stage's rail group, its
+    NVLink bytes beside the node stream's (the model charges it to both), anything on the data-parallel
     communicator after both streams' earlier work, a flush's first node group after the rail end of the flush that
     last used its bucket (flushes of a dtype take ``buckets_per_dtype`` buckets in turn)."""
     out = []
@@ -788,6 +798,7 @@ def plan_to_dicts(report: SizingReport) -> list[dict[str, Any]]:
                 "index": f.index, "gradients": list(f.gradients),
                 "groups": [[asdict(call) for call in group] for group in f.groups],
                 "algo": f.layout_algo, "choice": f.layout_choice, "rail_step": f.rail_step or None,
+                "rail_layout": f.rail_layout or None,
                 "modelled_us": f.layout_us, "native_modelled_us": f.native_us,
                 "schedule_us": {"node_start": f.node_start_us, "node_end": f.node_end_us, "rail_end": f.rail_end_us,
                                 "end": f.end_us}})

@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+from .aggregation import cut
 from .collective_time import (
     REDUCE,
     REDUCE_SCATTER,
@@ -55,12 +56,14 @@ from .collective_time import (
     p2p_round_us,
     rail,
 )
-from .collectives import HANDOFF, NODE, RAIL, Collective, Transfer
+from .collectives import HANDOFF, NODE, NODE_HANDOFF, RAIL, Collective, Transfer
 from .flush_plan import ALL, FlushRange
 
 STAGE_COUNTS = (1, 2, 4, 8, 16, 32)  # the pipeline depths the model compares (ties: fewer stages)
 RAIL_REDUCE, RAIL_SCATTER = "reduce", "scatter"  # a two-level flush's rail step: Note (rail step)
 RAIL_STEPS = (RAIL_REDUCE, RAIL_SCATTER)
+BY_OWNER, BALANCED = "by_owner", "balanced"  # where an owner's region crosses the nodes: Note (balanced rails)
+RAIL_LAYOUTS = (BY_OWNER, BALANCED)
 
 
 @dataclass(frozen=True)
@@ -94,25 +97,28 @@ class TwoLevel:
         the one whose flush alone is fastest (for the Reduce chains: over how many leading stages run a node
         ReduceScatter, see Note (unequal blocks); ties: more of them). The step's plan picks among them
         (``step_plan``), as the flush alone does (``time_us``)."""
-        blocks = rail_blocks(sizes, self.ranks_per_node)
-        lengths = tuple(sum(b) for b in blocks)
-        longest = max(lengths, default=0)
-        if not longest:
-            return ()
         out: list[TwoLevelOption] = []
-        for step in RAIL_STEPS:
-            tried = set()
-            for count in STAGE_COUNTS:
-                width = -(-longest // count)
-                if step == RAIL_SCATTER:
-                    width = -(-width // self.nodes) * self.nodes  # every rail rank gets an equal part
-                stages = -(-longest // width)  # every stage holds part of the longest block
-                if stages in tried:
-                    continue
-                tried.add(stages)
-                option = self._best_option(step, blocks, lengths, width, stages, dtype_bytes, max_padding)
-                if option is not None:
-                    out.append(option)
+        for layout in RAIL_LAYOUTS:
+            owners = balanced_sizes(sizes, self.ranks_per_node) if layout == BALANCED else sizes
+            blocks = rail_blocks(owners, self.ranks_per_node)
+            lengths = tuple(sum(b) for b in blocks)
+            longest = max(lengths, default=0)
+            if not longest:
+                return ()
+            for step in RAIL_STEPS:
+                tried = set()
+                for count in STAGE_COUNTS:
+                    width = -(-longest // count)
+                    if step == RAIL_SCATTER:
+                        width = -(-width // self.nodes) * self.nodes  # every rail rank gets an equal part
+                    stages = -(-longest // width)  # every stage holds part of the longest block
+                    if stages in tried:
+                        continue
+                    tried.add(stages)
+                    option = self._best_option(step, blocks, lengths, width, stages, dtype_bytes, max_padding,
+                                               sizes if layout == BALANCED else None)
+                    if option is not None:
+                        out.append(option)
         return tuple(out)
 
     def time_us(self, sizes: Sequence[int], dtype_bytes: int, max_padding: int | None = None
@@ -129,29 +135,61 @@ class TwoLevel:
         """``option``'s pipeline (its geometry and rail step, as chosen under another model) costed on this one's
         topology: what a choice made at one bandwidth costs at another (the sizing's hand-off sensitivity)."""
         geometry = option.geometry
-        blocks = rail_blocks(sizes, self.ranks_per_node)
+        balanced = option.rail_layout == BALANCED
+        blocks = rail_blocks(balanced_sizes(sizes, self.ranks_per_node) if balanced else sizes, self.ranks_per_node)
         node_rs, node_tail, rail_us = self._stage_costs(option.rail_step, blocks, geometry.lengths, geometry.width,
                                                         geometry.stages, dtype_bytes)
-        stage_us = tuple((node_rs if stage < geometry.scattered else node_tail[stage], rail_us[stage])
-                         for stage in range(geometry.stages))
-        return replace(option, stage_us=stage_us)
+        handoff = self._node_handoff_us(sizes, geometry.width, geometry.stages, dtype_bytes) if balanced else None
+        return replace(option, stage_us=_with_handoff(
+            [(node_rs if stage < geometry.scattered else node_tail[stage], rail_us[stage])
+             for stage in range(geometry.stages)], handoff))
 
     def _best_option(self, step: str, blocks: Sequence[Sequence[int]], lengths: Sequence[int], width: int,
-                     stages: int, dtype_bytes: int, max_padding: int | None) -> TwoLevelOption | None:
+                     stages: int, dtype_bytes: int, max_padding: int | None,
+                     balanced: Sequence[int] | None = None) -> TwoLevelOption | None:
         """The fastest option of ``stages`` stages of ``width`` for this rail step, or None where every one pads past
-        ``max_padding``. A rail ReduceScatter needs every block's slice whole: node ReduceScatter stages only."""
+        ``max_padding``. A rail ReduceScatter needs every block's slice whole: node ReduceScatter stages only.
+        ``balanced``: the owner regions' sizes, the blocks being their balanced parts (Note (balanced rails))."""
         node_rs, node_tail, rail_us = self._stage_costs(step, blocks, lengths, width, stages, dtype_bytes)
+        handoff = self._node_handoff_us(balanced, width, stages, dtype_bytes) if balanced is not None else None
+        layout = BY_OWNER if balanced is None else BALANCED
         best: TwoLevelOption | None = None
         for scattered in (range(stages, -1, -1) if step == RAIL_REDUCE else (stages,)):
             if max_padding is not None and sum(max(0, scattered * width - n) for n in lengths) > max_padding:
                 continue
-            stage_us = tuple((node_rs if stage < scattered else node_tail[stage], rail_us[stage])
-                             for stage in range(stages))
+            stage_us = _with_handoff([(node_rs if stage < scattered else node_tail[stage], rail_us[stage])
+                                      for stage in range(stages)], handoff)
             option = TwoLevelOption(TwoLevelGeometry(self.ranks_per_node, stages, width, scattered, tuple(lengths)),
-                                    step, stage_us)
+                                    step, stage_us, layout)
             if best is None or option.alone_us < best.alone_us:
                 best = option
         return best
+
+    def _node_handoff_us(self, sizes: Sequence[int], width: int, stages: int, dtype_bytes: int) -> list[float]:
+        """Per stage of a balanced layout (Note (balanced rails)): the NVLink hand-off round that moves each owner's
+        parts from the other local ranks of its node to it, as the busiest rank of any node sends or receives (one
+        grouped send/recv round on the node, ``p2p_round_us`` on the node topology: NVLink bytes, incast counted). Not
+        scaled by ``p2p_bw_scale``: that is the sizing's sensitivity to the network's point-to-point bandwidth."""
+        g = self.ranks_per_node
+        sent = [[0] * len(sizes) for _ in range(stages)]
+        received = [[0] * len(sizes) for _ in range(stages)]
+        peers = [[0] * (2 * len(sizes)) for _ in range(stages)]
+        for owner, local, part, position, count in balanced_parts(sizes, g):
+            if part == local:
+                continue
+            holder = owner - local + part
+            for stage in range(position // width, (position + count - 1) // width + 1):
+                moved = min(position + count, (stage + 1) * width) - max(position, stage * width)
+                sent[stage][holder] += moved
+                received[stage][owner] += moved
+                peers[stage][holder] += 1
+                peers[stage][len(sizes) + owner] += 1
+        out = []
+        for stage in range(stages):
+            busiest = max(max(sent[stage], default=0), max(received[stage], default=0))
+            load = P2pLoad(max(peers[stage], default=0), 0, busiest * dtype_bytes)
+            out.append(p2p_round_us(load, self.node) if busiest else 0.0)
+        return out
 
     def _stage_costs(self, step: str, blocks: Sequence[Sequence[int]], lengths: Sequence[int], width: int,
                      stages: int, dtype_bytes: int) -> tuple[float, list[float], list[float]]:
@@ -189,11 +227,55 @@ class TwoLevelOption:
     geometry: TwoLevelGeometry
     rail_step: str
     stage_us: tuple[tuple[float, float], ...]
+    rail_layout: str = BY_OWNER  # where an owner's region crosses the nodes: Note (balanced rails)
 
     @property
     def alone_us(self) -> float:
         """The flush alone: ``pipelined_us`` of its stages."""
         return pipelined_us(self.stage_us)
+
+
+def _with_handoff(stage_us: Sequence[tuple[float, float]], handoff: Sequence[float] | None
+                  ) -> tuple[tuple[float, float], ...]:
+    """Stage times with a balanced layout's NVLink hand-off (Note (balanced rails)) charged to both streams: it runs
+    on the rail stream after the stage's rail step, and its NVLink bytes compete with the node stream's next node
+    step, which the schedule does not model as shared links: counted on each, an upper bound."""
+    if handoff is None:
+        return tuple(stage_us)
+    return tuple((node + extra, rail_ + extra) for (node, rail_), extra in zip(stage_us, handoff, strict=True))
+
+
+def balanced_sizes(sizes: Sequence[int], ranks_per_node: int) -> list[int]:
+    """Per data-parallel rank ``node x G + j``: the elements of rail ``j``'s share of node ``node``'s owner regions
+    in a balanced layout (part ``j`` of each, ``aggregation.cut`` into ``G`` parts): what a two-level layout of these
+    sizes reduces to that rank (Note (balanced rails))."""
+    out = [0] * len(sizes)
+    for owner, size in enumerate(sizes):
+        if size:
+            first = owner - owner % ranks_per_node
+            for part, count in enumerate(cut(size, ranks_per_node)):
+                out[first + part] += count
+    return out
+
+
+def balanced_parts(sizes: Sequence[int], ranks_per_node: int) -> list[tuple[int, int, int, int, int]]:
+    """(owner, its local rank, part ``j``, position in block ``j``, elements) of every non-empty part of every owner
+    region in a balanced layout: block ``j`` holds, node by node, node ``m``'s chunk (``balanced_sizes``' rank
+    ``m x G + j``): part ``j`` of each of node ``m``'s owners, by local rank. Part ``j`` of a region is its ``j``-th
+    slice of ``aggregation.cut(size, G)``, in region order."""
+    g = ranks_per_node
+    at = [0] * g  # where the next chunk part starts in each block
+    out = []
+    for first in range(0, len(sizes), g):
+        for local in range(g):
+            size = sizes[first + local]
+            if not size:
+                continue
+            for part, count in enumerate(cut(size, g)):
+                if count:
+                    out.append((first + local, local, part, at[part], count))
+                    at[part] += count
+    return out
 
 
 def pipelined_us(stage_us: Sequence[tuple[float, float]]) -> float:
@@ -371,12 +453,15 @@ class TwoLevelGeometry:
         return max(0, self.scattered * self.width - self.lengths[local])
 
 
-def two_level_calls(sizes: Sequence[int], geo: TwoLevelGeometry, rail_step: str = RAIL_REDUCE
-                    ) -> tuple[tuple[Collective, ...], tuple[FlushRange, ...], tuple[FlushRange, ...],
-                               tuple[Transfer, ...]]:
+def two_level_calls(sizes: Sequence[int], geo: TwoLevelGeometry, rail_step: str = RAIL_REDUCE,
+                    rail_layout: str = BY_OWNER) -> tuple[tuple[Collective, ...], tuple[FlushRange, ...],
+                                                          tuple[FlushRange, ...], tuple[Transfer, ...]]:
     """The calls (per stage: the node ReduceScatter or the node Reduces of the blocks that reach a tail stage, then
-    every rail's step: its Reduces, or its ReduceScatter and hand-off), the ranges each owner receives, the padding
-    and the rail hand-offs' transfers of owner regions of ``sizes`` laid out by ``geo``."""
+    every rail's step: its Reduces, or its ReduceScatter and hand-off; balanced: then the node hand-off round), the
+    ranges each owner receives, the padding and the hand-offs' transfers of owner regions of ``sizes`` laid out by
+    ``geo``."""
+    if rail_layout == BALANCED:
+        return _balanced_calls(sizes, geo, rail_step)
     g, w = geo.ranks_per_node, geo.width
     nodes = len(sizes) // g
     calls: list[list[Collective]] = [[Collective(REDUCE_SCATTER, s * g * w, g * w, per_rank=w, comm=NODE, stage=s)]
@@ -411,3 +496,48 @@ def two_level_calls(sizes: Sequence[int], geo: TwoLevelGeometry, rail_step: str 
             padding.append(FlushRange(offset, count, ALL))
     return (tuple(c for stage in calls for c in stage), tuple(sorted(received, key=lambda r: r.offset)),
             tuple(sorted(padding, key=lambda r: r.offset)), tuple(transfers))
+
+
+def _balanced_calls(sizes: Sequence[int], geo: TwoLevelGeometry, rail_step: str
+                    ) -> tuple[tuple[Collective, ...], tuple[FlushRange, ...], tuple[FlushRange, ...],
+                               tuple[Transfer, ...]]:
+    """``two_level_calls`` of a balanced layout (Note (balanced rails)): the node and rail calls of the layout whose
+    owners are the parts' ranks (``balanced_sizes``: rail ``j`` reduces node ``m``'s chunk to local rank ``j`` of node
+    ``m``), then per stage one node hand-off round (a ``handoff`` marker on ``node_handoff``) that moves each part to
+    its owner at the same bucket offsets; each owner receives its parts where they lie."""
+    g, w = geo.ranks_per_node, geo.width
+    calls, _, padding, transfers = two_level_calls(balanced_sizes(sizes, g), geo, rail_step)
+    received: list[FlushRange] = []
+    moves: list[Transfer] = []
+    for owner, local, part, position, count in balanced_parts(sizes, g):
+        for offset, at, n in geo.segments(part, position, count):
+            received.append(FlushRange(offset, n, owner))
+            if part != local:
+                moves.append(Transfer(owner - local + part, owner, offset, n, comm=NODE_HANDOFF, stage=at // w))
+    markers = [Collective(HANDOFF, 0, 0, comm=NODE_HANDOFF, stage=stage) for stage in sorted({t.stage for t in moves})]
+    ordered = sorted((*calls, *markers), key=lambda c: c.stage)  # stable: each stage's node, rail, then hand-off
+    return (tuple(ordered), tuple(sorted(received, key=lambda r: r.offset)), padding,
+            (*transfers, *sorted(moves, key=lambda t: (t.dst, t.src, t.offset))))
+
+
+NOTES = """
+Note (rail step): a two-level flush's rail step, chosen per flush by the model (``RAIL_STEPS``): ``reduce``, each
+owner region's part in the stage reduced to the owner's node by one ring Reduce on its rail (a chain: a hop per
+node, ``collective_time`` Note (Reduce latency)); or ``scatter``, the stage's slice of the rail's block reduced and
+scattered over the rail by one ReduceScatter (PAT or ring, as NCCL picks on one GPU per node), then one grouped
+send/recv round along the rail (the rail hand-off) that moves each piece to its owner's node.
+
+Note (balanced rails): an owner's local rank fixes the rail its region crosses the nodes on, so a flush whose owners
+fall unevenly on the local ranks loads its rails unevenly (Llama-13B at ws 1024: the busiest block 6% above the mean;
+a flush of 2-3 owners at ws 64 crosses the network on 2-3 of a node's 8 rails), and the busiest rail bounds the
+flush. Balanced (``BALANCED``), every owner region is cut into ``G`` parts (``aggregation.cut``), part ``j`` laid out
+in block ``j`` (node by node, a node's owners by local rank: ``balanced_parts``), so every rail carries a ``G``-th of
+every region; the node and rail steps are those of a layout whose owners are the parts' ranks (``balanced_sizes``),
+and after each stage's rail step one grouped send/recv round inside each node moves every part to its owner over
+NVLink (local rank ``j`` of the owner's node holds part ``j``, reduced there by rail ``j``), at the same bucket
+offsets. That round runs on the rail stream (after the rail step it reads) on a node communicator of its own, which
+the node stream never uses: NCCL serialises the calls of one communicator across streams, so on the node
+communicator the next flush's node step would wait for this flush's rail step, the overlap that pays for the chain
+(``step_plan``). Costed as the busiest rank of any node sends or receives (``p2p_round_us``, NVLink), on both
+streams (``_with_handoff``); the model chooses it like any option, per flush.
+"""

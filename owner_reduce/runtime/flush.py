@@ -38,6 +38,7 @@ from ..planning.collectives import (
     HANDOFF,
     NATIVE,
     NODE,
+    NODE_HANDOFF,
     RAIL,
     REDUCE,
     REDUCE_SCATTER,
@@ -57,7 +58,7 @@ from .stats import FlushRecord, RuntimeStats, emit
 _LOG_NAMES = {REDUCE: "reduce", REDUCE_SCATTER: "reduce_scatter", ALLREDUCE: "all_reduce", HANDOFF: "handoff"}
 _LEVEL_LOG_NAMES = {(NODE, REDUCE_SCATTER): "node_reduce_scatter", (NODE, REDUCE): "node_reduce",
                     (RAIL, REDUCE): "rail_reduce", (RAIL, REDUCE_SCATTER): "rail_reduce_scatter",
-                    (RAIL, HANDOFF): "rail_handoff"}
+                    (RAIL, HANDOFF): "rail_handoff", (NODE_HANDOFF, HANDOFF): "node_handoff"}
 # Per two-level stage: (its node calls' buffers, this rank's rail calls' buffers), views of the bucket.
 _LevelViews = tuple[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]], ...]
 _FLUSH_CACHE_LIMIT = 256  # distinct bucket contents remembered; beyond it the cache starts over
@@ -93,10 +94,13 @@ class Pending:
 
 
 class Levels(NamedTuple):
-    """A two-level flush's communicators (``planning.two_level``): this rank's node and rail."""
+    """A two-level flush's communicators (``planning.two_level``): this rank's node and rail, and its node's
+    hand-off communicator (the same ranks as the node's, used only from the rail stream: ``two_level`` Note (balanced
+    rails))."""
 
     node: ReduceComm
     rail: ReduceComm
+    handoff: ReduceComm | None = None
 
     @property
     def local(self) -> int:
@@ -140,8 +144,8 @@ class _CachedFlush:
     reduce_scatter_calls: int
     staged: tuple[tuple[int, int, int], ...] = ()  # (bucket offset, staging offset, elements): Note (staging)
     # two-level, per stage: (the node calls: one ReduceScatter or a tail's Reduces, this rank's rail's calls, its rail
-    # hand-off's sends and receives: peers as rail ranks)
-    stages: tuple[tuple[tuple[Collective, ...], tuple[Collective, ...], tuple[_P2p, ...]], ...] = ()
+    # hand-off's sends and receives: peers as rail ranks, its node hand-off's (balanced rails): peers as local ranks)
+    stages: tuple[tuple[tuple[Collective, ...], tuple[Collective, ...], tuple[_P2p, ...], tuple[_P2p, ...]], ...] = ()
 
 
 class Flusher:
@@ -180,8 +184,9 @@ class Flusher:
         if self.comm is not None:
             self.comm.release_buffers()
         if self.levels is not None:
-            self.levels.node.release_buffers()
-            self.levels.rail.release_buffers()
+            for sub in self.levels:
+                if sub is not None:
+                    sub.release_buffers()
 
     # ---- the flush ---------------------------------------------------------------------------------------
 
@@ -282,7 +287,8 @@ class Flusher:
         levels = self.levels
         assert levels is not None, "a two-level flush without node and rail communicators"
         node, rail = levels.node, levels.rail
-        for (node_calls, rail_calls, handoff), (node_views, rail_views) in zip(cached.stages, views, strict=True):
+        for (node_calls, rail_calls, handoff, parts), (node_views, rail_views) in zip(cached.stages, views,
+                                                                                      strict=True):
             with streams.level(NODE), node.group(flush=index):
                 for c, view in zip(node_calls, node_views, strict=True):
                     if c.kind == REDUCE_SCATTER:
@@ -301,6 +307,17 @@ class Flusher:
                     if handoff:
                         with rail.group(flush=index):
                             self._p2p(rail, handoff, buffer)
+            if parts:
+                self._node_handoff(streams, parts, buffer, index)
+
+    def _node_handoff(self, streams: Any, parts: Sequence[_P2p], buffer: torch.Tensor, index: int) -> None:
+        """A balanced layout's hand-off round inside the node (``two_level`` Note (balanced rails)): on the rail
+        stream, after the stage's rail step that reduced the parts it sends (stream order), on the node hand-off
+        communicator, which the node stream never uses (``streams`` Note (node hand-off))."""
+        handoff = self.levels.handoff if self.levels is not None else None
+        assert handoff is not None, "a balanced two-level flush without its node hand-off communicator"
+        with streams.level(RAIL), handoff.group(flush=index):
+            self._p2p(handoff, parts, buffer)
 
     def _staged(self, cached: _CachedFlush, bucket: Any) -> torch.Tensor:
         """Copy the pieces present into the bucket's staging buffer (see Note (staging)); return that buffer."""
@@ -328,7 +345,7 @@ class Flusher:
             bucket.views.clear()
         sources = used.split_with_sizes(cached.split_sizes)[1::2] if cached.copy_out else ()
         levels = tuple((tuple(used.narrow(0, c.offset, c.count) for c in node),
-                        tuple(used.narrow(0, c.offset, c.count) for c in rail)) for node, rail, _ in cached.stages)
+                        tuple(used.narrow(0, c.offset, c.count) for c in rail)) for node, rail, _, _ in cached.stages)
         views = (sources, levels)
         bucket.views[id(cached)] = (cached, views)
         return views
@@ -438,20 +455,22 @@ class Flusher:
         split_sizes.append(span - cursor)
         p2p = tuple(_P2p(t.src == rank, t.dst if t.src == rank else t.src, t.offset, t.count)
                     for t in transfers if t.comm == WORLD and rank in (t.src, t.dst))
-        stages: list[tuple[list[Collective], list[Collective], list[_P2p]]] = []
+        stages: list[tuple[list[Collective], list[Collective], list[_P2p], list[_P2p]]] = []
         if any(c.comm != WORLD for c in collectives):
             local = self.levels.local if self.levels is not None else -1
             per_node = self.levels.node.world_size if self.levels is not None else 1
-            stages = [([], [], []) for _ in range(1 + max(c.stage for c in collectives if c.comm == NODE))]
+            stages = [([], [], [], []) for _ in range(1 + max(c.stage for c in collectives if c.comm == NODE))]
             for c in collectives:
                 if c.comm == NODE:
                     stages[c.stage][0].append(c)
                 elif c.comm == RAIL and c.rail == local and c.kind != HANDOFF:
                     stages[c.stage][1].append(c)
-            for t in transfers:  # a rail hand-off: this rank's sends and receives, peers as rail ranks (nodes)
-                if t.comm == RAIL and rank in (t.src, t.dst):
-                    peer = (t.dst if t.src == rank else t.src) // per_node
-                    stages[t.stage][2].append(_P2p(t.src == rank, peer, t.offset, t.count))
+            for t in transfers:  # the hand-offs: this rank's sends and receives, peers as rail ranks (nodes) on a
+                if rank in (t.src, t.dst) and t.comm in (RAIL, NODE_HANDOFF):  # rail, as local ranks in a node
+                    peer = t.dst if t.src == rank else t.src
+                    rail_side = t.comm == RAIL
+                    stages[t.stage][2 if rail_side else 3].append(
+                        _P2p(t.src == rank, peer // per_node if rail_side else peer % per_node, t.offset, t.count))
             # What this rank issues: its node's calls, its rail's, and the data-parallel communicator's.
             collectives = tuple(c for c in collectives if c.comm != RAIL or c.rail == local)
         kinds = [c.kind for c in collectives if c.comm == WORLD]
@@ -461,7 +480,8 @@ class Flusher:
                             collectives=collectives, padding=padding, span=span, algo=algo_of_calls(collectives),
                             reduce_calls=kinds.count(REDUCE), all_reduce_calls=kinds.count(ALLREDUCE),
                             reduce_scatter_calls=kinds.count(REDUCE_SCATTER), staged=staged,
-                            stages=tuple((tuple(node), tuple(rail), tuple(handoff)) for node, rail, handoff in stages))
+                            stages=tuple((tuple(node), tuple(rail), tuple(handoff), tuple(parts))
+                                         for node, rail, handoff, parts in stages))
 
     def _remember(self, key: tuple[Any, ...], cached: _CachedFlush) -> None:
         if len(self._cache) >= _FLUSH_CACHE_LIMIT:
@@ -483,9 +503,13 @@ class Flusher:
         if cached.stages:
             s.two_level_flushes += 1
             s.two_level_stages += len(cached.stages)
-            s.node_calls += sum(len(node) for node, _, _ in cached.stages)
-            s.rail_calls += sum(len(rail) for _, rail, _ in cached.stages)
-            s.rail_handoffs += sum(bool(handoff) for _, _, handoff in cached.stages)
+            s.node_calls += sum(len(node) for node, _, _, _ in cached.stages)
+            s.rail_calls += sum(len(rail) for _, rail, _, _ in cached.stages)
+            s.rail_handoffs += sum(bool(handoff) for _, _, handoff, _ in cached.stages)
+            s.node_handoffs += sum(bool(parts) for _, _, _, parts in cached.stages)
+            sends = sum(op.send for _, _, _, parts in cached.stages for op in parts)
+            s.node_handoff_sends += sends
+            s.node_handoff_recvs += sum(len(parts) for _, _, _, parts in cached.stages) - sends
         if cached.p2p:
             s.handoff_rounds += 1
             sends = sum(op.send for op in cached.p2p)

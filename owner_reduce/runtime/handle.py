@@ -50,6 +50,8 @@ from .stats import FlushRecord, RuntimeStats, emit
 from .topology import host_digest, local_rank, nvlinks, ranks_per_node, sm_major
 from .trial import Trial, key_of, trial_flushes
 
+NODE_HANDOFF_ROLE = "node hand-off"  # the communicator's name in messages (``comm`` ``role``)
+
 __all__ = ["FlushRecord", "OwnerReduceMismatchError", "OwnerReduceRuntime", "RuntimeSettings", "RuntimeStats",
            "emit"]
 
@@ -706,13 +708,15 @@ class OwnerReduceRuntime:
         free_before = _device_free_bytes()
         node = self.comm.split(levels.node_groups(), NODE)  # a failure later in init closes it (_close_levels)
         rail = self.comm.split(levels.rail_groups(), RAIL)
-        self.flusher.levels = Levels(node, rail)
+        handoff = self.comm.split(levels.node_groups(), NODE_HANDOFF_ROLE)  # two_level Note (balanced rails)
+        self.flusher.levels = Levels(node, rail, handoff)
         seconds = time.monotonic() - started
         free_after = _device_free_bytes()
         memory = ("no device memory (no CUDA device)" if free_before is None or free_after is None
                   else f"{max(0, free_before - free_after) / 2**20:.0f} MiB of device memory")
         line = (f"owner_reduce: two-level flush ready: {levels.nodes} nodes x {per_node} ranks; {levels.nodes} node "
-                f"communicators of {per_node} ranks and {per_node} rail communicators of {levels.nodes} ranks "
+                f"communicators of {per_node} ranks, {per_node} rail communicators of {levels.nodes} ranks and "
+                f"{levels.nodes} node hand-off communicators of {per_node} ranks (balanced rails) "
                 f"({self.comm.name}), made in {seconds:.2f} s, {memory}; "
                 + ("a step's flushes may overlap (the node stage of one under the rail stage of the one before) over 2 "
                    "buckets per dtype (double_buffer true)" if double_buffer else

@@ -54,6 +54,9 @@ class RuntimeStats:
     node_calls: int = 0  # ReduceScatters and (tail stages) Reduces this rank issued on its node communicator
     rail_calls: int = 0  # Reduces and ReduceScatters this rank issued on its rail communicator
     rail_handoffs: int = 0  # hand-off rounds on its rail (two-level flushes whose rail step is a ReduceScatter)
+    node_handoffs: int = 0  # balanced two-level stages in which this rank sent or received on its node hand-off
+    node_handoff_sends: int = 0  # its sends there (each a part of an owner region, to that owner)
+    node_handoff_recvs: int = 0
     two_level_line: str | None = None  # what rank 0 printed when the node and rail communicators were made
     schedules_learned: int = 0
     schedules_restored: int = 0  # learned from a checkpoint's schedule at a resumed run's first backward

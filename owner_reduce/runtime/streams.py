@@ -34,6 +34,12 @@ reduce stream joins both (``synchronize``: end of backward, bucket growth, clean
 stream waits for both before its calls (the data-parallel communicator is never used from two streams at once). No
 host wait in between. The GPU must run both levels' kernels at once (different communicators on different streams):
 NCCL's kernels take one block per channel, far from a GPU's SMs.
+Note (node hand-off): a balanced two-level flush (``planning.two_level`` Note (balanced rails)) ends each stage with
+a send/recv round inside the node that moves each part, reduced by its rail, to its owner. It runs on the rail
+stream, after the stage's rail calls (stream order: it sends what they wrote) and before the flush's copy-out and
+free event (the owner copies out what it received), on a node communicator of its own: NCCL orders the calls of one
+communicator across the streams they are issued on, so on the node communicator the next flush's node step would
+wait for this flush's rail step.
 Note (priority): the reduce stream is high priority, as z1.cpp's ``getStreamFromPool(true)``: the reduction should
 not queue behind the backward kernels it overlaps.
 Note (optimizer): ``end_backward`` waits for the reduce stream, so the grad buffers are final before step().
