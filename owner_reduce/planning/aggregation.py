@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-REDUCE = "reduce"
+from .collectives import REDUCE
+
 CUT_FACTORS = (1, 2, 3)  # a cut's target piece: this x a region's size (under NCCL's 4x, with room for its bins)
 MAX_TASKS = 64  # device.h MAXCHANNELS: more Reduces than a communicator's channels only add pipelined latency
 
