@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from .collective_time import MAX_CHANNELS
 from .collectives import REDUCE
 
 CUT_FACTORS = (1, 2, 3)  # a cut's target piece: this x a region's size (under NCCL's 4x, with room for its bins)
-MAX_TASKS = 64  # device.h MAXCHANNELS: more Reduces than a communicator's channels only add pipelined latency
+MAX_TASKS = MAX_CHANNELS  # more Reduces than a communicator's channels only add pipelined latency
 
 
 def cut(count: int, pieces: int) -> tuple[int, ...]:

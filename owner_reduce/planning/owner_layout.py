@@ -176,10 +176,11 @@ class FlushAnalysis:
 
     @property
     def calls(self) -> dict[str, int]:
-        """The calls each one-level candidate issues (ties go to the fewest: ``flush_choice.choose``)."""
+        """The calls each candidate issues, for ties (they go to the fewest: ``flush_choice.choose``); two-level
+        counted past native's, so a tie with it goes to a one-level candidate, as ``CANDIDATES``' order had it."""
         everyone = bool(self.everyone)
         return {REDUCE: sum(self.reduce_pieces) + everyone, REDUCE_SCATTER: 1 + everyone, HANDOFF: 2 + everyone,
-                ALLREDUCE: 1, NATIVE: len(self.entries)}
+                ALLREDUCE: 1, NATIVE: len(self.entries), TWO_LEVEL: len(self.entries) + 1}
 
     def one_level_choice(self) -> str:
         """The cheapest candidate that is not two-level (or the forced one)."""
@@ -264,7 +265,7 @@ def plan_owner_layout(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, red
     arguments). A learned schedule's flushes are chosen together instead (``plan_step_layouts``)."""
     analysis = analyse_flush(grads, owner_map, reduce_to_owner, capacity=capacity,
                              max_padding_share=max_padding_share, order=order, cost=cost)
-    choice = choose(analysis.costs, analysis.force, analysis.calls | {TWO_LEVEL: len(analysis.entries) + 1})
+    choice = choose(analysis.costs, analysis.force, analysis.calls)
     return build_layout(analysis, choice, analysis.best_two_level() if choice == TWO_LEVEL else None)
 
 
