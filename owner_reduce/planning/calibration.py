@@ -30,13 +30,13 @@ JSON's sha256, 12 hex digits) is what ranks compare. Pure: no torch, no communic
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from .json_digest import canonical_digest
+from .json_fields import FieldCheck, parse_json, read_text
 
 FORMAT = "owner_reduce.calibration/1"
 ENV_VAR = "OWNER_REDUCE_CALIBRATION"
@@ -152,15 +152,11 @@ class Calibration:
     @classmethod
     def from_json(cls, text: str, source: str = "<text>") -> Calibration:
         """Parse and validate; a ValueError names ``source`` and the key at fault (``fits.reduce.bandwidth_gbs``)."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"owner_reduce: calibration {source}: not JSON ({error})") from error
-        return cls.from_dict(data, source)
+        return cls.from_dict(parse_json(text, "calibration", source), source)
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<dict>") -> Calibration:
-        v = _Validator(source)
+        v = FieldCheck("calibration", source, FORMAT)
         obj = v.mapping(data, "")
         v.keys(obj, "", required=("format", "world_size", "backend", "device", "measured_at", "fits", "p2p"),
                optional=("dtype", "warmup", "repeats", "software"))
@@ -199,57 +195,6 @@ class Calibration:
                          v.number(p["bandwidth_gbs"], "p2p.bandwidth_gbs", positive=True), points3)
         return cls(world_size=world_size, fits=tuple(sorted(fits, key=lambda f: CALL_KINDS.index(f.kind))), p2p=p2p,
                    dtype=dtype, warmup=warmup, repeats=repeats, software=pairs, **strings)
-
-
-class _Validator:
-    """Type checks whose errors name the file and the key (``calibration out/c.json: key 'fits.reduce' ...``)."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def fail(self, key: str, what: str, got: Any) -> NoReturn:
-        where = f"key '{key}'" if key else "the top level"
-        raise ValueError(f"owner_reduce: calibration {self.source}: {where} {what}, got {got!r}")
-
-    def mapping(self, value: Any, key: str) -> Mapping[str, Any]:
-        if not isinstance(value, dict):
-            self.fail(key, "must be an object", value)
-        return value
-
-    def keys(self, obj: Mapping[str, Any], key: str, required: Sequence[str], optional: Sequence[str]) -> None:
-        prefix = f"{key}." if key else ""
-        for name in required:
-            if name not in obj:
-                raise ValueError(f"owner_reduce: calibration {self.source}: key '{prefix}{name}' is missing")
-        for name in obj:
-            if name not in required and name not in optional:
-                raise ValueError(f"owner_reduce: calibration {self.source}: key '{prefix}{name}' is not part of "
-                                 f"{FORMAT}")
-
-    def integer(self, value: Any, key: str, minimum: int) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            self.fail(key, f"must be an integer >= {minimum}", value)
-        return value
-
-    def number(self, value: Any, key: str, minimum: float = 0.0, positive: bool = False) -> float:
-        ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-              and (value > 0 if positive else value >= minimum))
-        if not ok:
-            self.fail(key, "must be a positive number" if positive else f"must be a finite number >= {minimum}", value)
-        return float(value)
-
-    def string(self, value: Any, key: str) -> str:
-        if not isinstance(value, str):
-            self.fail(key, "must be a string", value)
-        return value
-
-    def rows(self, value: Any, key: str, width: int) -> list[list[Any]]:
-        if not isinstance(value, list):
-            self.fail(key, f"must be a list of [{width} numbers]", value)
-        for i, row in enumerate(value):
-            if not isinstance(row, list) or len(row) != width:
-                self.fail(f"{key}[{i}]", f"must be a list of {width} numbers", row)
-        return value
 
 
 # ---- fitting ------------------------------------------------------------------------------------------------
@@ -362,11 +307,7 @@ def max_relative_residual(fitted: KindFit | P2pFit) -> float:
 def load_calibration(path: str | Path) -> Calibration:
     """Read and validate a calibration file; errors name the file (and the key)."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as error:
-        raise ValueError(f"owner_reduce: calibration {p}: cannot be read ({error.strerror or error})") from error
-    return Calibration.from_json(text, source=str(p))
+    return Calibration.from_json(read_text(p, "calibration"), source=str(p))
 
 
 def calibration_from_environment(environ: Mapping[str, str]) -> Calibration | None:

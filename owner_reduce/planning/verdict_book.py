@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .json_digest import canonical_digest
+from .json_fields import FieldCheck, parse_json, read_text
 from .measured import TrialFlush, Verdict
 
 FORMAT = "owner_reduce.verdicts/1"
@@ -101,47 +101,29 @@ class VerdictBook:
     @classmethod
     def from_dict(cls, data: Any, source: str = "<dict>") -> VerdictBook:
         """Parse and validate; a ValueError names ``source`` and the key at fault."""
-        def fail(key: str, what: str, got: Any) -> ValueError:
-            return ValueError(f"owner_reduce: verdicts {source}: key '{key}' {what}, got {got!r}")
-
-        def field(obj: Any, key: str, path: str, kind: type | tuple[type, ...]) -> Any:
-            if not isinstance(obj, Mapping) or key not in obj:
-                raise ValueError(f"owner_reduce: verdicts {source}: key '{path}{key}' is missing")
-            value = obj[key]
-            if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
-                raise fail(path + key, f"must be {getattr(kind, '__name__', 'a number')}", value)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise fail(path + key, "must be finite", value)
-            return value
-
-        if not isinstance(data, Mapping):
-            raise ValueError(f"owner_reduce: verdicts {source}: the top level must be an object, got {data!r}")
+        v = FieldCheck("verdicts", source, FORMAT)
+        v.mapping(data, "")
         if data.get("format") != FORMAT:
-            raise fail("format", f"must be {FORMAT!r}", data.get("format"))
-        world_size = field(data, "world_size", "", int)
-        schedules = field(data, "schedules", "", list)
+            v.fail("format", f"must be {FORMAT!r}", data.get("format"))
+        world_size = v.field(data, "world_size", "", v.integer)
         parsed = []
-        for i, s in enumerate(schedules):
+        for i, s in enumerate(v.field(data, "schedules", "", v.listing)):
             at = f"schedules[{i}]."
             flushes = []
-            for j, f in enumerate(field(s, "flushes", at, list)):
+            for j, f in enumerate(v.field(s, "flushes", at, v.listing)):
                 fat = f"{at}flushes[{j}]."
-                verdict = Verdict(float(field(f, "model_us", fat, (int, float))),
-                                  float(field(f, "native_us", fat, (int, float))),
-                                  field(f, "native_wins", fat, bool))
-                flushes.append(TrialFlush(field(f, "number", fat, int), field(f, "algo", fat, str),
-                                          float(field(f, "modelled_us", fat, (int, float))),
-                                          float(field(f, "native_modelled_us", fat, (int, float))), verdict))
-            parsed.append(ScheduleVerdicts(field(s, "key", at, str), field(s, "rounds", at, int), tuple(flushes)))
+                verdict = Verdict(v.field(f, "model_us", fat, v.finite), v.field(f, "native_us", fat, v.finite),
+                                  v.field(f, "native_wins", fat, v.boolean))
+                flushes.append(TrialFlush(v.field(f, "number", fat, v.integer), v.field(f, "algo", fat, v.string),
+                                          v.field(f, "modelled_us", fat, v.finite),
+                                          v.field(f, "native_modelled_us", fat, v.finite), verdict))
+            parsed.append(ScheduleVerdicts(v.field(s, "key", at, v.string), v.field(s, "rounds", at, v.integer),
+                                           tuple(flushes)))
         return cls(world_size, tuple(parsed))
 
     @classmethod
     def from_json(cls, text: str, source: str = "<text>") -> VerdictBook:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"owner_reduce: verdicts {source}: not JSON ({error})") from error
-        return cls.from_dict(data, source)
+        return cls.from_dict(parse_json(text, "verdicts", source), source)
 
     def check_world_size(self, world_size: int) -> None:
         """Verdicts are measured at one world size (a key includes it): refuse another."""
@@ -153,11 +135,7 @@ class VerdictBook:
 def load_verdicts(path: str | Path) -> VerdictBook:
     """Read and validate a verdict file; errors name the file."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as error:
-        raise ValueError(f"owner_reduce: verdicts {p}: cannot be read ({error.strerror or error})") from error
-    return VerdictBook.from_json(text, source=str(p))
+    return VerdictBook.from_json(read_text(p, "verdicts"), source=str(p))
 
 
 def write_verdicts(path: str | Path, book: VerdictBook) -> None:
