@@ -485,6 +485,30 @@ TABLES = GroupTables(group=0, param_ids=(0, 1, 2), numels=(6, 5, 5), partition_c
                      start_offsets={0: {0: 0, 1: 0}, 1: {1: 2, 2: 0}}, same_comm_as_dp=True)
 
 
+def exchange_backward(world: ExchangeWorld, runtimes: Sequence[Any], grads_of: Callable[[int], dict[int, torch.Tensor]],
+                      graph: int, order: Sequence[int],
+                      check: Callable[[torch.Tensor, torch.Tensor, str], None]) -> None:
+    """One backward on every rank of ``world`` (rank ``r``'s gradients ``grads_of(r)``, fed in ``order``), then every
+    rank's grad buffers against the true reduced gradient (the mean over ranks, as pre-division makes it), each by
+    ``check(got, want, "rank R, param P")``."""
+    def backward(rank: int) -> None:
+        rt, grads = runtimes[rank], grads_of(rank)
+        rt.start_backward(True)
+        for pid in order:
+            rt.reduce_grad(grads[pid], graph, pid)
+        rt.end_backward(graph, False)
+
+    world.run(backward)
+    ws = len(runtimes)
+    every = [grads_of(r) for r in range(ws)]
+    for rank, rt in enumerate(runtimes):
+        for pid, param in rt._params.items():
+            buf = param.grad_buffer
+            if buf.numel():
+                want = sum(g[pid] / ws for g in every)[param.offset:param.offset + buf.numel()]
+                check(buf, want, f"rank {rank}, param {pid}")
+
+
 def ws2_runtime(rank=0, owner=True, probe=True, bucket=64, problems=(), comm=None, algo="reduce"):
     """A runtime of rank ``rank`` of 2 on ``TABLES``, grad buffers registered as DeepCompile does (rank 0: a whole,
     b's first 2 elements at offset 0, nothing of c), graph 11; ``algo`` forces the flush algorithm (these flushes

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from fakes import ExchangeComm, ExchangeWorld, flat_map, mirror_runtime
+from fakes import ExchangeComm, ExchangeWorld, exchange_backward, flat_map, mirror_runtime
 
 from owner_reduce.planning.measured import (
     MEASURE_ENV_VAR,
@@ -118,6 +118,10 @@ def _world(slow: dict[int, type] | None = None, measure=(True, True), algo="auto
     return world, runtimes
 
 
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=what)
+
+
 def _steps(world, runtimes, steps, order=None, first=0):
     """``steps`` backwards on every rank, each rank's grad buffers checked against the true reduced gradient; the
     calls of each step per rank."""
@@ -125,20 +129,8 @@ def _steps(world, runtimes, steps, order=None, first=0):
     for step in range(first, first + steps):
         before = [len(c.calls) for c in world.comms]
 
-        def backward(rank: int, step=step) -> None:
-            rt, grads = runtimes[rank], _grads(rank, step)
-            rt.start_backward(True)
-            for pid in order if order is not None else reversed(range(len(NUMELS))):
-                rt.reduce_grad(grads[pid], GRAPH, pid)
-            rt.end_backward(GRAPH, False)
-
-        world.run(backward)
-        for rank, rt in enumerate(runtimes):
-            for pid, param in rt._params.items():
-                buf = param.grad_buffer
-                if buf.numel():
-                    want = sum(_grads(r, step)[pid] / WS for r in range(WS))[param.offset:param.offset + buf.numel()]
-                    torch.testing.assert_close(buf, want, rtol=0, atol=1e-5, msg=f"rank {rank} param {pid}")
+        exchange_backward(world, runtimes, lambda rank, step=step: _grads(rank, step), GRAPH,
+                          list(order if order is not None else reversed(range(len(NUMELS)))), _close)
         per_step.append([c.calls[n:] for c, n in zip(world.comms, before, strict=True)])
     return per_step
 

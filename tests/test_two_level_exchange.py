@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fakes import ExchangeMismatch, ExchangeWorld, flat_map, group_threads_as_nodes, mirror_runtime
+from fakes import (
+    ExchangeMismatch,
+    ExchangeWorld,
+    exchange_backward,
+    flat_map,
+    group_threads_as_nodes,
+    mirror_runtime,
+)
 
 NUMELS = [3 + (5 * i) % 13 for i in range(30)]
 GRAPH = 11
@@ -31,20 +38,11 @@ def _world(ws: int, per_node: int, monkeypatch, bucket: int = 64):
 
 
 def _step(world, runtimes, ws: int, step: int) -> None:
-    def backward(rank: int) -> None:
-        rt, grads = runtimes[rank], _grads(ws, rank, step)
-        rt.start_backward(True)
-        for pid in reversed(range(len(NUMELS))):
-            rt.reduce_grad(grads[pid], GRAPH, pid)
-        rt.end_backward(GRAPH, False)
+    def exact(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        assert torch.equal(got, want), f"step {step}, {what}"
 
-    world.run(backward)
-    for rank, rt in enumerate(runtimes):
-        for pid, param in rt._params.items():
-            buf = param.grad_buffer
-            if buf.numel():
-                want = sum(_grads(ws, r, step)[pid] / ws for r in range(ws))[param.offset:param.offset + buf.numel()]
-                assert torch.equal(buf, want), f"step {step}, rank {rank}, param {pid}"
+    exchange_backward(world, runtimes, lambda rank: _grads(ws, rank, step), GRAPH, list(reversed(range(len(NUMELS)))),
+                      exact)
 
 
 def _rail_layout(monkeypatch, layout: str) -> None:
