@@ -141,3 +141,23 @@ def test_the_line():
         "[dc-probe][r0] step 6: not measured (no rank's marks had completed a step later; the probe never waits for "
         "them)")
     assert "\n" not in format_step_line(3, [s])
+
+
+def test_size_the_win_explains_the_line_with_one_the_format_makes():
+    """The help's example line (wrapped there) has the line's exact shape, so a change of format shows here."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "scripts" / "size_the_win.py").read_text()
+    help_text = text[text.index("READING_THE_PROBE = "):text.index("def parse_args")]
+    start = help_text.index("[dc-probe][r0] step ")
+    example = " ".join(line.strip() for line in help_text[start:help_text.index("(modelled)") + 10].splitlines())
+    m = re.fullmatch(r"\[dc-probe\]\[r0\] step (\d+): reduction ([\d.]+) ms, exposed ([\d.]+) ms \((\d+)%\) of a "
+                     r"([\d.]+) ms step \(most exposed: rank (\d+)\); the owner path saves up to ([\d.]+) ms of it "
+                     r"\(modelled\)", example)
+    assert m, example
+    span, exposed, step, saving = (float(m.group(i)) for i in (2, 3, 5, 7))
+    s = StepExposure(int(m.group(1)), span * 1000, exposed * 1000, step * 1000, saving * 1000)
+    others = [replace(s, exposed_us=0.0)] * int(m.group(6))  # less exposed ranks before the one shown
+    assert format_step_line(s.step, [*others, s]) == example
+    assert f"({m.group(4)}%): the exposed share of the reduction" in help_text
