@@ -579,13 +579,13 @@ class OwnerReduceRuntime:
 
     def _trials_under_way(self) -> list[TrialProgress]:
         """Every trial under way, with every rank's samples so far (``trial`` Note (resumed trials)), plus a
-        checkpoint's trials not resumed yet. Collective where a trial is under way (identical on every rank:
-        ``save_checkpoint`` is called on every rank), one gather bounded by the deadline; between steps, so no
-        sample spans it."""
+        checkpoint's trials not resumed yet, in key order. Collective where a trial is under way (identical on every
+        rank; ``save_checkpoint`` is called on every rank): two gathers bounded by the deadline, between steps, so no
+        sample spans them."""
         trials = self.placer.running_trials() if self.placer is not None else []
         progress = [progress for progress, _ in self._resumed_trials.values()]
         if not trials:
-            return progress
+            return sorted(progress, key=lambda p: p.key)
         row: list[int] = []
         for trial in trials:
             part = trial.progress_row()
