@@ -6,13 +6,16 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_measured_guard import GRAPH, NUMELS, TRIAL_ROUNDS, _SlowReduceScatter, _steps, _world
+from test_measured_guard import GRAPH, NUMELS, SLOW_RANK, TRIAL_ROUNDS, _steps, _world, verdict_rule
 
 from owner_reduce.planning.measured import TrialFlush, Verdict
 from owner_reduce.planning.verdict_book import (
     CHECKPOINT_FORMAT,
+    CHECKPOINT_FORMAT_1,
     ScheduleVerdicts,
+    TrialProgress,
     VerdictBook,
+    checkpoint_payload,
     load_verdicts,
     parse_checkpoint_payload,
     schedule_key,
@@ -64,14 +67,33 @@ def test_a_schedules_key_follows_its_flushes_and_choices_and_a_later_verdict_rep
     assert not book.schedules[0].matches([(1, "reduce_scatter")])
 
 
-def test_checkpoint_payload_is_validated():
-    with pytest.raises(ValueError, match="is not owner_reduce.checkpoint/1 data"):
+def test_checkpoint_payload_is_validated_and_the_previous_releases_is_read():
+    with pytest.raises(ValueError, match=r"'owner_reduce' is not owner_reduce.checkpoint/2 or "
+                                         r"owner_reduce.checkpoint/1 data \(format 'x'\)"):
         parse_checkpoint_payload({"format": "x"}, "ckpt")
     with pytest.raises(ValueError, match="its schedules are not"):
-        parse_checkpoint_payload({"format": CHECKPOINT_FORMAT, "verdicts": None, "schedules": [[[1]]]}, "ckpt")
-    book, recordings = parse_checkpoint_payload({"format": CHECKPOINT_FORMAT, "verdicts": None,
-                                                 "schedules": [[["float32", [1, 0], [5, 6]]]]}, "ckpt")
-    assert book is None and recordings == [[("float32", (1, 0), (5, 6))]]
+        parse_checkpoint_payload({"format": CHECKPOINT_FORMAT, "verdicts": None, "schedules": [[[1]]], "trials": []},
+                                 "ckpt")
+    schedules = [[["float32", [1, 0], [5, 6]]]]
+    # The previous release's payload (no trials under way): read, with none.
+    book, recordings, trials = parse_checkpoint_payload({"format": CHECKPOINT_FORMAT_1, "verdicts": None,
+                                                         "schedules": schedules}, "ckpt")
+    assert book is None and recordings == [[("float32", (1, 0), (5, 6))]] and trials == ()
+    progress = TrialProgress("abc", 3, 3, ((1, "reduce", (10_000, 12_000), (9_000,)),))
+    payload = checkpoint_payload(None, [[("float32", (1, 0), (5, 6))]], [progress])
+    assert payload["format"] == CHECKPOINT_FORMAT
+    assert parse_checkpoint_payload(json.loads(json.dumps(payload)), "ckpt")[2] == (progress,)
+    wrong = json.loads(json.dumps(payload))
+    wrong["trials"][0]["flushes"][0]["native_ns"] = [9_000, 1]
+    with pytest.raises(ValueError, match=r"checkpoint state ckpt: key 'trials\[0\].flushes\[0\].native_ns' must "
+                                         r"hold 1 step times after 3 trial steps"):
+        parse_checkpoint_payload(wrong, "ckpt")
+    wrong["trials"][0]["steps"] = 6
+    with pytest.raises(ValueError, match=r"key 'trials\[0\].steps' must be below 6"):
+        parse_checkpoint_payload(wrong, "ckpt")
+    del payload["trials"]
+    with pytest.raises(ValueError, match="key 'trials' is missing"):
+        parse_checkpoint_payload(payload, "ckpt")
 
 
 # ---- the runtime: in-process ranks that really exchange ------------------------------------------------------
@@ -83,17 +105,21 @@ def _calls_after(world, runtimes, steps, first):
 
 
 @pytest.mark.timeout(60)
-def test_verdicts_written_by_one_run_are_replayed_by_the_next_without_a_trial(tmp_path, monkeypatch):
+@pytest.mark.parametrize("rule", ["product", "fastest rank"])
+def test_verdicts_written_by_one_run_are_replayed_by_the_next_without_a_trial(tmp_path, rule, monkeypatch):
     """Run 1 records (the file does not exist yet); run 2 replays it: no trial, native's calls from its first scheduled
     backward (what run 1 decided), every rank alike."""
     path = str(tmp_path / "v.json")
-    world, runtimes = _world({1: _SlowReduceScatter}, verdicts_path=path)
-    _steps(world, runtimes, DECIDED)
-    (line,) = runtimes[0].stats.measured_lines
-    assert f"verdicts written to {path} (OWNER_REDUCE_VERDICTS={path} replays them)" in line, line
-    book = load_verdicts(path)
-    assert [f.verdict.native_wins for s in book.schedules for f in s.flushes] == [True]
-    world, runtimes = _world(verdicts=book, verdicts_path=path)  # no slow rank now: the file decides
+    with verdict_rule(monkeypatch, rule):
+        world, runtimes = _world(SLOW_RANK, verdicts_path=path)
+        _steps(world, runtimes, DECIDED)
+        (line,) = runtimes[0].stats.measured_lines
+        assert f"verdicts written to {path} (OWNER_REDUCE_VERDICTS={path} replays them)" in line, line
+        book = load_verdicts(path)
+        assert [f.verdict.native_wins for s in book.schedules for f in s.flushes] == [True], f"verdict: {line}"
+    if rule != "product":
+        return
+    world, runtimes = _world(verdicts=book, verdicts_path=path)  # no samples now: the file decides
     assert _calls_after(world, runtimes, 2, 0)[1] == ["all_reduce"]  # learned, then native's calls at once
     for rt in runtimes:
         assert (rt.stats.trials_decided, rt.stats.trials_replayed, rt.stats.trial_steps) == (0, 1, 0), rt.stats
@@ -103,31 +129,37 @@ def test_verdicts_written_by_one_run_are_replayed_by_the_next_without_a_trial(tm
 
 
 @pytest.mark.timeout(60)
-def test_a_schedule_learned_again_in_the_same_run_keeps_its_verdict():
-    world, runtimes = _world({1: _SlowReduceScatter})
-    _steps(world, runtimes, DECIDED)
-    for rt in runtimes:
-        rt.reset()  # DeepCompile recompiles: every graph learns its schedule again
-        rt.register_graph_z1(GRAPH, list(range(len(NUMELS))))
-    assert _calls_after(world, runtimes, 2, DECIDED)[1] == ["all_reduce"]
-    for rt in runtimes:
-        assert (rt.stats.trials_decided, rt.stats.trials_replayed) == (1, 1), rt.stats
+@pytest.mark.parametrize("rule", ["product", "fastest rank"])
+def test_a_schedule_learned_again_in_the_same_run_keeps_its_verdict(rule, monkeypatch):
+    with verdict_rule(monkeypatch, rule):
+        world, runtimes = _world(SLOW_RANK)
+        _steps(world, runtimes, DECIDED)
+        for rt in runtimes:
+            rt.reset()  # DeepCompile recompiles: every graph learns its schedule again
+            rt.register_graph_z1(GRAPH, list(range(len(NUMELS))))
+        assert _calls_after(world, runtimes, 2, DECIDED)[1] == ["all_reduce"], "verdict: not native's calls"
+        for rt in runtimes:
+            assert (rt.stats.trials_decided, rt.stats.trials_replayed) == (1, 1), rt.stats
 
 
 @pytest.mark.timeout(60)
-def test_the_checkpoint_state_restores_schedules_and_verdicts_on_every_rank(monkeypatch):
+@pytest.mark.parametrize("rule", ["product", "fastest rank"])
+def test_the_checkpoint_state_restores_schedules_and_verdicts_on_every_rank(rule, monkeypatch):
     """What a checkpoint keeps, handed to fresh runtimes: the first backward follows the saved schedule with its
     winner (native's calls) at once, in place of an arrival-order backward and a new trial."""
-    world, runtimes = _world({1: _SlowReduceScatter})
-    _steps(world, runtimes, DECIDED)
-    state = runtimes[0].checkpoint_state()
-    assert state == runtimes[1].checkpoint_state() and state["schedules"] and state["verdicts"]["schedules"]
-    world, fresh = _world()
-    world.run(lambda rank: fresh[rank].restore_checkpoint_state(json.loads(json.dumps(state)), "ckpt/x"))
-    assert _calls_after(world, fresh, 1, 0) == [["all_reduce"]]  # the very first backward: the saved winner
-    for rt in fresh:
-        s = rt.stats
-        assert (s.schedules_restored, s.trials_replayed, s.trials_decided, s.trial_steps) == (1, 1, 0, 0), s
+    with verdict_rule(monkeypatch, rule):
+        world, runtimes = _world(SLOW_RANK)
+        _steps(world, runtimes, DECIDED)
+        state, other_rank = world.run(lambda rank: runtimes[rank].checkpoint_state())
+        assert state == other_rank and state["schedules"] and state["verdicts"]["schedules"] and state["trials"] == []
+        world, fresh = _world()
+        world.run(lambda rank: fresh[rank].restore_checkpoint_state(json.loads(json.dumps(state)), "ckpt/x"))
+        assert _calls_after(world, fresh, 1, 0) == [["all_reduce"]], "verdict: the first backward runs otherwise"
+        for rt in fresh:
+            s = rt.stats
+            assert (s.schedules_restored, s.trials_replayed, s.trials_decided, s.trial_steps) == (1, 1, 0, 0), s
+    if rule != "product":
+        return
     # Ranks that read different states refuse together.
     world, fresh = _world()
     other = dict(state, schedules=[])
@@ -137,9 +169,9 @@ def test_the_checkpoint_state_restores_schedules_and_verdicts_on_every_rank(monk
 
 @pytest.mark.timeout(60)
 def test_a_restored_schedule_is_adopted_only_by_the_graph_whose_first_gradient_it_is():
-    world, runtimes = _world({1: _SlowReduceScatter})
+    world, runtimes = _world(SLOW_RANK)
     _steps(world, runtimes, 1)
-    state = runtimes[0].checkpoint_state()
+    state = world.run(lambda rank: runtimes[rank].checkpoint_state())[0]  # a trial under way: every rank gathers
     world, fresh = _world()
     world.run(lambda rank: fresh[rank].restore_checkpoint_state(state, "ckpt/x"))
     order = list(range(len(NUMELS)))  # another arrival order: another first gradient

@@ -6,7 +6,8 @@ active unless asked. Both planners the runtime uses are broken alike: ``plan_flu
 up in ``runtime.flush`` at call time) and ``plan_owner_layout`` (the owner-ordered schedule, looked up in
 ``runtime.placement``). ``handoff_wrong_owner`` sends one piece of a hand-off to a rank that does not keep it;
 ``wrong_rail`` reduces one owner region of a two-level flush on another local rank's rail (which holds other partial
-sums there).
+sums there). ``drop_trial_state``: a checkpoint's trials under way are dropped where the runtime reads its state
+(``runtime.handle``), so a resumed run measures its trials anew (issue 40's negative control).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ..planning.flush_plan import FlushRange
 from ..planning.owner_layout import OwnerLayout
 
 FAULTS = ("wrong_root", "skip_range", "layout_off_by_one", "handoff_wrong_owner", "wrong_rail",
-          "show_unoptimized_params")
+          "show_unoptimized_params", "drop_trial_state")
 
 
 def misroute_handoff(layout: OwnerLayout, world_size: int) -> OwnerLayout:
@@ -94,6 +95,17 @@ def inject(fault: str, world_size: int) -> None:
         import owner_reduce.wiring.activation as activation
 
         activation.hide_unoptimized_params = lambda backend_fn, optimized: backend_fn
+        return
+    if fault == "drop_trial_state":
+        import owner_reduce.runtime.handle as handle
+
+        parse = handle.parse_checkpoint_payload
+
+        def without_trials(data: Any, source: str) -> Any:
+            book, recordings, _ = parse(data, source)
+            return book, recordings, ()
+
+        handle.parse_checkpoint_payload = without_trials
         return
     import owner_reduce.runtime.flush as flush_module
     import owner_reduce.runtime.placement as placement_module

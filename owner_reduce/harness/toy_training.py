@@ -7,6 +7,7 @@ a rank started by ``owner_reduce.harness.launch.run_ranks``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -48,7 +49,10 @@ class TrainSpec:
     # recompiles every graph: torch._dynamo.reset() and the handle's reset()); () is DeepCompile's default (step 0).
     compile_steps: tuple[int, ...] = ()
     checkpoint_dir: str | None = None  # where save_at saves and resume loads (engine.save/load_checkpoint)
-    save_at: int | None = None  # save a checkpoint after this many optimizer steps (the run goes on to ``steps``)
+    # save a checkpoint after this many optimizer steps (the run goes on to ``steps``); a tuple: after each (tags
+    # ``global_stepN``, DeepSpeed's default)
+    save_at: int | tuple[int, ...] | None = None
+    load_tag: str | None = None  # resume: the checkpoint's tag (None: DeepSpeed's ``latest``)
     # Load checkpoint_dir after engine.compile() and before the first forward, as a user resuming does, then train
     # from the checkpoint's step to ``steps`` on the batches an uninterrupted run would see; losses start there.
     resume: bool = False
@@ -64,6 +68,15 @@ class TrainSpec:
     # cover each one where the model would pick another at their sizes.
     rail_steps: tuple[str, ...] = ()
     rail_layouts: tuple[str, ...] = ()  # the two-level layouts the model may choose (``two_level.RAIL_LAYOUTS``)
+    gradient_clipping: float = 0.0  # DeepSpeed's ``gradient_clipping`` (0: off)
+    check_grad_overflow: bool = False  # bf16's ``check_grad_overflow``: a step with inf or nan gradients is skipped
+    inf_at: tuple[int, int] | None = None  # (step, rank), 1-based step: that rank's first micro-step loss times inf
+    # resume with load_before_compile: ``engine.compile(schedule=[(global_steps, [reduce pass])])``, the compile
+    # schedule a user starts at the loaded step
+    compile_at_loaded_step: bool = False
+    # The measured guard's samples from ``fixed_samples.FixedSamples`` instead of the streams' clock: this rank's
+    # ((flush, variant, round), us) pairs are ``trial_samples[rank]`` (() keeps the streams' clock)
+    trial_samples: tuple[tuple[tuple[tuple[int, int, int], float], ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -274,7 +287,9 @@ def train(rank: int, world_size: int, spec: TrainSpec,
     if spec.optimizer != "Adam":
         config["zero_allow_untested_optimizer"] = True  # a torch.optim class by name: ZeRO partitions it as any
     if spec.bf16:
-        config["bf16"] = {"enabled": True}
+        config["bf16"] = {"enabled": True, **({"check_grad_overflow": True} if spec.check_grad_overflow else {})}
+    if spec.gradient_clipping:
+        config["gradient_clipping"] = spec.gradient_clipping
     if spec.mode == "owner":
         owner_reduce.install()
         config["compile"] = {"deepcompile": True, "reduce_to_owner": spec.reduce_to_owner,
@@ -293,7 +308,7 @@ def train(rank: int, world_size: int, spec: TrainSpec,
 
     def load() -> int:
         phase(f"engine.load_checkpoint({spec.checkpoint_dir})")
-        path, _ = engine.load_checkpoint(spec.checkpoint_dir)
+        path, _ = engine.load_checkpoint(spec.checkpoint_dir, tag=spec.load_tag)
         if path is None:
             raise RuntimeError(f"no checkpoint found in {spec.checkpoint_dir}")
         for _ in range(engine.global_steps * spec.grad_accum):  # the batches the checkpointed run already trained on
@@ -304,7 +319,10 @@ def train(rank: int, world_size: int, spec: TrainSpec,
         first_step = load()
     if spec.mode != "plain":
         phase("engine.compile (DeepCompile init: the owner runtime builds its communicator)")
-        engine.compile(backend=spec.backend, schedule=_compile_schedule(spec))
+        schedule = _compile_schedule(spec)
+        if spec.compile_at_loaded_step:
+            schedule = _compile_schedule(dataclasses.replace(spec, compile_steps=(first_step,)))
+        engine.compile(backend=spec.backend, schedule=schedule)
     if spec.resume and not spec.load_before_compile:
         first_step = load()
     runtime = None
@@ -312,6 +330,7 @@ def train(rank: int, world_size: int, spec: TrainSpec,
     losses: list[float] = []
     full_grads: list[dict[str, Any]] = []
     step_times: list[float] = []
+    grad_norms: list[float | None] = []
     for step in range(first_step, spec.steps):
         start = time.perf_counter()
         for micro in range(spec.grad_accum):
@@ -328,6 +347,12 @@ def train(rank: int, world_size: int, spec: TrainSpec,
                     timings = _time_runtime(runtime)
                 if on_phase is not None:
                     _first_flush_phases(runtime, on_phase)
+                if spec.trial_samples:
+                    from .fixed_samples import FixedSamples
+
+                    runtime.trial_clock = FixedSamples(dict(spec.trial_samples[rank]))
+            if spec.inf_at == (step + 1, rank) and micro == 0:
+                loss = loss * float("inf")  # every gradient inf or nan: the step overflows on every rank
             phase(f"step {step + 1} backward (DeepCompile compiles and profiles the backward graph, then reduces)"
                   if first and spec.mode != "plain" else f"step {step + 1} backward")
             engine.backward(loss)
@@ -340,13 +365,15 @@ def train(rank: int, world_size: int, spec: TrainSpec,
             phase(f"step {step + 1} optimizer")
             engine.step()
             losses.append(loss.item())
+        norm = engine.get_global_grad_norm()
+        grad_norms.append(None if norm is None else float(norm))
         accelerator.synchronize()
         step_times.append(time.perf_counter() - start)
         if spec.progress and rank == 0:
             _progress(step + 1, spec.steps, losses[-1])
         if step == first_step:
             first_step_s = time.perf_counter() - compile_start
-        if spec.save_at == step + 1:
+        if step + 1 in ((spec.save_at,) if isinstance(spec.save_at, int) else spec.save_at or ()):
             phase(f"engine.save_checkpoint({spec.checkpoint_dir}) after step {step + 1}")
             engine.save_checkpoint(spec.checkpoint_dir)
     phase("final barrier")
@@ -355,11 +382,15 @@ def train(rank: int, world_size: int, spec: TrainSpec,
     return {
         "losses": losses,
         "params": {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()},
+        # ZeRO's fp32 master partition of this rank (bf16/fp16 runs): where the owner's reduced gradient lands first
+        "fp32_partitions": [t.detach().cpu().clone() for t in
+                            getattr(engine.optimizer, "single_partition_of_fp32_groups", None) or ()],
         "comm": None if runtime is None or runtime.comm is None else type(runtime.comm).__name__,
         "stats": None if runtime is None else runtime.stats,
         "collective_log": None if runtime is None else list(runtime.collective_log),
         "flush_log": None if runtime is None else list(runtime.flush_log),
         "step_times": step_times,
+        "grad_norms": grad_norms,  # engine.get_global_grad_norm() after each step (inf for one that overflowed)
         "first_step_s": first_step_s,
         "first_step": first_step,  # 0, or the step load_checkpoint resumed at
         "global_steps": engine.global_steps,

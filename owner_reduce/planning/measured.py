@@ -16,7 +16,9 @@ two runs of one job, or a run and its resumption, differ in the last bits (issue
 by several times from step to step (samples of one flush from 0.5 to 10 ms on the CPU test cluster), while the
 differences the guard exists for (a model that is wrong at the user's scale) are systematic, so they separate;
 with three steps each way two variants of equal speed still separate by chance one time in twenty, which is why a
-verdict is kept with the checkpoint and can be pinned (``verdict_book``).
+verdict is kept with the checkpoint and can be pinned (``verdict_book``). The rule is two functions,
+``slowest_rank`` and ``native_beyond_noise``; ``is_close`` says where another run could decide otherwise (rank 0 then
+names the flush and the pin).
 
 On by default; ``OWNER_REDUCE_MEASURE=0`` turns it off (agreed at init like the other settings); never under a
 forced algorithm (``OWNER_REDUCE_FLUSH_ALGO``): a forced choice is what the user asked to run.
@@ -26,7 +28,7 @@ Pure: numbers in, verdicts and text out.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .wording import count_noun
 
@@ -71,16 +73,39 @@ def pack_samples(samples: Sequence[tuple[Sequence[float], Sequence[float]]], rou
 @dataclass(frozen=True)
 class Verdict:
     """One trial flush after the agreement: the medians (us) of its steps' times, each step timed by its slowest
-    rank, and whether native's calls won (see ``verdicts``)."""
+    rank, and whether native's calls won (see ``verdicts``). ``close``: another run could decide otherwise
+    (``is_close``); known where this run measured it, not kept in the book (a replayed verdict is pinned)."""
 
     model_us: float
     native_us: float
     native_wins: bool = False
+    close: bool = field(default=False, compare=False)
 
     @property
     def within_noise(self) -> bool:
         """Native's median was the lower one, but not beyond the trial's own noise: the model's choice stays."""
         return not self.native_wins and self.native_us < self.model_us
+
+
+def slowest_rank(times: Sequence[float]) -> float:
+    """One step's time from every rank's time of that step: the slowest rank's, what the step waits for."""
+    return max(times)
+
+
+def native_beyond_noise(model: Sequence[float], native: Sequence[float]) -> bool:
+    """The verdict rule, Note (beyond the noise): native's calls win a flush only where every one of native's steps was
+    faster than every one of the model's (each step timed by ``slowest_rank``); a tie keeps the model's choice."""
+    return max(native) < min(model)
+
+
+def is_close(model: Sequence[float], native: Sequence[float]) -> bool:
+    """Another run of the job could decide this flush otherwise: the two variants' step times overlap, or the gap
+    between them is no wider than either variant's own spread from step to step (one more step as noisy as these
+    could close it). Where a verdict is close, a run resumed from a checkpoint saved before it, or another run of the
+    job, may differ from this one in the last bits, unless the verdicts are pinned (``verdict_book``)."""
+    low, high = (native, model) if max(native) < min(model) else (model, native)
+    gap = min(high) - max(low)
+    return gap <= max(max(model) - min(model), max(native) - min(native))
 
 
 def verdicts(rows: Sequence[Sequence[int]]) -> tuple[Verdict, ...]:
@@ -92,10 +117,51 @@ def verdicts(rows: Sequence[Sequence[int]]) -> tuple[Verdict, ...]:
     out = []
     for i in range(n):
         at = 2 + 2 * rounds * i
-        model = [max(row[at + k] for row in rows) / 1000 for k in range(rounds)]
-        native = [max(row[at + rounds + k] for row in rows) / 1000 for k in range(rounds)]
-        out.append(Verdict(median(model), median(native), native_wins=max(native) < min(model)))
+        # The rule's two parts are looked up at call time: a test injects a wrong rule there, in the product's path.
+        model = [slowest_rank([row[at + k] for row in rows]) / 1000 for k in range(rounds)]
+        native = [slowest_rank([row[at + rounds + k] for row in rows]) / 1000 for k in range(rounds)]
+        out.append(Verdict(median(model), median(native), native_wins=native_beyond_noise(model, native),
+                           close=is_close(model, native)))
     return tuple(out)
+
+
+def pack_progress(samples: Sequence[tuple[Sequence[float], Sequence[float]]]) -> list[int]:
+    """This rank's samples of a trial under way (us), for the collective at a checkpoint: the flush count, then per
+    trial flush the count of the model's samples and of native's, then those samples in nanoseconds (as
+    ``pack_samples``: sample k of every rank is the same backward)."""
+    row = [len(samples)]
+    for model, native in samples:
+        row += [len(model), len(native)] + [round(us * 1000) for us in model] + [round(us * 1000) for us in native]
+    return row
+
+
+def slowest_progress(rows: Sequence[Sequence[int]]) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+    """Every rank's ``pack_progress`` row -> per trial flush the model's and native's step times so far (ns), each
+    step its slowest rank's: all that a verdict needs of them (``verdicts`` takes the slowest rank of each step, and
+    the slowest of equal times is that time), so a resumed trial goes on from them on every rank alike."""
+    shapes = [_progress_shape(row) for row in rows]
+    if not shapes or None in shapes or any(s != shapes[0] for s in shapes):
+        raise RuntimeError(f"owner_reduce: ranks are at different points of the trial: rows {list(rows)}")
+    out, at = [], 1
+    for m, n in shapes[0]:
+        model = tuple(slowest_rank([row[at + 2 + k] for row in rows]) for k in range(m))
+        native = tuple(slowest_rank([row[at + 2 + m + k] for row in rows]) for k in range(n))
+        out.append((model, native))
+        at += 2 + m + n
+    return tuple(out)
+
+
+def _progress_shape(row: Sequence[int]) -> list[tuple[int, int]] | None:
+    """(model samples, native samples) per flush of a ``pack_progress`` row, or None where it is not one."""
+    if not row or row[0] < 0:
+        return None
+    out, at = [], 1
+    for _ in range(row[0]):
+        if at + 2 > len(row) or min(row[at], row[at + 1]) < 0:
+            return None
+        out.append((row[at], row[at + 1]))
+        at += 2 + row[at] + row[at + 1]
+    return out if at == len(row) else None
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,13 @@ run of the same job, would not give the same bits. A ``VerdictBook`` holds every
 schedule; the runtime saves it with each checkpoint (``CHECKPOINT_KEY`` in DeepSpeed's client state) and restores it
 at ``load_checkpoint``, and ``OWNER_REDUCE_VERDICTS=FILE`` replays a book written by an earlier run (or, where FILE
 does not exist yet, writes this run's verdicts there): a schedule whose key is in the book skips its trial and runs
-the recorded winners, every rank alike.
+the recorded winners, every rank alike. A checkpoint saved during a trial also keeps that trial under way
+(``TrialProgress``: ``runtime.trial`` Note (resumed trials)), so that the resumed run goes on with it.
+
+Note (checkpoint format): ``CHECKPOINT_FORMAT`` (``/2``) holds the verdicts, the schedules as learned and the trials
+under way; the previous release's ``/1`` (verdicts and schedules) is read as one with no trial under way. A release
+that knows only ``/1`` finds a ``/2`` payload unusable on every rank and says so at ``load_checkpoint`` (its schedules
+are learned and measured again); DeepSpeed's own state in the checkpoint is unaffected either way.
 
 Note (key): a schedule's key is the sha256 of its flushes as learned (dtype, gradient ids, sizes, in order) and the
 cost model's choice for each, with the world size. The same model, partitioning, bucket size and cost model give the
@@ -33,7 +39,8 @@ from .measured import TrialFlush, Verdict
 FORMAT = "owner_reduce.verdicts/1"
 ENV_VAR = "OWNER_REDUCE_VERDICTS"
 CHECKPOINT_KEY = "owner_reduce"  # in the checkpoint's client state (``engine.save_checkpoint``): ``checkpoint_payload``
-CHECKPOINT_FORMAT = "owner_reduce.checkpoint/1"
+CHECKPOINT_FORMAT = "owner_reduce.checkpoint/2"  # /1 (no trials under way) is read too: ``parse_checkpoint_payload``
+CHECKPOINT_FORMAT_1 = "owner_reduce.checkpoint/1"
 KEY_CHARS = 16
 
 
@@ -151,16 +158,64 @@ def write_verdicts(path: str | Path, book: VerdictBook) -> None:
 Recording = list[tuple[str, tuple[int, ...], tuple[int, ...]]]
 
 
-def checkpoint_payload(book: VerdictBook | None, recordings: Sequence[Recording]) -> dict[str, Any]:
-    """What a checkpoint keeps of the runtime: the verdicts and every schedule as learned."""
+@dataclass(frozen=True)
+class TrialProgress:
+    """A trial under way when a checkpoint was saved (``runtime.trial`` Note (resumed trials)): its schedule's key,
+    the backwards that followed a variant in full (``steps``; the next one runs variant ``steps % 2``), ``rounds``,
+    and per trial flush its number and algorithm with the model's and native's step times so far in nanoseconds, each
+    step timed by its slowest rank (``measured.slowest_progress``)."""
+
+    key: str
+    steps: int
+    rounds: int
+    flushes: tuple[tuple[int, str, tuple[int, ...], tuple[int, ...]], ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "steps": self.steps, "rounds": self.rounds,
+                "flushes": [{"number": n, "algo": a, "model_ns": list(m), "native_ns": list(v)}
+                            for n, a, m, v in self.flushes]}
+
+    @classmethod
+    def from_dict(cls, data: Any, v: FieldCheck, at: str) -> TrialProgress:
+        """Validated: the sample counts are what ``steps`` alternating backwards give (model first), short of a
+        verdict (a trial with every sample is decided in the backward that completes it, before any save)."""
+        v.mapping(data, at.rstrip("."))
+        v.keys(data, at.rstrip("."), ("key", "steps", "rounds", "flushes"), ())
+        rounds = v.integer(v.get(data, "rounds", at), at + "rounds", 1)
+        steps = v.integer(v.get(data, "steps", at), at + "steps", 0)
+        if steps >= 2 * rounds:
+            v.fail(at + "steps", f"must be below {2 * rounds} (a trial of {rounds} rounds is decided at its step "
+                                 f"{2 * rounds})", steps)
+        flushes = []
+        for j, f in enumerate(v.field(data, "flushes", at, v.listing)):
+            fat = f"{at}flushes[{j}]."
+            times = []
+            for name, count in (("model_ns", (steps + 1) // 2), ("native_ns", steps // 2)):
+                values = v.field(f, name, fat, v.listing)
+                if len(values) != count:
+                    v.fail(fat + name, f"must hold {count} step times after {steps} trial steps", values)
+                times.append(tuple(v.integer(x, f"{fat}{name}[{k}]", 0) for k, x in enumerate(values)))
+            flushes.append((v.field(f, "number", fat, v.integer), v.field(f, "algo", fat, v.string), *times))
+        return cls(v.field(data, "key", at, v.string), steps, rounds, tuple(flushes))
+
+
+def checkpoint_payload(book: VerdictBook | None, recordings: Sequence[Recording],
+                       trials: Sequence[TrialProgress] = ()) -> dict[str, Any]:
+    """What a checkpoint keeps of the runtime: the verdicts, every schedule as learned, every trial under way."""
     return {"format": CHECKPOINT_FORMAT, "verdicts": None if book is None else book.to_dict(),
-            "schedules": [[[d, list(ids), list(numels)] for d, ids, numels in r] for r in recordings]}
+            "schedules": [[[d, list(ids), list(numels)] for d, ids, numels in r] for r in recordings],
+            "trials": [t.to_dict() for t in trials]}
 
 
-def parse_checkpoint_payload(data: Any, source: str) -> tuple[VerdictBook | None, list[Recording]]:
-    """``checkpoint_payload``'s data back; a ValueError names ``source`` and what is wrong."""
-    if not isinstance(data, Mapping) or data.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"owner_reduce: {source}: '{CHECKPOINT_KEY}' is not {CHECKPOINT_FORMAT} data")
+def parse_checkpoint_payload(data: Any, source: str
+                             ) -> tuple[VerdictBook | None, list[Recording], tuple[TrialProgress, ...]]:
+    """``checkpoint_payload``'s data back; a ValueError names ``source`` and what is wrong. A payload of the previous
+    release (``CHECKPOINT_FORMAT_1``: verdicts and schedules) reads as one without trials under way."""
+    known = (CHECKPOINT_FORMAT, CHECKPOINT_FORMAT_1)
+    if not isinstance(data, Mapping) or data.get("format") not in known:
+        got = data.get("format") if isinstance(data, Mapping) else type(data).__name__
+        raise ValueError(f"owner_reduce: {source}: '{CHECKPOINT_KEY}' is not {CHECKPOINT_FORMAT} or "
+                         f"{CHECKPOINT_FORMAT_1} data (format {got!r})")
     book = None if data.get("verdicts") is None else VerdictBook.from_dict(data["verdicts"], source)
     recordings: list[Recording] = []
     try:
@@ -168,9 +223,14 @@ def parse_checkpoint_payload(data: Any, source: str) -> tuple[VerdictBook | None
             recordings.append([(str(d), tuple(int(i) for i in ids), tuple(int(n) for n in numels))
                                for d, ids, numels in r])
     except (KeyError, TypeError, ValueError) as error:
-        raise ValueError(f"owner_reduce: {source}: its schedules are not {CHECKPOINT_FORMAT} data "
+        raise ValueError(f"owner_reduce: {source}: its schedules are not {data['format']} data "
                          f"({type(error).__name__}: {error})") from error
-    return book, recordings
+    trials: tuple[TrialProgress, ...] = ()
+    if data["format"] == CHECKPOINT_FORMAT:
+        v = FieldCheck("checkpoint state", source, CHECKPOINT_FORMAT)
+        trials = tuple(TrialProgress.from_dict(t, v, f"trials[{i}].")
+                       for i, t in enumerate(v.field(data, "trials", "", v.listing)))
+    return book, recordings, trials
 
 
 def payload_digest(data: Any) -> str:

@@ -25,12 +25,20 @@ from ..planning.calibration import Calibration, format_fits
 from ..planning.collectives import NATIVE, NODE, RAIL, TWO_LEVEL
 from ..planning.flags import OwnerReduceFlags, describe_flag_disagreement, pack_flags
 from ..planning.flush_choice import AUTO, FORCE_ENV_VAR, FORCE_VALUES, FlushCost, agreed_topology
-from ..planning.measured import MEASURE_ENV_VAR, TRIAL_ROUNDS, format_measured_line, verdicts
+from ..planning.measured import (
+    MEASURE_ENV_VAR,
+    STEP,
+    TRIAL_ROUNDS,
+    format_measured_line,
+    slowest_progress,
+    verdicts,
+)
 from ..planning.owner_map import OwnerMap, Placement
 from ..planning.two_level import TwoLevel, two_level_of
 from ..planning.verdict_book import ENV_VAR as VERDICTS_ENV_VAR
 from ..planning.verdict_book import (
     ScheduleVerdicts,
+    TrialProgress,
     VerdictBook,
     checkpoint_payload,
     parse_checkpoint_payload,
@@ -50,6 +58,7 @@ from .schedule import Schedule
 from .stats import FlushRecord, RuntimeStats, emit
 from .topology import host_digest, local_rank, nvlinks, ranks_per_node, sm_major
 from .trial import Trial, key_of, trial_flushes
+from .trial_clock import StreamClock, TrialClock
 
 NODE_HANDOFF_ROLE = "node hand-off"  # the communicator's name in messages (``comm`` ``role``)
 
@@ -109,6 +118,10 @@ class OwnerReduceRuntime:
         replayed = settings.verdicts.schedules if settings.verdicts is not None else ()
         # schedule key -> where its verdicts came from (the replay line)
         self._book_sources = {s.key: f"{VERDICTS_ENV_VAR}={settings.verdicts_path}" for s in replayed}
+        # schedule key -> a checkpoint's trial under way, until its schedule is learned (``trial`` Note (resumed
+        # trials))
+        self._resumed_trials: dict[str, tuple[TrialProgress, str]] = {}
+        self._trial_clock: TrialClock = StreamClock()  # the measured guard's samples (``trial_clock``)
         self.on_cleanup: Any = None  # set by activation: hands get_deepcompile_handle() back
 
     # ---- what tests, the demo and the benchmark read -----------------------------------------------------
@@ -133,6 +146,17 @@ class OwnerReduceRuntime:
     def plans_computed(self) -> int:
         return self.flusher.plans_computed
 
+    @property
+    def trial_clock(self) -> TrialClock:
+        """Where the measured guard's samples come from (``trial_clock``): the streams' clock; tests set fixed ones."""
+        return self._trial_clock
+
+    @trial_clock.setter
+    def trial_clock(self, clock: TrialClock) -> None:
+        self._trial_clock = clock
+        if self.placer is not None:
+            self.placer.clock = clock
+
     # ---- the handle surface DeepCompile's stage-1/2 path calls -------------------------------------------
 
     def init(self, process_group: Any, compile_config: Any, reduce_bucket_size: int) -> None:
@@ -155,6 +179,7 @@ class OwnerReduceRuntime:
                 self.placer = GradPlacer(self.settings.owner_map, self.settings.flags.reduce_to_owner, buckets,
                                          self.flusher, self.stats, cost, self._sync_streams, self._learned,
                                          self._trial_for if self._measuring else None)
+                self.placer.clock = self._trial_clock
                 if self.settings.flags.reduce_probe:
                     self._start_exposure(cost)
             except BaseException as error:
@@ -385,10 +410,19 @@ class OwnerReduceRuntime:
                      + ("" if cost.force == AUTO else f", {FORCE_ENV_VAR}={cost.force}") + ")")
             trial = sum(f.layout.choice != NATIVE for f in flushes)
             known = self._known_verdicts(schedule)
+            saved = self._resumed_trials.get(key_of(schedule, self.comm.world_size)) if trial else None
+            remaining = count_noun(2 * TRIAL_ROUNDS - (saved[0].steps if saved is not None else 0), "step", "steps")
             if schedule.overlapped:
                 line += "; flushes overlap on the node and rail streams"
-            if self._measuring and trial and known is not None:
+            if self._measuring and trial and known is not None and saved is not None:
+                line += (f"; the trial saved in {saved[1]} goes on for its remaining {remaining}, then the verdicts "
+                         f"replayed from {self._book_sources.get(known.key)}")
+            elif self._measuring and trial and known is not None:
                 line += f"; verdicts replayed from {self._book_sources.get(known.key)} (no trial)"
+            elif self._measuring and trial and saved is not None:
+                what = "the step" if schedule.overlapped else count_noun(trial, "flush", "flushes")
+                line += (f"; measuring {what} against native's calls over the next {remaining} (the trial saved in "
+                         f"{saved[1]}, resumed)")
             elif self._measuring and trial and schedule.overlapped:
                 line += f"; measuring the step against native's calls over the next {2 * TRIAL_ROUNDS} steps"
             elif self._measuring and trial:
@@ -438,6 +472,12 @@ class OwnerReduceRuntime:
         trial = Trial(schedule, self.placer.native_layout, native_us, world_size=self.comm.world_size)
         known = self._known_verdicts(schedule)
         if known is None:
+            self._resume_trial(trial)
+            return trial
+        if trial.key in self._resumed_trials and self._resume_trial(trial):
+            # Saved during this trial, decided since (a verdict file the saving run wrote after its save): the trial's
+            # remaining steps run as the saving run ran them, then the known winners (``trial`` Note (resumed trials)).
+            trial.known = known
             return trial
         winners, report = trial.winners(known.verdicts)
         self.stats.trials_replayed += 1
@@ -445,6 +485,24 @@ class OwnerReduceRuntime:
         if self.comm.rank == 0:
             self._measured_line(schedule.graph_id, report, known.rounds, source=self._book_sources.get(trial.key))
         return winners
+
+    def _resume_trial(self, trial: Trial) -> bool:
+        """A checkpoint's trial of this schedule goes on from where it was saved (``trial`` Note (resumed trials)),
+        every rank alike (every rank restored the same state and learned the same schedule); whether it does."""
+        saved = self._resumed_trials.pop(trial.key, None)
+        if saved is None or not trial.needed:
+            return False
+        progress, source = saved
+        why = trial.resume(progress)
+        if why is None:
+            self.stats.trials_resumed += 1
+            return True
+        if self.comm.rank == 0:
+            from deepspeed.utils import logger
+
+            logger.warning(f"owner_reduce: not resuming the measured guard's trial saved in {source}: {why}; this "
+                           f"schedule is measured from its first trial step")
+        return False
 
     def _known_verdicts(self, schedule: Schedule) -> ScheduleVerdicts | None:
         """The book's verdicts of ``schedule`` where they match its trial flushes (``verdict_book`` Note (key)), or
@@ -462,6 +520,15 @@ class OwnerReduceRuntime:
         placer = self.placer
         placer.take_marks()
         for graph_id, trial in placer.finished_trials():
+            if trial.known is not None:  # a resumed trial whose verdicts a file holds: those, as the saving run's
+                schedule, report = trial.winners(trial.known.verdicts)
+                placer.install(graph_id, schedule)
+                self.stats.trials_replayed += 1
+                self.stats.measured_overruled += sum(f.verdict.native_wins for f in report)
+                if self.comm.rank == 0:
+                    self._measured_line(graph_id, report, trial.known.rounds,
+                                        source=self._book_sources.get(trial.key))
+                continue
             rows = self.comm.all_gather_ints(trial.row())
             schedule, report = trial.winners(verdicts(rows))
             placer.install(graph_id, schedule)
@@ -473,6 +540,27 @@ class OwnerReduceRuntime:
             if self.comm.rank == 0:
                 written = self._write_verdicts()
                 self._measured_line(graph_id, report, trial.rounds, written=written)
+                if written is None:
+                    self._say_close(graph_id, report)
+
+    def _say_close(self, graph_id: int, report: Any) -> None:
+        """Rank 0, once per decided schedule: the flushes whose verdict another run could take otherwise
+        (``measured.is_close``), and how to pin the verdicts. Not where this run wrote them to a verdict file."""
+        close = [f for f in report if f.verdict.close]
+        if not close:
+            return
+        from deepspeed.utils import logger
+
+        number = self._learned_graphs.get(graph_id)
+        names = ", ".join("the step's reduction" if f.algo == STEP else f"flush {f.number} ({f.algo})"
+                          for f in close)
+        line = (f"owner_reduce: graph {f'#{number}' if number else graph_id}: the measured guard's verdict on {names} "
+                f"was within the noise (the two variants' step times overlap, or lie closer than they vary): another "
+                f"run of this job, or one resumed from a checkpoint saved before this verdict, may decide otherwise "
+                f"and differ in the last bits; {VERDICTS_ENV_VAR}=FILE pins the verdicts (a run writes them to FILE, "
+                f"the runs after it replay them)")
+        self.stats.close_lines.append(line)
+        logger.warning(line)
 
     def _measured_line(self, graph_id: int, report: Any, rounds: int, source: str | None = None,
                        written: str | None = None) -> None:
@@ -528,7 +616,36 @@ class OwnerReduceRuntime:
         if not recordings and (self._book is None or not self._book.schedules):
             return None
         named = [[(str(d).removeprefix("torch."), ids, numels) for d, ids, numels in r] for r in recordings]
-        return checkpoint_payload(self._book, named)
+        return checkpoint_payload(self._book, named, self._trials_under_way())
+
+    def _trials_under_way(self) -> list[TrialProgress]:
+        """Every trial under way, with every rank's samples so far (``trial`` Note (resumed trials)), plus a
+        checkpoint's trials not resumed yet, in key order. Collective where a trial is under way (identical on every
+        rank; ``save_checkpoint`` is called on every rank): two gathers bounded by the deadline, between steps, so no
+        sample spans them."""
+        trials = self.placer.running_trials() if self.placer is not None else []
+        progress = [progress for progress, _ in self._resumed_trials.values()]
+        if not trials:
+            return sorted(progress, key=lambda p: p.key)
+        row: list[int] = []
+        for trial in trials:
+            part = trial.progress_row()
+            row += [len(part), *part]
+        # Two gathers: the rows' lengths first (the gather of the rows needs one length on every rank), so that ranks
+        # at different points of their trials (which the invariants exclude) refuse together instead of hanging.
+        shapes = [tuple(r) for r in self.comm.all_gather_ints([len(trials), len(row)])]
+        if len(set(shapes)) > 1:
+            raise OwnerReduceMismatchError(
+                f"owner_reduce on rank {self.comm.rank}: save_checkpoint: the ranks are at different points of the "
+                f"measured guard's trials: " + ", ".join(f"{n} trials, a row of {w} integers on rank {r}"
+                                                         for r, (n, w) in enumerate(shapes)))
+        rows = self.comm.all_gather_ints(row)
+        at = 0
+        for trial in trials:
+            width = rows[0][at]
+            progress.append(trial.progress(slowest_progress([r[at + 1:at + 1 + width] for r in rows])))
+            at += 1 + width
+        return sorted(progress, key=lambda p: p.key)
 
     def restore_checkpoint_state(self, data: Any, source: str = "the checkpoint") -> None:
         """``engine.load_checkpoint``: the checkpoint's verdicts join the book (theirs win) and its schedules wait for
@@ -537,7 +654,8 @@ class OwnerReduceRuntime:
         agree on what they read, within the deadline; what every rank finds unusable is said once and dropped."""
         assert self.comm is not None and self.placer is not None, "owner_reduce runtime used before init()"
         try:
-            book, recordings = parse_checkpoint_payload(data, source)
+            # Looked up in this module at call time: the harness's fault injection replaces it here.
+            book, recordings, trials = parse_checkpoint_payload(data, source)
             if book is not None:
                 book.check_world_size(self.comm.world_size)
             dtypes = [[(getattr(torch, d), ids, numels) for d, ids, numels in r] for r in recordings]
@@ -565,11 +683,14 @@ class OwnerReduceRuntime:
             self._book = book if self._book is None else self._book.merged(book)
             self._book_sources.update((s.key, source) for s in book.schedules)
         self.placer.restore_recordings(dtypes)
+        self._resumed_trials = {t.key: (t, source) for t in trials}
         if self.comm.rank == 0:
             verdicts = count_noun(len(book.schedules), "schedule's verdicts", "schedules' verdicts") if book else \
                 "no verdicts"
+            under_way = "".join(f", the measured guard's trial of schedule {t.key} after {t.steps} of its "
+                                f"{2 * t.rounds} steps" for t in trials)
             emit(f"owner_reduce: restored from {source}: {count_noun(len(recordings), 'schedule', 'schedules')} as "
-                 f"learned and {verdicts}: the resumed run follows them from its first backward")
+                 f"learned and {verdicts}{under_way}: the resumed run follows them from its first backward")
 
     def _forget_graphs(self) -> None:
         """Everything keyed by a graph id (see Note (graph ids) in ``reset``)."""

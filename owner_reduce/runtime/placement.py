@@ -39,6 +39,7 @@ from .schedule import Follower, Schedule, ScheduledFlush, learn
 from .stats import RuntimeStats
 from .streams import CudaStreams, HostStreams, make_streams
 from .trial import TimedKey, Trial
+from .trial_clock import SamplePoint, StreamClock, TrialClock
 
 Recording = list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...]]]  # a schedule as learned: (dtype, ids, numels)
 
@@ -71,6 +72,7 @@ class GradPlacer:
         self._on_learned = on_learned
         self._make_trial = make_trial  # the measured guard (``trial``), or the known winners; None: off
         self._trials: dict[int, Trial] = {}  # graph_id -> its running trial
+        self.clock: TrialClock = StreamClock()  # where a trial's samples come from (``trial_clock``)
         self.streams: HostStreams | CudaStreams | None = None  # chosen from the first gradient's device
         self._pending: dict[torch.dtype, Pending] = {}
         self._schedules: dict[int, Schedule] = {}  # graph_id -> learned owner-ordered flushes (a trial's: the model's)
@@ -346,9 +348,14 @@ class GradPlacer:
         for key, start, end in marks:
             trial = self._trials.get(key.graph)
             if trial is not None and streams is not None:
-                trial.add_sample(key.index, key.variant, streams.elapsed_us(start, end))
+                point = SamplePoint(trial.key, key.index, key.variant, len(trial.samples[key.index][key.variant]))
+                trial.add_sample(key.index, key.variant, self.clock.sample_us(point, streams, start, end))
                 self._stats.trial_native_flushes += key.variant == NATIVE_VARIANT
         marks.clear()
+
+    def running_trials(self) -> list[Trial]:
+        """The trials under way, in the order of their keys (the same on every rank: graph ids are not)."""
+        return sorted(self._trials.values(), key=lambda trial: trial.key)
 
     def finished_trials(self) -> list[tuple[int, Trial]]:
         return [(graph, trial) for graph, trial in self._trials.items() if trial.done]

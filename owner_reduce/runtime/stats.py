@@ -70,6 +70,7 @@ class RuntimeStats:
     trial_native_flushes: int = 0  # flushes run as native's calls in place of the model's choice during trials
     trials_decided: int = 0
     trials_replayed: int = 0  # schedules whose verdicts were known (a checkpoint's, a file's, this run's): no trial
+    trials_resumed: int = 0  # trials a checkpoint saved under way, gone on with from its step (``trial``)
     measured_overruled: int = 0  # flushes whose model choice the measurement replaced by native's calls
     # The probe's step summary (``exposure``): this rank's numbers per probe step (None: not measured), rank 0's lines.
     exposure_samples: list = field(default_factory=list)
@@ -77,6 +78,7 @@ class RuntimeStats:
     init_line: str | None = None  # what rank 0 printed at init
     schedule_lines: list[str] = field(default_factory=list)  # what rank 0 printed when schedules were learned
     measured_lines: list[str] = field(default_factory=list)  # what rank 0 printed when a trial was decided
+    close_lines: list[str] = field(default_factory=list)  # rank 0's warnings: verdicts within the noise, unpinned
     probe_lines: list[str] = field(default_factory=list)
 
 

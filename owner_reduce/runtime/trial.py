@@ -18,6 +18,18 @@ reduction as a whole, from the first flush's start (an event where it starts, th
 last (an event on the reduce stream after it joined both levels, at ``end_backward``), against native's calls for
 every flush, and every rank keeps one of the two schedules.
 
+Note (resumed trials): a checkpoint saved during a trial keeps it (``progress``): its schedule's key, the steps it ran
+(so the variant that runs next), and every sample so far as the step's slowest rank took it, gathered from every rank
+at the save (``measured.slowest_progress``); samples are taken inside backward and read at its end, a save comes
+between steps, so no sample spans a save. A run resumed from that checkpoint adopts the schedule at its first
+backward (``placement`` Note (resumed schedules)), and the trial made for it goes on from there (``resume``): the
+same variant next, the same samples, the verdict at the same step, from every rank's slowest samples as the saving
+run's. Only the samples of the steps after the save are the resumed run's own: where the two variants are close
+(``measured.is_close``), its verdict may differ from the saving run's, and rank 0 says so (the handle), naming the
+pin: a verdict file. Where the resumed run replays a verdict file that holds this schedule (the saving run wrote it
+after its save), the trial still runs its remaining steps as the saving run ran them, and then installs the file's
+verdicts (``known``), not its own.
+
 Note (identical on every rank): which flushes a trial covers, the order of the variants and the step at which a
 trial ends follow from the schedule and the backwards, the same on every rank (``schedule`` Note (identical on every
 rank)); the verdict comes from the gathered rows, the same on every rank. A backward that leaves its schedule drops
@@ -37,10 +49,11 @@ from ..planning.measured import (
     TRIAL_ROUNDS,
     TrialFlush,
     Verdict,
+    pack_progress,
     pack_samples,
 )
 from ..planning.owner_layout import OwnerLayout
-from ..planning.verdict_book import schedule_key
+from ..planning.verdict_book import ScheduleVerdicts, TrialProgress, schedule_key
 from .schedule import Schedule, ScheduledFlush
 
 
@@ -94,6 +107,9 @@ class Trial:
             self.timed[id(first)] = (0, MODEL, True)
             self.timed[id(native_first)] = (0, NATIVE_VARIANT, True)
         self.samples: list[tuple[list[float], list[float]]] = [([], []) for _ in self.flushes]
+        # A resumed trial whose verdicts are known already (a verdict file): at its end these are installed, not the
+        # samples' (Note (resumed trials))
+        self.known: ScheduleVerdicts | None = None
 
     @property
     def needed(self) -> bool:
@@ -117,6 +133,38 @@ class Trial:
     def row(self) -> list[int]:
         """This rank's contribution to the agreement collective (``measured.pack_samples``)."""
         return pack_samples(self.samples, self.rounds)
+
+    def numbers_and_algos(self) -> list[tuple[int, str]]:
+        """(number in the graph, the model's algorithm) of each trial flush, as ``trial_flushes`` gives them."""
+        if self.whole_step:
+            return [(0, STEP)]
+        return [(number, model.layout.algo) for number, model, _, _ in self.flushes]
+
+    def progress_row(self) -> list[int]:
+        """This rank's samples so far, for the collective at a checkpoint (``measured.pack_progress``)."""
+        return pack_progress(self.samples)
+
+    def progress(self, slowest: Sequence[tuple[Sequence[int], Sequence[int]]]) -> TrialProgress:
+        """What a checkpoint keeps of this trial, from every rank's samples so far (``measured.slowest_progress``):
+        Note (resumed trials)."""
+        return TrialProgress(self.key, self.steps, self.rounds, tuple(
+            (number, algo, tuple(model), tuple(native))
+            for (number, algo), (model, native) in zip(self.numbers_and_algos(), slowest, strict=True)))
+
+    def resume(self, saved: TrialProgress) -> str | None:
+        """Go on from ``saved`` (Note (resumed trials)): its steps and samples in place of this fresh trial's; or why
+        not (it is another trial), and nothing changes."""
+        mine = self.numbers_and_algos()
+        theirs = [(number, algo) for number, algo, _, _ in saved.flushes]
+        if saved.key != self.key or theirs != mine or saved.rounds != self.rounds:
+            return (f"the saved trial of schedule {saved.key} ({theirs}, {saved.rounds} rounds) is not this one "
+                    f"({self.key}: {mine}, {self.rounds} rounds)")
+        if self.steps or any(model or native for model, native in self.samples):
+            return f"the trial of schedule {self.key} is under way already"
+        self.steps = saved.steps
+        self.samples = [([ns / 1000 for ns in model], [ns / 1000 for ns in native])
+                        for _, _, model, native in saved.flushes]
+        return None
 
     def winners(self, verdicts: Sequence[Verdict]) -> tuple[Schedule, tuple[TrialFlush, ...]]:
         """The schedule every rank keeps (each trial flush's winner, or for a step timed as a whole one of the two

@@ -1,10 +1,12 @@
-"""The runtime's schedules and the measured guard's verdicts in DeepSpeed's checkpoints: saved with every
-``engine.save_checkpoint``, restored by ``engine.load_checkpoint``.
+"""The runtime's schedules, the measured guard's verdicts and its trials under way in DeepSpeed's checkpoints: saved
+with every ``engine.save_checkpoint``, restored by ``engine.load_checkpoint``.
 
 Why: a run resumed in fresh processes would learn its schedules again from an arrival-order backward, and its guard
 would measure again and could decide otherwise where two variants are close: either adds the ranks' terms in another
-order than the run that saved (``planning.verdict_book``, ``runtime.placement`` Note (resumed schedules)). Both
-travel in DeepSpeed's own client state (``CHECKPOINT_KEY``):
+order than the run that saved (``planning.verdict_book``, ``runtime.placement`` Note (resumed schedules)); a trial
+under way at the save would start again from its first step (``runtime.trial`` Note (resumed trials)). All of it
+travels in DeepSpeed's own client state (``CHECKPOINT_KEY``; during a trial ``checkpoint_state`` gathers every rank's
+samples first, one collective: ``save_checkpoint`` is called on every rank):
 ``save_checkpoint`` writes it with the model states every data-parallel rank reads back, ``load_checkpoint`` returns
 it with the client state, and it is taken out of what the caller gets.
 

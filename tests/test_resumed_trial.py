@@ -1,0 +1,214 @@
+"""A checkpoint saved during the measured guard's trial (issue 40), on in-process ranks that really exchange: the
+trial's state travels with the checkpoint and a resumed run goes on with the same trial from the same step with the
+same samples, so it runs what the uninterrupted run runs, step by step; saving changes nothing the guard decides.
+
+Samples are fixed (``harness.fixed_samples``, issue 41), close to each other on purpose: where the model's choice and
+native's calls are close, a trial measured again would decide by chance. The end-to-end counterpart on gloo with
+DeepSpeed is ``test_checkpoint_trial_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from fakes import ExchangeWorld, exchange_backward, flat_map, mirror_runtime
+from test_measured_guard import NUMELS, TRIAL_ROUNDS, WS, fixed_clocks
+
+from owner_reduce.harness.fixed_samples import FixedSamples
+
+GRAPH = 11
+STEPS = 1 + 2 * TRIAL_ROUNDS + 2  # learned, the trial, two steps after the verdict
+# Close, and native's calls win: every native step beats every model step by less than the model's own spread. A
+# trial measured again (fresh samples: ``AGAIN``) keeps the model's choice, so a resumed run that dropped the trial's
+# state differs.
+CLOSE = ([([30, 24, 26], [21, 22, 23])], [([29, 25, 27], [22, 23, 22])])
+AGAIN = ([([30, 24, 26], [28, 22, 23])], [([29, 25, 27], [22, 23, 22])])  # native's first step slow: model kept
+
+
+def _world(**settings):
+    world = ExchangeWorld(WS, timeout_s=20)
+    m = flat_map(NUMELS, WS)
+    runtimes = world.run(lambda rank: mirror_runtime(m, rank=rank, graph_id=GRAPH, comm=world.comm(rank),
+                                                     measure=True, **settings)[0])
+    for rt in runtimes:
+        rt.record_collectives = True
+    return world, runtimes
+
+
+def _grads(rank: int, step: int) -> dict[int, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {pid: torch.randn(n, generator=g) for pid, n in enumerate(NUMELS)}
+
+
+def _right(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Every step's reduced gradients are the true mean (each variant's summation order within float rounding); the
+    bitwise comparison between runs is ``_same``'s."""
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=what)
+
+
+def _run(world, runtimes, steps: range) -> list[tuple[list, list[torch.Tensor]]]:
+    """Each step's calls (rank 0's; the ranks matched them) and every rank's grad buffers after it."""
+    out = []
+    for step in steps:
+        before = len(world.comm(0).calls)
+        exchange_backward(world, runtimes, lambda rank, step=step: _grads(rank, step), GRAPH,
+                          list(reversed(range(len(NUMELS)))), _right)
+        buffers = [torch.cat([p.grad_buffer.clone() for p in rt._params.values()]) for rt in runtimes]
+        out.append((world.comm(0).calls[before:], buffers))
+        for rt in runtimes:
+            for p in rt._params.values():
+                p.grad_buffer.zero_()
+    return out
+
+
+def _same(a, b, what: str) -> None:
+    assert len(a) == len(b)
+    for step, ((calls_a, bufs_a), (calls_b, bufs_b)) in enumerate(zip(a, b, strict=True)):
+        assert calls_a == calls_b, f"{what}: step {step}: other calls"
+        for rank, (x, y) in enumerate(zip(bufs_a, bufs_b, strict=True)):
+            assert torch.equal(x, y), f"{what}: step {step}, rank {rank}: reduced gradients differ"
+
+
+def _uninterrupted():
+    world, runtimes = _world()
+    fixed_clocks(runtimes, CLOSE)
+    return _run(world, runtimes, range(STEPS)), runtimes
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    return _uninterrupted()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("save_after", [1, 3, 1 + 2 * TRIAL_ROUNDS])
+def test_a_run_resumed_from_any_step_runs_what_the_uninterrupted_run_runs(save_after, uninterrupted):
+    """Saved after the schedule was learned (step 1), in the trial (step 3: one sample of each variant) and after the
+    verdict: the saving run, and fresh runtimes restored from its state, each equal the uninterrupted run step by
+    step (calls and bits); the resumed trial asks the clock only for the rounds after the save."""
+    reference, ref_runtimes = uninterrupted
+    assert ref_runtimes[0].stats.measured_overruled == 1 and ref_runtimes[0].stats.close_lines  # close, native won
+    world, runtimes = _world()
+    fixed_clocks(runtimes, CLOSE)
+    before = _run(world, runtimes, range(save_after))
+    state = world.run(lambda rank: runtimes[rank].checkpoint_state())
+    assert state[0] == state[1]
+    state = json.loads(json.dumps(state[0]))  # as DeepSpeed's client state keeps it
+    in_trial = save_after < 1 + 2 * TRIAL_ROUNDS
+    assert len(state["trials"]) == int(in_trial) and (state["verdicts"] is None) == in_trial, state
+    after = _run(world, runtimes, range(save_after, STEPS))
+    _same(before + after, reference, "the saving run vs the uninterrupted run")
+
+    world, fresh = _world()
+    clocks = fixed_clocks(fresh, CLOSE)
+    world.run(lambda rank: fresh[rank].restore_checkpoint_state(state, "ckpt/x"))
+    resumed = _run(world, fresh, range(save_after, STEPS))
+    _same(resumed, reference[save_after:], "the resumed run vs the uninterrupted run")
+    done = save_after - 1  # trial steps before the save
+    asked = [(p.variant, p.round) for p in clocks[0].asked]
+    assert asked == [(k % 2, k // 2) for k in range(done, 2 * TRIAL_ROUNDS)] if in_trial else asked == [], asked
+    s = fresh[0].stats
+    assert (s.schedules_restored, s.trials_resumed, s.trials_replayed) == \
+        (1, int(in_trial), int(not in_trial)), s
+    if in_trial:  # the verdict is the resumed run's, decided at the same step as the uninterrupted run's
+        assert s.trials_decided == 1 and s.measured_lines == ref_runtimes[0].stats.measured_lines
+
+
+@pytest.mark.timeout(90)
+def test_negative_control_a_resumed_run_whose_trial_state_is_dropped_differs(uninterrupted):
+    """The same checkpoint (step 3) with its trial dropped: the resumed run measures a new trial from its first step
+    (other variants at other steps; its fresh samples keep the model's choice), and that shows in the calls and the
+    bits, so the comparison above can fail."""
+    reference, _ = uninterrupted
+    world, runtimes = _world()
+    fixed_clocks(runtimes, CLOSE)
+    _run(world, runtimes, range(3))
+    state = json.loads(json.dumps(world.run(lambda rank: runtimes[rank].checkpoint_state())[0]))
+    assert state["trials"]
+    state["trials"] = []
+    world, fresh = _world()
+    fixed_clocks(fresh, AGAIN)
+    world.run(lambda rank: fresh[rank].restore_checkpoint_state(state, "ckpt/x"))
+    resumed = _run(world, fresh, range(3, STEPS))
+    with pytest.raises(AssertionError, match="the dropped state's run vs the uninterrupted run: step"):
+        _same(resumed, reference[3:], "the dropped state's run vs the uninterrupted run")
+    assert fresh[0].stats.trials_resumed == 0
+
+
+@pytest.mark.timeout(90)
+def test_a_trial_not_resumed_yet_is_kept_by_the_next_save_and_a_foreign_one_is_measured_anew(caplog):
+    """Saved again before the resumed run's first backward: the trial still travels. A saved trial whose flushes are
+    not this schedule's (another release's, a hand-edited payload) is not resumed: rank 0 says why, the trial starts
+    at its first step."""
+    world, runtimes = _world()
+    fixed_clocks(runtimes, CLOSE)
+    _run(world, runtimes, range(3))
+    state = json.loads(json.dumps(world.run(lambda rank: runtimes[rank].checkpoint_state())[0]))
+    world, fresh = _world()
+    world.run(lambda rank: fresh[rank].restore_checkpoint_state(state, "ckpt/x"))
+    again = json.loads(json.dumps(world.run(lambda rank: fresh[rank].checkpoint_state())[0]))
+    assert again == state
+
+    state["trials"][0]["flushes"][0]["algo"] = "reduce"
+    world, fresh = _world()
+    for rt in fresh:
+        rt.trial_clock = FixedSamples.per_flush(list(CLOSE[0]))
+    world.run(lambda rank: fresh[rank].restore_checkpoint_state(state, "ckpt/y"))
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        _run(world, fresh, range(3, 4))
+    assert fresh[0].stats.trials_resumed == 0 and fresh[0].stats.trial_steps == 1
+    warned = [r.getMessage() for r in caplog.records if "not resuming the measured guard's trial" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("owner_reduce: not resuming the measured guard's trial saved in "
+                                                     "ckpt/y: the saved trial of schedule "), warned
+    assert warned[0].endswith("this schedule is measured from its first trial step"), warned
+
+
+@pytest.mark.timeout(90)
+def test_a_verdict_file_written_after_the_save_pins_the_resumed_trial(uninterrupted, tmp_path):
+    """The pin rank 0 names: the saving run wrote its verdicts to a file after the trial; a run resumed from its
+    checkpoint of step 3 that replays the file runs the trial's remaining steps as the saving run did, then the file's
+    verdicts (not its own samples, which here would keep the model's choice): bitwise the uninterrupted run."""
+    from owner_reduce.planning.verdict_book import load_verdicts
+
+    reference, _ = uninterrupted
+    path = str(tmp_path / "v.json")
+    world, runtimes = _world(verdicts_path=path)
+    fixed_clocks(runtimes, CLOSE)
+    _run(world, runtimes, range(3))
+    state = json.loads(json.dumps(world.run(lambda rank: runtimes[rank].checkpoint_state())[0]))
+    _run(world, runtimes, range(3, STEPS))
+    assert runtimes[0].stats.close_lines == []  # pinned: nothing to warn about
+    world, fresh = _world(verdicts=load_verdicts(path), verdicts_path=path)
+    fixed_clocks(fresh, AGAIN)
+    world.run(lambda rank: fresh[rank].restore_checkpoint_state(state, "ckpt/x"))
+    _same(_run(world, fresh, range(3, STEPS)), reference[3:], "the resumed run replaying the file")
+    s = fresh[0].stats
+    assert (s.trials_resumed, s.trials_replayed, s.trials_decided) == (1, 1, 0), s
+    assert f"the trial saved in ckpt/x goes on for its remaining 4 steps, then the verdicts replayed from " \
+           f"OWNER_REDUCE_VERDICTS={path}" in s.schedule_lines[0], s.schedule_lines
+    assert s.measured_lines[0].startswith(f"[dc-schedule][r0] graph #1: verdicts replayed from "
+                                          f"OWNER_REDUCE_VERDICTS={path}, as measured"), s.measured_lines
+
+
+@pytest.mark.timeout(90)
+def test_a_step_timed_as_a_whole_resumes_too(monkeypatch):
+    """Four ranks in two nodes whose flushes overlap (the trial times the step as a whole: trial flush 0): saved
+    after three steps, resumed in fresh runtimes, the same calls step by step as the uninterrupted run."""
+    from test_measured_guard import _four_rank_steps, _overlapping_world
+
+    world, runtimes = _overlapping_world(monkeypatch, slow_rail=True)
+    reference = _four_rank_steps(world, runtimes, STEPS)
+    world, runtimes = _overlapping_world(monkeypatch, slow_rail=True)
+    _four_rank_steps(world, runtimes, 3)
+    state = json.loads(json.dumps(world.run(lambda rank: runtimes[rank].checkpoint_state())[0]))
+    assert [(f["number"], f["algo"]) for f in state["trials"][0]["flushes"]] == [(0, "the step")]
+    world, fresh = _overlapping_world(monkeypatch, slow_rail=True)
+    world.run(lambda rank: fresh[rank].restore_checkpoint_state(state, "ckpt/x"))
+    resumed = _four_rank_steps(world, fresh, STEPS - 3, first=3)
+    assert resumed == reference[3:]
+    assert fresh[0].stats.trials_resumed == 1 and fresh[0].stats.measured_lines[0].endswith(
+        "native's calls for every flush from now on, overruled by measurement")
