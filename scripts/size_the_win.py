@@ -87,8 +87,35 @@ def _stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
+READING_THE_PROBE = """\
+what the win is worth in time (your own run, not a model):
+  This script sizes the bytes and the modelled time of the reduction. A step
+  saves time only where it waits for the reduction. To measure that wait, run a
+  few steps with compile.reduce_probe true and reduce_to_owner false. After the
+  8th step, rank 0 prints one line per step 2 to 7, e.g. (bash scripts/demo.sh,
+  4 gloo ranks on a loaded CPU host: gloo's milliseconds, not a GPU's):
+
+    [dc-probe][r0] step 3: reduction 90.4 ms, exposed 41.2 ms (46%) of a
+    137.5 ms step (most exposed: rank 0); the owner path saves up to 5.4 ms of
+    it (modelled)
+
+  reduction: from the first flush's start to the last flush's end.
+  exposed: the part after the backward's compute ended; the step waits for it.
+  (46%): the exposed share of the reduction.
+  step: from the previous step's reduction end to this one's.
+  The numbers are those of the rank with the most exposed time.
+  saves up to: the exposed time, cut by flush, times what the cost model says
+  the owner path saves on each of those flushes. It is a model's number.
+  Near 0 exposed: the reduction is hidden; the owner path saves little time.
+  With reduce_to_owner true, the same lines say "measured on the owner path",
+  or "on native's calls" for the measured guard's trial steps: compare them.
+  On a GPU the times come from CUDA events, read a step later without waiting.
+  On CPU they come from the host clock, where every flush blocks the backward.
+"""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=READING_THE_PROBE,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt2-124m",
                         help=f"a preset ({', '.join(PRESETS)}) or module:factory returning an nn.Module")

@@ -158,6 +158,7 @@ def test_identical_data_bitwise_equal_eager(world_size):
     assert re.match(r"^\[dc-schedule\]\[r0\] graph #1: measured \d+ flush(es)? over 3 steps each way, slowest rank: "
                     r".* measured \d+\.\d{3} ms vs native \d+\.\d{3} ms \(modelled ", line), line
     assert all(r["stats"].measured_lines == [] for r in owner[1:])
+    _assert_step_summary(owner, modelled=False)
 
 
 @pytest.mark.timeout(300)
@@ -185,8 +186,8 @@ def test_identical_data_gradient_accumulation_bitwise_equal():
 
 @pytest.mark.timeout(300)
 def test_probe_only_reports_without_taking_the_owner_path():
-    spec = TrainSpec(mode="owner", backend="eager", steps=3, reduce_to_owner=False, reduce_probe=True,
-                     record_collectives=True)
+    spec = TrainSpec(mode="owner", backend="eager", steps=8, reduce_to_owner=False, reduce_probe=True,
+                     record_collectives=True)  # 8 steps: the probe's step summary comes after the 8th
     owner, plain = _run_with_reference(2, spec)
     _assert_runtime_ran(owner, spec, owner_path=False)
     _assert_bitwise(owner, plain)
@@ -194,6 +195,36 @@ def test_probe_only_reports_without_taking_the_owner_path():
     line = owner[0]["stats"].probe_lines[0]
     eligible = int(re.search(r" eligible_elems=(\d+)", line).group(1))
     assert eligible > 0 and " owner_elems=0 (0.0%)" in line
+    _assert_step_summary(owner, modelled=True)
+
+
+STEP_LINE_RE = re.compile(r"^\[dc-probe\]\[r0\] step (\d+): reduction (\d+\.\d+) ms, exposed (\d+\.\d+) ms \((\d+)%\) "
+                          r"of a (\d+\.\d+) ms step \(most exposed: rank (\d+)\); (.*)$")
+
+
+def _assert_step_summary(results: tuple, modelled: bool) -> None:
+    """The probe's step summary (``planning.exposure``): rank 0's line per probe step, the most exposed rank's
+    numbers, which add up; every rank measured every step on the host clock."""
+    from owner_reduce.planning.exposure import PROBE_STEPS
+
+    lines = results[0]["stats"].exposure_lines
+    assert len(lines) == PROBE_STEPS, lines
+    for k, line in enumerate(lines):
+        m = STEP_LINE_RE.match(line)
+        assert m and int(m.group(1)) == k + 2, line
+        span, exposed, step = (float(m.group(i)) for i in (2, 3, 5))
+        assert 0 <= exposed <= span <= step, line
+        rank = int(m.group(6))
+        sample = results[rank]["stats"].exposure_samples[k]
+        assert f"reduction {sample.span_us / 1000:.{1 if sample.span_us >= 1000 else 3}f} ms" in line, (line, sample)
+        assert all(sample.exposed_us >= r["stats"].exposure_samples[k].exposed_us for r in results), line
+        tail = m.group(7)
+        assert (re.fullmatch(r"the owner path saves up to \d+\.\d+ ms of it \(modelled\)", tail) is not None
+                if modelled else tail.startswith("measured on ")), line
+    for r in results:
+        samples = r["stats"].exposure_samples
+        assert len(samples) == PROBE_STEPS and all(0 <= s.exposed_us <= s.span_us <= s.step_us for s in samples)
+    assert all(r["stats"].exposure_lines == [] for r in results[1:]), "only rank 0 prints the summary"
 
 
 # ---- negative controls: a broken reduction must not pass the comparison ------------------------------------

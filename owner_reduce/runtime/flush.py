@@ -174,6 +174,7 @@ class Flusher:
         self.timed: dict[int, Any] | None = None
         self.marks: list[tuple[Any, Any, Any]] = []  # (key, start, end) per timed flush, read after the stream wait
         self.step_start: tuple[Any, Any] | None = None  # (key, start mark) of a step timed as a whole (``trial``)
+        self.exposure: Any = None  # the probe's step summary (``exposure``) during its steps; None otherwise
 
     def forget_plans(self) -> None:
         """A grad buffer was registered or moved: the cached copy-out lists point at the old ones."""
@@ -201,11 +202,14 @@ class Flusher:
         key = None
         if timed is not None and pending.scheduled is not None and pending.count == len(pending.scheduled.ids):
             key = timed.get(id(pending.scheduled))
+        probe = self.exposure
         if cached.stages:
-            self._flush_two_level(cached, bucket, streams, index, key)
+            end = self._flush_two_level(cached, bucket, streams, index, key, probe)
         else:
             with streams.reducing():
                 start = streams.mark() if key is not None else None
+                if probe is not None:
+                    probe.flush_started(streams)
                 if cached.staged:
                     buffer = self._staged(cached, bucket)
                 used = self._prepare(cached, buffer)
@@ -217,16 +221,22 @@ class Flusher:
                         self._p2p(comm, cached.p2p, buffer)
                 self._copy_out(cached, sources)
                 self._marked(key, start, streams)
-                streams.bucket_released(bucket)
+                end = (streams.bucket_released(bucket, timing=True) if probe is not None
+                       else streams.bucket_released(bucket))
+        if probe is not None:  # the free event, a timing event meanwhile, is the flush's end mark (``exposure``)
+            probe.flush_ended(end, pending, cached)
         self._count(cached, buffer, pending.scheduled is not None)
 
-    def _flush_two_level(self, cached: _CachedFlush, bucket: Any, streams: Any, index: int, key: Any) -> None:
+    def _flush_two_level(self, cached: _CachedFlush, bucket: Any, streams: Any, index: int, key: Any,
+                         probe: Any = None) -> Any:
         """Padding, pre-division and the node steps on the node stream, the rail steps, the data-parallel calls, the
         copy-out and the bucket's free event on the rail stream (``streams`` Note (two levels)): the next flush's node
-        step waits for none of this flush's rail step."""
+        step waits for none of this flush's rail step. Returns the free event (the probe's end mark), where asked."""
         buffer = bucket.buffer
         with streams.levels():
             start = streams.mark(NODE) if key is not None else None
+            if probe is not None:
+                probe.flush_started(streams, NODE)
             used = self._prepare(cached, buffer)
             sources, views = self._views(cached, bucket, used)
             self._two_level(cached, views, streams, index, buffer)
@@ -235,7 +245,10 @@ class Flusher:
                     self._world_calls(self.comm, cached, buffer, index)
                 self._copy_out(cached, sources)
                 self._marked(key, start, streams, RAIL)
-                streams.bucket_released(bucket, RAIL)
+                if probe is None:
+                    streams.bucket_released(bucket, RAIL)
+                    return None
+                return streams.bucket_released(bucket, RAIL, timing=True)
 
     def _prepare(self, cached: _CachedFlush, buffer: torch.Tensor) -> torch.Tensor:
         """Zero the padding and pre-divide the span the flush reduces (as the native runtime); the span's view."""

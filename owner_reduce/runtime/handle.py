@@ -51,6 +51,7 @@ from .accumulate import Accumulator
 from .buckets import DoubleBufferedBuckets
 from .comm import ReduceComm
 from .deadline import add_note
+from .exposure import ExposureProbe, OwnerPathModel
 from .flush import Flusher, Levels, Param
 from .placement import GradPlacer
 from .schedule import Schedule
@@ -106,6 +107,7 @@ class OwnerReduceRuntime:
         self.flusher = Flusher(settings.owner_map, settings.flags, self._params, self.stats,
                                FlushCost(None, force=settings.flush_algo))
         self.placer: GradPlacer | None = None  # made at init (needs the bucket size and the agreed cost model)
+        self._exposure: ExposureProbe | None = None  # the probe's step summary, until its lines are out (``exposure``)
         self._learned_graphs: dict[int, int] = {}  # graph_id -> its number in the schedule lines (1, 2, ...)
         self._graph_numbers = 0  # schedule lines printed since the last reset (numbers are never reused before it)
         self._update = False
@@ -178,6 +180,8 @@ class OwnerReduceRuntime:
                                          self.flusher, self.stats, cost, self._sync_streams, self._learned,
                                          self._trial_for if self._measuring else None)
                 self.placer.clock = self._trial_clock
+                if self.settings.flags.reduce_probe:
+                    self._start_exposure(cost)
             except BaseException as error:
                 # DeepSpeed calls cleanup() only after a successful init: release the communicators here; a failure
                 # doing so is a note on the error that stopped init.
@@ -298,10 +302,20 @@ class OwnerReduceRuntime:
         self.stats.end_backward_calls += 1
         placer = self.placer
         assert placer is not None, "owner_reduce runtime used before init()"
+        probe = self._exposure
+        recording = probe is not None and probe.recording
+        if recording:
+            probe.backward_ending(placer.streams, placer.has_pending)  # the compute mark: before anything is flushed
         placer.end_backward()
+        if recording:
+            probe.backward_ended(placer.streams, placer.last_backward)
+            if not probe.recording:
+                self.flusher.exposure = None
         self._sync_streams("end_backward")  # the optimizer reads the grad buffers next
         if placer.trials_running:
             self._advance_trials()
+        if probe is not None:
+            self._exposure_after_wait(probe)
         if self._stage == 2 and self._update:
             # z2.cpp: this graph's parameters start the next step by overwriting (other graphs clear theirs).
             for ds_id in self._graphs.get(graph_id, ()):
@@ -416,6 +430,33 @@ class OwnerReduceRuntime:
                          f"{2 * TRIAL_ROUNDS} steps")
         self.stats.schedule_lines.append(line)
         emit(line)
+
+    # ---- the probe's step summary (``exposure``) -----------------------------------------------------------
+
+    def _start_exposure(self, cost: FlushCost) -> None:
+        """The probe's step summary from the first backward. Without the owner path its lines add the model's
+        saving, costed with the two-level flush among the candidates where the ranks form nodes over a network (as
+        the owner path would have it: ``_make_levels``), though no node or rail communicator exists in this run."""
+        model = None
+        if not self.settings.flags.reduce_to_owner:
+            if cost.topology is not None and cost.calibration is None and cost.two_level is None:
+                cost = replace(cost, two_level=two_level_of(cost.topology, cost.topology.gpus_per_node))
+            model = OwnerPathModel(self.settings.owner_map, cost).ratio
+        self._exposure = self.flusher.exposure = ExposureProbe(model)
+
+    def _exposure_after_wait(self, probe: ExposureProbe) -> None:
+        """After ``end_backward``'s wait: read the step before (``exposure`` Note (no host wait)); once the probe's
+        steps are read, every rank's rows in one gather (Note (one gather)) and rank 0's lines."""
+        probe.after_wait()
+        if not probe.done:
+            return
+        self._exposure = self.flusher.exposure = None
+        rows = self.comm.all_gather_ints(probe.row())
+        self.stats.exposure_samples = list(probe.samples)
+        if self.comm.rank == 0:
+            for line in probe.lines(rows):
+                self.stats.exposure_lines.append(line)
+                emit(line)
 
     # ---- the measured guard ------------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..planning.collectives import NATIVE
+from ..planning.exposure import ARRIVAL, MODELLED, NATIVE_TRIAL, OWNER
 from ..planning.flush_choice import FlushCost
 from ..planning.measured import NATIVE_VARIANT
 from ..planning.owner_layout import OwnerLayout, StepLayouts, map_order, plan_owner_layout, plan_step_layouts
@@ -80,6 +81,7 @@ class GradPlacer:
         self._follower: Follower | None = None  # following a schedule in this backward
         self._recording: list[tuple[Any, tuple[int, ...], tuple[int, ...]]] | None = None  # arrival-order flushes
         self._restored: list[Recording] = []  # a checkpoint's schedules not adopted yet: Note (resumed schedules)
+        self.last_backward = MODELLED  # how the last backward's flushes ran (``planning.exposure``: the probe's lines)
 
     # ---- one gradient ------------------------------------------------------------------------------------
 
@@ -199,9 +201,16 @@ class GradPlacer:
         graph = self._backward_graph
         self._end_schedule(learn_graph=True)
         trial = self._trials.get(graph) if completed else None
+        self.last_backward = (MODELLED if not self._owner else ARRIVAL if not completed
+                              else NATIVE_TRIAL if trial is not None and trial.steps % 2 == NATIVE_VARIANT else OWNER)
         if trial is not None:
             trial.step_done()
             self._stats.trial_steps += 1
+
+    @property
+    def has_pending(self) -> bool:
+        """A bucket holds gradients not flushed yet (``end_backward`` will flush it)."""
+        return bool(self._pending)
 
     # ---- owner-ordered schedules -------------------------------------------------------------------------
 

@@ -72,6 +72,9 @@ class RuntimeStats:
     trials_replayed: int = 0  # schedules whose verdicts were known (a checkpoint's, a file's, this run's): no trial
     trials_resumed: int = 0  # trials a checkpoint saved under way, gone on with from its step (``trial``)
     measured_overruled: int = 0  # flushes whose model choice the measurement replaced by native's calls
+    # The probe's step summary (``exposure``): this rank's numbers per probe step (None: not measured), rank 0's lines.
+    exposure_samples: list = field(default_factory=list)
+    exposure_lines: list[str] = field(default_factory=list)
     init_line: str | None = None  # what rank 0 printed at init
     schedule_lines: list[str] = field(default_factory=list)  # what rank 0 printed when schedules were learned
     measured_lines: list[str] = field(default_factory=list)  # what rank 0 printed when a trial was decided

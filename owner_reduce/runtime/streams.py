@@ -80,8 +80,9 @@ class HostStreams:
     def reducing(self) -> Iterator[None]:
         yield
 
-    def bucket_released(self, bucket: Any, level: str | None = None) -> None:
-        pass
+    def bucket_released(self, bucket: Any, level: str | None = None, timing: bool = False) -> float | None:
+        """The flush's end: the wall clock where ``timing`` asks for a mark (the probe's steps: ``exposure``)."""
+        return time.perf_counter() if timing else None
 
     def synchronize(self, wait: Callable[[Callable[[], bool]], None] | None = None) -> None:
         pass
@@ -111,6 +112,14 @@ class HostStreams:
 
     def step_end_mark(self) -> float:
         return self.mark()
+
+    def compute_mark(self) -> float:
+        """Where the backward's compute stands (``exposure`` Note (marks)): the wall clock."""
+        return time.perf_counter()
+
+    @staticmethod
+    def completed(mark: float) -> bool:
+        return True
 
 
 class CudaStreams:
@@ -142,12 +151,14 @@ class CudaStreams:
         with self._cuda.stream(stream):
             yield
 
-    def bucket_released(self, bucket: Any, level: str | None = None) -> None:
+    def bucket_released(self, bucket: Any, level: str | None = None, timing: bool = False) -> Any:
         """The bucket's free event, on the stream its flush ends on: the reduce stream, or a two-level flush's rail
-        stream (``level``)."""
-        event = self._cuda.Event()
+        stream (``level``); a timing event where ``timing`` asks for one (the probe's steps: ``exposure``), which then
+        marks the flush's end at no extra call."""
+        event = self._cuda.Event(enable_timing=True) if timing else self._cuda.Event()
         event.record(self.reduce_stream if level is None else self._levels[level])
         bucket.free_event = event
+        return event
 
     def synchronize(self, wait: Callable[[Callable[[], bool]], None] | None = None) -> None:
         self.join()
@@ -207,6 +218,17 @@ class CudaStreams:
     def elapsed_us(start: Any, end: Any) -> float:
         """After the reduce stream was waited: the time between two marks on it."""
         return start.elapsed_time(end) * 1000.0
+
+    def compute_mark(self) -> Any:
+        """Where the backward's compute stands (``exposure`` Note (marks)): a timing event on the current stream."""
+        event = self._cuda.Event(enable_timing=True)
+        event.record(self._cuda.current_stream(self.device))
+        return event
+
+    @staticmethod
+    def completed(mark: Any) -> bool:
+        """Whether a mark's event has completed, without waiting for it (``query``, never ``synchronize``)."""
+        return bool(mark.query())
 
 
 def make_streams(device: torch.device) -> HostStreams | CudaStreams:
