@@ -23,6 +23,15 @@ from owner_reduce.runtime.deadline import ENV_VAR, Deadline, poll_until_done, re
 SHORT = Deadline(0.2, "test")
 
 
+@pytest.fixture(autouse=True)
+def _no_flush_watchdog(monkeypatch):
+    """These tests bound the main thread's own waits and aborts; the flush watchdog, which counts each group's deadline
+    from its issue and would race them at the same short deadline, is tested on its own (tests/test_watchdog.py)."""
+    from owner_reduce.runtime.watchdog import FlushWatchdog
+
+    monkeypatch.setattr(FlushWatchdog, "arm", lambda self: None)
+
+
 # ---- where the deadline comes from ---------------------------------------------------------------------------
 
 
