@@ -997,10 +997,12 @@ def test_a_cupy_communicator_whose_peer_never_joins_ends_its_process_at_the_dead
 
 
 class _TimingOutTdist(FakeTdist):
-    """gloo: every work's ``wait(timeout)`` raises gloo's timeout."""
+    """gloo: every work's ``wait(timeout)`` raises gloo's timeout, after the group's warm-up at its creation."""
 
     def _work(self, buf):
-        return FakeWork(raises="[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting")
+        self.works.append(FakeWork(raises=None if not self.works else
+                                   "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting"))
+        return self.works[-1]
 
 
 def test_a_gloo_rail_that_times_out_names_the_global_rank_the_data_parallel_root_and_the_rail():

@@ -266,7 +266,11 @@ class ReduceComm(ABC):
         sub.watchdog = self.watchdog  # one family: ``watchdog``
         self.watchdog.add(sub)
         self.subs.append(sub)
+        sub._after_split()
         return sub
+
+    def _after_split(self) -> None:  # noqa: B027 - optional hook
+        """A sub-communicator, named and in its family: ready it within init's deadline (``TorchDistComm``)."""
 
     def _split(self, groups: Sequence[Sequence[int]]) -> ReduceComm:
         raise NotImplementedError(f"{self.name}: this communicator cannot make sub-communicators (two-level flush)")
@@ -505,6 +509,29 @@ class TorchDistComm(ReduceComm):
             group = self._tdist.new_group(ranks=[self._global_rank[m] for m in mine], timeout=timeout,
                                           use_local_synchronization=True)
         return TorchDistComm(group, self._tdist)
+
+    def _after_split(self) -> None:
+        """Note (warm-up): torch's NCCL backend creates a group's NCCL communicator lazily, on the host, inside the
+        group's first operation; without this that is the first overlapped flush (a wait no deadline bounds), and the
+        node hand-off group's first operation is ``batch_isend_irecv``, which torch documents as undefined unless every
+        rank of the group takes part in that first call. So every new group runs one tiny AllReduce here, at init,
+        every rank of it together, within init's deadline: the call itself under ``end_process_if_still_blocked``
+        (a creation nothing can interrupt: ``deadline`` Note (a blocking init)), its completion polled by
+        ``wait_until``. On gloo too (it connects at creation: the AllReduce only checks the group works)."""
+        device = torch.device("cpu")
+        if "nccl" in str(self._tdist.get_backend(self._group)).lower() and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        buf = torch.zeros(1, device=device)
+        call = _Call("warm-up all_reduce", None, 1, buf.dtype, buf.is_cuda)
+        what = (f"the warm-up all_reduce(count=1) of the new {self.role} group (torch creates its NCCL communicator "
+                f"there)")
+        with _no_python_dispatcher():
+            work = deadlines.end_process_if_still_blocked(
+                lambda: self._tdist.all_reduce(buf, op=self._sum, group=self._group, async_op=True),
+                deadline=self.deadline, rank=self.global_rank, what=what)
+            self._settle([(work, call)], flush=None)
+        if buf.is_cuda:
+            self.wait_until(lambda: True, f"warm-up of the {self.role} group", flush=None)
 
     def close(self) -> None:
         """The runtime's cleanup has waited for the reduce stream (and so for every work in flight) already."""
