@@ -19,7 +19,7 @@ import types
 import pytest
 import torch
 from fakes import MirrorComm, flat_map
-from hb_cuda import HbCuda
+from hb_cuda_legacy import HbCuda
 
 from owner_reduce.planning.flags import OwnerReduceFlags
 from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings

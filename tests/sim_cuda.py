@@ -1,0 +1,1419 @@
+"""A simulated CUDA device and NCCL on CPU: CUDA's asynchrony and NCCL's blocking and abort semantics, so that the
+product's cupy path (``CupyNcclComm``, ``CudaStreams``, the real ``OwnerReduceRuntime``) runs end to end in CI, and
+what only a GPU would show (hangs, ordering races) fails in CI. No product code knows about it: the product keeps
+calling ``torch.cuda.*``, ``cupy`` and ``cupy.cuda.nccl``; ``Sim`` patches those while it is installed.
+
+API::
+
+    from sim_cuda import Sim, SimHang, sim  # ``sim``: a pytest fixture, Sim() installed for the test
+
+    with Sim(launch_bound=1000, hang_bound_s=10.0, hb=False) as sim:   # installed in this thread (rank 0's process)
+        x = torch.zeros(8, device="cuda")        # a device tensor (``SimTensor``) on the current device
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            x.add_(1)                            # enqueued on ``side``, run later by its worker thread
+        x.cpu()                                  # a D2H copy: synchronizes the current stream, a plain CPU tensor
+        results = sim.run_ranks(fn, 4)           # fn(rank) on 4 threads, each rank a process of its own: its own
+                                                 # current device (rank % device_count), default stream, host
+        sim.kernel(0.002, name="layer 3")        # a synthetic compute kernel of 2 ms (virtual) on the current stream
+        sim.counters["wait_event"], sim.nccl.comms(rank=0), sim.races (hb=True), sim.hangs, sim.mismatches
+
+What it models (``docs/notes/issue-37-simulated-device.md`` says where it departs from CUDA and NCCL):
+
+- Streams: each a FIFO run asynchronously in order by a worker thread of its own. Ops: kernels (torch ops on device
+  tensors, NCCL kernels, ``sim.kernel``), event records, event waits, stream waits. A launch blocks the host while the
+  stream holds ``launch_bound`` pending operations (CUDA's launch queue). ``query()`` is true only when drained.
+  Events as CUDA's: a wait takes the event's last record at enqueue time; a never-recorded event is complete.
+- Torch ops on device tensors (``__torch_dispatch__``): views run at once on the host (no data); ops returning Python
+  values (``item``, ``equal``) and D2H copies (``.cpu()``) synchronize the current stream first; in-place and ``out=``
+  ops are enqueued and return their mutated argument; functional ops get their outputs allocated from metadata (the
+  op on meta tensors) and are enqueued. Where metadata cannot be computed the op synchronizes and runs at once:
+  ``sim.fallbacks`` counts those by op. ``torch.tensor(..., device="cuda")`` and ``.to("cuda")`` are H2D copies: the
+  source is read at the call, the copy enqueued; a blocking one (``non_blocking=False``) then synchronizes the stream
+  (``counters["blocking copy"]``), as CUDA's does.
+- A virtual clock per stream, independent of machine load: an op starts at max(its stream's clock, what it waits for,
+  its host's clock when launched) and ends ``duration`` later (``op_cost(name, args)`` for torch ops, default 0;
+  ``sim.kernel(seconds)``; NCCL: ``sim.nccl.cost`` and a per-communicator ``delay_s``). Events carry virtual times, so
+  ``elapsed_time`` is exact; a host wait moves its host's clock to what it waited for.
+- NCCL (``sim_nccl``): see there. Every host wait that would block forever on a GPU (a full launch queue, a
+  synchronize, a blocking copy, NCCL's init, work FIFO, abort and destroy waits) gives up after ``hang_bound_s`` wall
+  seconds with ``SimHang`` naming where the host was blocked and what every stream's head waits for; ``SimHang`` is a
+  ``BaseException``, so the product's ``except Exception`` cannot swallow what on a GPU would never return, and each
+  one is also kept in ``sim.hangs``.
+- Happens-before (``hb=True``): every enqueued op's reads and writes (from its schema) go to ``hb_cuda.HbChecker``
+  with vector clocks advanced by the waits the product asked for, so a missing wait is a race even where the
+  scheduling hid it: ``sim.races``, ``sim.hb_report()``.
+- Counters: ``sim.counters`` (CUDA API calls by kind, launches, blocking copies, NCCL calls by kind, misaligned NCCL
+  pointers), per process ``sim.process(rank).counters``, per stream ``stream.launches``.
+
+A device tensor holds an inner CPU tensor over a storage the sim keeps in a registry of simulated addresses
+(``data_ptr()``, DLPack's ``.data.ptr``): NCCL's pointers map back to inner storages through it, never through a raw
+address read.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import contextlib
+import itertools
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import hb_cuda
+import pytest
+import torch
+
+hb_cuda.skip_file(__file__)
+
+DEFAULT_LAUNCH_BOUND = 1000  # CUDA's launch queue: about a thousand pending launches block the host
+DEFAULT_HANG_BOUND_S = 10.0
+ADDRESS_ALIGNMENT = 512  # the caching allocator's block alignment (cudaMalloc's is 256)
+DEVICE_MEMORY = 80 << 30
+
+_ACTIVE: Sim | None = None  # the installed sim (one at a time)
+
+
+class SimHang(BaseException):
+    """A host wait that on a GPU would never return passed the sim's hang bound. A BaseException: product code that
+    catches ``Exception`` must not turn a hang into an error it could handle."""
+
+
+class SimStopped(BaseException):
+    """The sim was stopped (its test ended) while this thread waited in it."""
+
+
+class SimError(RuntimeError):
+    """A use the simulated device refuses (what CUDA would crash or fail on: a freed pointer, mixed devices)."""
+
+
+# ---- waiting --------------------------------------------------------------------------------------------------
+
+
+class _Watched:
+    """Something threads wait on (a stream's progress, a communicator, the sim): ``changed()`` wakes them."""
+
+    __slots__ = ("watchers",)
+
+    def __init__(self) -> None:
+        self.watchers: set[threading.Condition] = set()
+
+    def changed(self) -> None:
+        for cond in self.watchers:
+            cond.notify()
+
+
+# ---- processes, streams, events ---------------------------------------------------------------------------------
+
+
+class SimProcess:
+    """One rank's CUDA context: its current device, its streams per device (the default one first), its host."""
+
+    def __init__(self, sim: Sim, rank: int) -> None:
+        self.sim = sim
+        self.rank = rank
+        self.device = rank % sim.device_count
+        self.cupy_device = self.device  # cupy's own current device (``cupy.cuda.Device``)
+        self.host = hb_cuda.HOST if sim.max_ranks == 1 else f"r{rank}/{hb_cuda.HOST}"
+        self.host_time = 0.0  # virtual seconds
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._default: dict[int, SimStream] = {}
+        self._current: dict[int, SimStream] = {}
+        self.error: BaseException | None = None  # a kernel that failed: sticky, as a CUDA error
+        if sim.hb is not None:
+            sim.hb.thread(self.host)
+
+    def default_stream(self, device: int) -> SimStream:
+        stream = self._default.get(device)
+        if stream is None:
+            stream = self._default[device] = SimStream(self.sim, self, device, 0, "default")
+        return stream
+
+    def current_stream(self, device: int | None = None) -> SimStream:
+        device = self.device if device is None else device
+        stream = self._current.get(device)
+        return stream if stream is not None else self.default_stream(device)
+
+    def streams(self) -> list[SimStream]:
+        return [s for s in self.sim._streams.values() if s.process is self]
+
+    def check_error(self) -> None:
+        if self.error is not None:
+            raise SimError(f"a kernel failed earlier on rank {self.rank} (CUDA errors are sticky): "
+                           f"{type(self.error).__name__}: {self.error}") from self.error
+
+
+class Op:
+    """One operation of a stream's FIFO."""
+
+    __slots__ = ("stream", "seq", "kind", "name", "fn", "deps", "duration", "not_before", "done", "failed", "start",
+                 "end", "hb_clock", "nccl", "process")
+
+    def __init__(self, stream: SimStream, kind: str, name: str, fn: Callable[[], Any] | None = None,
+                 deps: Sequence[Op] = (), duration: float = 0.0) -> None:
+        self.stream = stream
+        self.seq = 0
+        self.kind = kind  # kernel, record, wait, nccl
+        self.name = name
+        self.fn = fn
+        self.deps = [d for d in deps if d is not None and not d.done]
+        self.duration = duration
+        self.not_before = 0.0
+        self.done = False
+        self.failed: BaseException | str | None = None
+        self.start = 0.0
+        self.end = 0.0
+        self.hb_clock: dict[str, int] | None = None
+        self.nccl: Any = None  # sim_nccl's kernel state
+        self.process = stream.process
+
+    def describe(self) -> str:
+        return f"{self.name} (op #{self.seq} of {self.stream.name})"
+
+
+class SimStream(_Watched):
+    """``torch.cuda.Stream`` on the simulated device."""
+
+    _handles = itertools.count(0x5000)
+
+    def __init__(self, sim: Sim, process: SimProcess, device: int, priority: int, name: str | None = None) -> None:
+        super().__init__()
+        self.sim = sim
+        self.process = process
+        self.device_index = device
+        self.device = torch.device("cuda", device)
+        self.priority = priority
+        self.cuda_stream = next(self._handles)
+        number = sum(1 for s in sim._streams.values() if s.process is process and s.device_index == device)
+        base = name or f"stream#{number}"
+        full = base if sim.max_ranks == 1 else f"r{process.rank}/{base}"
+        taken = {s.name for s in sim._streams.values()}
+        self.name = full if full not in taken else f"{full}@cuda:{device}"
+        self.queue: collections.deque[Op] = collections.deque()
+        self.enqueued = 0
+        self.completed = 0
+        self.launches = 0  # kernels (torch ops, NCCL kernels, sim.kernel) ever launched here
+        self.clock = 0.0  # the virtual end of the last completed op
+        self.tail: Op | None = None  # the last op enqueued
+        self._worker: threading.Thread | None = None
+        self._work_ready = _Watched()  # what the idle worker waits on (an enqueue wakes only it)
+        self._idle = False
+        sim._streams[self.cuda_stream] = self
+        if sim.hb is not None:
+            sim.hb.thread(self.name)
+
+    # ---- torch.cuda.Stream's surface ------------------------------------------------------------------------
+
+    def wait_event(self, event: SimEvent) -> None:
+        self.sim._count("wait_event")
+        self.sim._enqueue(Op(self, "wait", f"wait_event({event.name})", deps=[event.last]),
+                          hb_join=event.hb_clock)
+
+    def wait_stream(self, stream: SimStream) -> None:
+        self.sim._count("wait_stream")
+        hb = self.sim.hb
+        self.sim._enqueue(Op(self, "wait", f"wait_stream({stream.name})", deps=[stream.tail]),
+                          hb_join=None if hb is None else hb.snapshot(stream.name))
+
+    def record_event(self, event: SimEvent | None = None) -> SimEvent:
+        event = event if event is not None else self.sim.new_event()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        self.process.check_error()
+        done = not self.queue
+        self.sim._count("query" if done else "query (not ready)")
+        if done:
+            self.sim._host_joined(self.sim._this_process(), self.name, self.clock)
+        return done
+
+    def synchronize(self) -> None:
+        self.sim._count("synchronize")
+        self.sim._host_wait(lambda: not self.queue, [self], f"{self.name}.synchronize()")
+        self.sim._host_joined(self.sim._this_process(), self.name, self.clock)
+        self.process.check_error()
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return self.cuda_stream
+
+    def __repr__(self) -> str:
+        return f"<sim stream {self.name} cuda:{self.device_index} priority={self.priority}>"
+
+
+class SimEvent:
+    """``torch.cuda.Event`` on the simulated device."""
+
+    _numbers = itertools.count(1)
+
+    def __init__(self, sim: Sim, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False) -> None:
+        self.sim = sim
+        self.enable_timing = enable_timing
+        self.name = f"event#{next(self._numbers)}"
+        self.last: Op | None = None  # the op of its last record
+        self.hb_clock: dict[str, int] | None = None
+
+    def record(self, stream: SimStream | None = None) -> None:
+        stream = stream if stream is not None else self.sim._this_process().current_stream()
+        self.sim._count("Event.record")
+        op = Op(stream, "record", f"record({self.name})")
+        self.sim._enqueue(op)
+        self.last = op
+        if self.sim.hb is not None:
+            self.hb_clock = self.sim.hb.snapshot(stream.name)
+
+    def wait(self, stream: SimStream | None = None) -> None:
+        (stream if stream is not None else self.sim._this_process().current_stream()).wait_event(self)
+
+    def query(self) -> bool:
+        self.sim._count("Event.query")
+        done = self.last is None or self.last.done
+        if done and self.last is not None:
+            self.sim._host_joined(self.sim._this_process(), None, self.last.end, self.hb_clock)
+        return done
+
+    def synchronize(self) -> None:
+        self.sim._count("Event.synchronize")
+        last = self.last
+        if last is None:
+            return
+        self.sim._host_wait(lambda: last.done, [last.stream], f"{self.name}.synchronize()")
+        self.sim._host_joined(self.sim._this_process(), None, last.end, self.hb_clock)
+
+    def elapsed_time(self, end: SimEvent) -> float:
+        """Milliseconds between two completed timing events (virtual time); CUDA's errors otherwise."""
+        self.sim._count("Event.elapsed_time")
+        for event in (self, end):
+            if not event.enable_timing:
+                raise RuntimeError("CUDA error: invalid resource handle (an event created without enable_timing)")
+            if event.last is None or not event.last.done:
+                raise RuntimeError("CUDA error: device not ready (elapsed_time of an event not completed)")
+        return (end.last.end - self.last.end) * 1e3
+
+    @property
+    def time(self) -> float | None:
+        """The virtual time of its last record, once completed (the sim's own reading, for tests)."""
+        return self.last.end if self.last is not None and self.last.done else None
+
+    def __repr__(self) -> str:
+        return f"<sim {self.name}>"
+
+
+# ---- device memory ----------------------------------------------------------------------------------------------
+
+
+class SimStorage:
+    """A device allocation: its simulated address, its bytes (a CPU storage), where it was allocated. Every device
+    tensor over it holds it; when the last one dies the allocation is freed (the caching allocator's free)."""
+
+    __slots__ = ("sim", "process", "device", "addr", "nbytes", "data", "bytes", "alloc_stream", "recorded", "label",
+                 "__weakref__")
+
+    def __init__(self, sim: Sim, process: SimProcess, device: int, data: torch.UntypedStorage,
+                 alloc_stream: SimStream, label: str) -> None:
+        self.sim = sim
+        self.process = process
+        self.device = device
+        self.data = data
+        self.nbytes = data.nbytes()
+        self.bytes = torch.empty(0, dtype=torch.uint8).set_(data, 0, (self.nbytes,))
+        self.alloc_stream = alloc_stream
+        self.recorded: set[SimStream] = set()
+        self.label = label
+        self.addr = sim._allocate_address(self)
+        weakref.finalize(self, sim._freed, self.addr, self.nbytes, device, process, alloc_stream.name,
+                         self.recorded)
+
+
+class SimTensor(torch.Tensor):
+    """A CUDA tensor of the simulated device: CUDA metadata outside (``.device.type == "cuda"``), an inner CPU tensor
+    over its ``SimStorage`` inside; every aten op on it goes through ``Sim._dispatch``."""
+
+    _inner: torch.Tensor
+    _sim_storage: SimStorage
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # noqa: D105 - a CUDA tensor is a plain torch.Tensor to code that reads its class
+        return torch.Tensor  # (placement.py's hot path tests ``targets.__class__ is torch.Tensor``)
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor, storage: SimStorage) -> SimTensor:
+        t = torch.Tensor._make_wrapper_subclass(cls, inner.size(), strides=inner.stride(),
+                                                storage_offset=inner.storage_offset(), dtype=inner.dtype,
+                                                device=torch.device("cuda", storage.device), requires_grad=False)
+        t._inner = inner
+        t._sim_storage = storage
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206 - torch's protocol
+        return _sim()._dispatch(func, args, kwargs or {})
+
+    # ---- what torch's Python bindings would do through a CUDA device guard, or refuse for a subclass ---------------
+
+    def __getitem__(self, index: Any) -> SimTensor:
+        index = index if isinstance(index, tuple) else (index,)
+        out, dim = self, 0
+        for i in index:
+            if i is Ellipsis:
+                dim = out.dim() - (len(index) - 1 - index.index(Ellipsis))
+            elif i is None:
+                out = torch.ops.aten.unsqueeze.default(out, dim)
+                dim += 1
+            elif isinstance(i, slice):
+                start, stop, step = i.indices(out.shape[dim])
+                out = torch.ops.aten.slice.Tensor(out, dim, start, max(start, stop), step)
+                dim += 1
+            elif isinstance(i, int):
+                out = torch.ops.aten.select.int(out, dim, i)
+            else:
+                raise SimError(f"the simulated device supports basic indexing only (ints, slices), not {i!r}")
+        return out
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        view = self[index]
+        if isinstance(value, torch.Tensor):
+            view.copy_(value)
+        else:
+            view.fill_(value)
+
+    def copy_(self, src: torch.Tensor, non_blocking: bool = False) -> SimTensor:
+        return torch.ops.aten.copy_.default(self, src, non_blocking)
+
+    def new_tensor(self, data: Any, dtype: torch.dtype | None = None, **kwargs: Any) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype or self.dtype).to(self.device)
+
+    def nonzero(self) -> torch.Tensor:
+        return torch.ops.aten.nonzero.default(self)
+
+    def __index__(self) -> int:
+        return int(self.item())
+
+    def tolist(self) -> Any:
+        return self.cpu().tolist()
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def __int__(self) -> int:
+        return int(self.item())
+
+    def cuda(self, device: Any = None, non_blocking: bool = False, **kwargs: Any) -> torch.Tensor:
+        target = torch.device("cuda", _sim()._device_index(device))
+        return self if target == self.device else self.to(target, non_blocking=non_blocking)
+
+    def data_ptr(self) -> int:
+        return self._sim_storage.addr + self.storage_offset() * self.element_size()
+
+    def untyped_storage(self) -> Any:
+        raise SimError("a simulated device tensor has no host-visible storage (use data_ptr(), or .cpu())")
+
+    def record_stream(self, stream: SimStream) -> None:
+        sim = _sim()
+        sim._count("record_stream")
+        if stream.device_index != self._sim_storage.device:
+            raise RuntimeError(f"record_stream: stream on cuda:{stream.device_index}, tensor on {self.device}")
+        self._sim_storage.recorded.add(stream)
+
+    def __dlpack__(self, stream: Any = None, max_version: Any = None, dl_device: Any = None,
+                   copy: Any = None) -> SimCapsule:
+        """A DLPack capsule of the sim (``cupy.from_dlpack`` of the sim reads it). As torch's: ``stream=-1`` asks for
+        no synchronization; another stream (a handle, 1 = the legacy default stream) waits for the current one."""
+        sim = _sim()
+        if stream is not None and stream != -1:
+            current = sim._this_process().current_stream(self._sim_storage.device)
+            consumer = sim._streams.get(stream) if stream not in (1, 2) else sim._this_process().default_stream(
+                self._sim_storage.device)
+            if consumer is not None and consumer is not current:
+                consumer.wait_event(current.record_event())
+        return SimCapsule(self)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (2, self._sim_storage.device)  # kDLCUDA
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        """The values where the current stream has nothing pending (a repr never waits: pytest prints locals)."""
+        sim = _ACTIVE
+        with contextlib.suppress(BaseException):
+            if sim is not None and not sim._this_process().current_stream(self._sim_storage.device).queue:
+                return f"{self._inner!r}[sim {self.device}]"
+        return f"<sim tensor {tuple(self.shape)} {self.dtype} {self.device} (work pending)>"
+
+    def __format__(self, spec: str) -> str:
+        return self.item().__format__(spec) if self.dim() == 0 else repr(self)
+
+
+class SimCapsule:
+    """What ``SimTensor.__dlpack__`` hands out: the bytes a consumer may address (device, pointer, size)."""
+
+    def __init__(self, tensor: SimTensor) -> None:
+        self.device = tensor._sim_storage.device
+        self.ptr = tensor.data_ptr()
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.dtype = tensor.dtype
+        self.shape = tuple(tensor.shape)
+        self._keep = tensor._sim_storage  # the producer keeps the memory alive while a consumer holds it
+        self.consumed = False
+
+
+# ---- factory calls and host tensors' .to() with a CUDA device (torch would build them in the CUDA backend) ---------
+
+
+_FACTORIES = ("empty", "zeros", "ones", "full", "arange", "empty_strided", "rand", "randn", "randint", "linspace",
+              "eye", "zeros_like", "ones_like", "empty_like", "full_like")
+_HOST_TO_DEVICE = ("tensor", "as_tensor")
+
+
+def _is_cuda(device: Any) -> bool:
+    if device is None or isinstance(device, int):
+        return False
+    try:
+        return torch.device(device).type == "cuda"
+    except (RuntimeError, TypeError):
+        return False
+
+
+_OVERRIDES: dict[Any, Any] = {}
+
+
+class _OpInfo:
+    __slots__ = ("name", "kind", "writes", "returns_alias", "tensor_returns")
+
+    def __init__(self, func: Any) -> None:
+        schema = func._schema
+        self.name = func.__name__.split(".")[0]
+        self.writes = tuple(i for i, a in enumerate(schema.arguments) if a.alias_info is not None
+                            and a.alias_info.is_write)
+        alias_of = {}
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None:
+                for s in a.alias_info.before_set:
+                    alias_of[s] = i
+        self.returns_alias = tuple(next((alias_of[s] for s in r.alias_info.before_set if s in alias_of), None)
+                                   if r.alias_info is not None else None for r in schema.returns)
+        self.tensor_returns = any("Tensor" in str(r.type) for r in schema.returns)
+        if self.writes:
+            self.kind = "mutate"
+        elif any(r.alias_info is not None for r in schema.returns):
+            self.kind = "view"
+        elif not self.tensor_returns:
+            self.kind = "scalar"
+        else:
+            self.kind = "functional"
+
+
+_METADATA_ONLY = {"is_same_size", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_contiguous",
+                  "dim", "size", "stride", "numel", "is_complex", "is_floating_point", "is_nonzero_meta"}
+
+
+# ---- the simulator -------------------------------------------------------------------------------------------------
+
+
+class Sim(_Watched):
+    """The simulated device and NCCL; ``with Sim() as sim:`` installs it (see the module's docstring).
+
+    ``launch_bound``: pending operations per stream before a launch blocks the host. ``hang_bound_s``: wall seconds
+    before a host wait that would never return raises ``SimHang``. ``hb``: record accesses for the happens-before
+    checker. ``device_count``, ``capability``, ``device_name``: what ``torch.cuda`` reports. ``max_ranks``: the
+    in-process ranks it will hold (names get a rank prefix when more than one). ``op_cost(name, args)``: a torch op's
+    virtual duration in seconds (default 0). ``nccl_*``: see ``sim_nccl.SimNccl``.
+    """
+
+    def __init__(self, *, launch_bound: int = DEFAULT_LAUNCH_BOUND, hang_bound_s: float = DEFAULT_HANG_BOUND_S,
+                 hb: bool = False, device_count: int = 8, max_ranks: int = 8, capability: tuple[int, int] = (9, 0),
+                 device_name: str = "NVIDIA H100 80GB HBM3 (simulated)",
+                 op_cost: Callable[[str, tuple[Any, ...]], float] | None = None, **nccl_options: Any) -> None:
+        super().__init__()
+        import sim_nccl
+
+        self.launch_bound = launch_bound
+        self.hang_bound_s = hang_bound_s
+        self.device_count = device_count
+        self.max_ranks = max_ranks
+        self.capability = capability
+        self.device_name = device_name
+        self.op_cost = op_cost
+        self.hb = hb_cuda.HbChecker() if hb else None
+        self.lock = threading.RLock()
+        self.stopped = False
+        self.hangs: list[str] = []  # every SimHang raised (also those a product or a destructor swallowed)
+        self.fallbacks: collections.Counter[str] = collections.Counter()  # ops that synchronized for lack of metadata
+        self._streams: dict[int, SimStream] = {}
+        self._processes: dict[int, SimProcess] = {}
+        self._tls = threading.local()
+        self._addresses: list[int] = []  # sorted allocation addresses (the registry)
+        self._by_address: dict[int, SimStorage] = {}
+        self._next_address = 0x7F0000000000
+        self._allocated: collections.Counter[int] = collections.Counter()  # bytes per device
+        self._patches: list[tuple[Any, str, Any]] = []
+        self._modules: dict[str, Any] = {}
+        self._installed = False
+        self.nccl = sim_nccl.SimNccl(self, **nccl_options)
+
+    # ---- processes and threads ----------------------------------------------------------------------------------
+
+    def process(self, rank: int = 0) -> SimProcess:
+        with self.lock:
+            process = self._processes.get(rank)
+            if process is None:
+                if len(self._processes) >= self.max_ranks and rank not in self._processes:
+                    raise SimError(f"more than max_ranks={self.max_ranks} simulated processes")
+                process = self._processes[rank] = SimProcess(self, rank)
+            return process
+
+    def _this_process(self) -> SimProcess:
+        process = getattr(self._tls, "process", None)
+        if process is None:
+            if len(self._processes) <= 1:
+                return self.process(0)
+            raise SimError(f"thread {threading.current_thread().name!r} is bound to no simulated rank "
+                           f"(sim.run_ranks binds its threads; sim.bind(rank) binds another)")
+        return process
+
+    @contextlib.contextmanager
+    def bind(self, rank: int) -> Iterator[SimProcess]:
+        """This thread acts as rank ``rank``'s process while inside."""
+        previous = getattr(self._tls, "process", None)
+        self._tls.process = self.process(rank)
+        try:
+            yield self._tls.process
+        finally:
+            self._tls.process = previous
+
+    def run_ranks(self, fn: Callable[[int], Any], world_size: int, timeout_s: float | None = None,
+                  raise_first: bool = True) -> list[Any]:
+        """``fn(rank)`` for every rank, each on its own thread bound to its own process; the results by rank. A rank
+        that raises: its exception (the first, others as notes) unless ``raise_first`` is false, where the results
+        hold the exceptions. Bounded by ``timeout_s`` (default: three hang bounds)."""
+        results: list[Any] = [None] * world_size
+        errors: dict[int, BaseException] = {}
+
+        def main(rank: int) -> None:
+            try:
+                with self.bind(rank):
+                    results[rank] = fn(rank)
+            except BaseException as error:  # noqa: BLE001 - reported below
+                errors[rank] = error
+
+        threads = [threading.Thread(target=main, args=(r,), name=f"sim-rank-{r}", daemon=True)
+                   for r in range(world_size)]
+        for t in threads:
+            t._sim_unbound = True  # type: ignore[attr-defined] - bound by main()
+            t.start()
+        limit = time.monotonic() + (timeout_s if timeout_s is not None else 3 * self.hang_bound_s + 5)
+        for r, t in enumerate(threads):
+            t.join(max(0.0, limit - time.monotonic()))
+            if t.is_alive():
+                self.stop()
+                for u in threads:
+                    u.join(2.0)
+                raise SimHang(f"sim.run_ranks: rank {r} still running after {limit:.0f}: {self.state()}")
+        if not raise_first:
+            return [errors.get(r, results[r]) for r in range(world_size)]
+        if errors:
+            first_rank = min(errors, key=lambda r: (isinstance(errors[r], SimStopped), r))
+            first = errors[first_rank]
+            first.add_note(f"(sim.run_ranks: raised on rank {first_rank})")
+            for r in sorted(errors):
+                if r != first_rank:
+                    first.add_note(f"rank {r}: {type(errors[r]).__name__}: {str(errors[r])[:300]}")
+            raise first
+        return results
+
+    # ---- installing -------------------------------------------------------------------------------------------
+
+    def __enter__(self) -> Sim:
+        self.install()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.uninstall()
+
+    def install(self) -> None:
+        global _ACTIVE
+        if _ACTIVE is not None:
+            raise SimError("another Sim is installed")
+        _ACTIVE = self
+        self._installed = True
+        self._patch_torch_cuda()
+        self.nccl.install_modules()
+        self._tls.process = self.process(0)
+
+    def uninstall(self) -> None:
+        global _ACTIVE
+        if not self._installed:
+            return
+        self.stop()
+        try:
+            pass
+        finally:
+            for obj, name, old in reversed(self._patches):
+                if old is _MISSING:
+                    delattr(obj, name)
+                else:
+                    setattr(obj, name, old)
+            self._patches.clear()
+            self.nccl.uninstall_modules()
+            self._installed = False
+            self._tls.process = None
+            _ACTIVE = None
+
+    def stop(self) -> None:
+        """Wake every thread waiting in the sim (they raise ``SimStopped``; workers end); nothing runs after."""
+        with self.lock:
+            self.stopped = True
+            self.changed()
+            for stream in self._streams.values():
+                stream.changed()
+                stream._work_ready.changed()
+            self.nccl.stopped()
+
+    def _patch(self, obj: Any, name: str, value: Any) -> None:
+        self._patches.append((obj, name, getattr(obj, name, _MISSING)))
+        setattr(obj, name, value)
+
+    def _patch_torch_cuda(self) -> None:
+        cuda = torch.cuda
+        sim = self
+
+        @contextlib.contextmanager
+        def stream(s: SimStream | None) -> Iterator[None]:
+            if s is None:
+                yield
+                return
+            sim._count("stream switch")
+            process = sim._this_process()
+            device, previous = process.device, process._current.get(s.device_index)
+            process.device = s.device_index
+            process._current[s.device_index] = s
+            try:
+                yield
+            finally:
+                if previous is None:
+                    process._current.pop(s.device_index, None)
+                else:
+                    process._current[s.device_index] = previous
+                process.device = device
+
+        class device:  # noqa: N801 - torch.cuda's name
+            def __init__(self, index: Any) -> None:
+                self.index = sim._device_index(index)
+
+            def __enter__(self) -> None:
+                process = sim._this_process()
+                self.previous, process.device = process.device, self.index
+
+            def __exit__(self, *exc: Any) -> None:
+                sim._this_process().device = self.previous
+
+        def set_device(index: Any) -> None:
+            sim._this_process().device = sim._device_index(index)
+
+        def synchronize(index: Any = None) -> None:
+            sim._count("synchronize")
+            process = sim._this_process()
+            dev = sim._device_index(index)
+            streams = [s for s in process.streams() if s.device_index == dev]
+            sim._host_wait(lambda: all(not s.queue for s in streams), streams, f"torch.cuda.synchronize({dev})")
+            for s in streams:
+                sim._host_joined(process, s.name, s.clock)
+            process.check_error()
+
+        def current_stream(index: Any = None) -> SimStream:
+            sim._count("current_stream")
+            return sim._this_process().current_stream(sim._device_index(index))
+
+        def default_stream(index: Any = None) -> SimStream:
+            return sim._this_process().default_stream(sim._device_index(index))
+
+        def set_stream(s: SimStream) -> None:
+            sim._this_process()._current[s.device_index] = s
+
+        def mem_get_info(index: Any = None) -> tuple[int, int]:
+            dev = sim._device_index(index)
+            return DEVICE_MEMORY - sim._allocated[dev], DEVICE_MEMORY
+
+        patches = {
+            "_lazy_init": lambda: None, "is_available": lambda: True, "is_initialized": lambda: True,
+            "device_count": lambda: sim.device_count,
+            "current_device": lambda: sim._this_process().device, "set_device": set_device, "device": device,
+            "Stream": lambda device=None, priority=0: sim.new_stream(device, priority),
+            "Event": lambda enable_timing=False, blocking=False, interprocess=False: sim.new_event(enable_timing),
+            "current_stream": current_stream, "default_stream": default_stream, "set_stream": set_stream,
+            "stream": stream, "synchronize": synchronize, "mem_get_info": mem_get_info,
+            "get_device_capability": lambda index=None: sim.capability,
+            "get_device_name": lambda index=None: sim.device_name,
+            "memory_allocated": lambda index=None: sim._allocated[sim._device_index(index)],
+        }
+        for name, value in patches.items():
+            self._patch(cuda, name, value)
+        for name in _FACTORIES:
+            self._patch(torch, name, _factory_patch(self, getattr(torch, name)))
+        for name in _HOST_TO_DEVICE:
+            self._patch(torch, name, _h2d_patch(self, getattr(torch, name)))
+        original_to = torch.Tensor.to
+
+        def to(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if type(tensor) is not SimTensor and (any(_is_cuda(a) for a in args) or _is_cuda(kwargs.get("device"))):
+                device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+                return sim.h2d(tensor, sim._device_index(device), dtype, non_blocking)
+            return original_to(tensor, *args, **kwargs)
+
+        def cuda_(tensor: torch.Tensor, device: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+            if type(tensor) is SimTensor:
+                return SimTensor.cuda(tensor, device, non_blocking)
+            return sim.h2d(tensor, sim._device_index(device), None, non_blocking)
+
+        self._patch(torch.Tensor, "to", to)
+        self._patch(torch.Tensor, "cuda", cuda_)
+        original_start = threading.Thread.start
+
+        def start(thread: threading.Thread) -> None:
+            # A thread the product starts (a watchdog) acts in the process that started it, with the sim's modes.
+            process = getattr(sim._tls, "process", None)
+            if process is not None and not getattr(thread, "_sim_unbound", False):
+                run = thread.run
+
+                def bound_run() -> None:
+                    if sim._installed:
+                        with sim.bind(process.rank):
+                            run()
+                    else:
+                        run()
+
+                thread.run = bound_run  # type: ignore[method-assign]
+            original_start(thread)
+
+        self._patch(threading.Thread, "start", start)
+
+    # ---- streams and events -----------------------------------------------------------------------------------
+
+    def new_stream(self, device: Any = None, priority: int = 0) -> SimStream:
+        process = self._this_process()
+        self._count("Stream")
+        with self.lock:
+            return SimStream(self, process, self._device_index(device), priority)
+
+    def new_event(self, enable_timing: bool = False) -> SimEvent:
+        self._count("Event")
+        return SimEvent(self, enable_timing)
+
+    def name_stream(self, stream: SimStream, name: str) -> None:
+        """Call ``stream`` ``name`` in reports (and in the happens-before checker)."""
+        with self.lock:
+            if self.hb is not None:
+                self.hb.rename(stream.name, name)
+            stream.name = name
+
+    def kernel(self, seconds: float = 0.0, name: str = "compute", stream: SimStream | None = None,
+               reads: Sequence[torch.Tensor] = (), writes: Sequence[torch.Tensor] = (),
+               fn: Callable[[], Any] | None = None) -> Op:
+        """A synthetic kernel of ``seconds`` (virtual) on ``stream`` (the current one), reading and writing the given
+        device tensors (for the happens-before checker), running ``fn`` when it runs."""
+        stream = stream if stream is not None else self._this_process().current_stream()
+        op = Op(stream, "kernel", name, fn, duration=seconds)
+        accesses = [(t, False) for t in reads] + [(t, True) for t in writes]
+        self._enqueue(op, accesses=accesses)
+        return op
+
+    def stall(self, stream: SimStream | None = None, name: str = "a stalled kernel") -> threading.Event:
+        """A kernel on ``stream`` (the current one) that runs until the returned event is set (or the sim stops): a
+        GPU kernel that never completes."""
+        release = threading.Event()
+        stream = stream if stream is not None else self._this_process().current_stream()
+        op = Op(stream, "stall", name)
+        op.nccl = release
+        self._enqueue(op)
+        return release
+
+    # ---- the queue ----------------------------------------------------------------------------------------------
+
+    def _count(self, kind: str, n: int = 1) -> None:
+        process = getattr(self._tls, "process", None) or self._processes.get(0)
+        if process is not None:
+            process.counters[kind] += n
+
+    @property
+    def counters(self) -> collections.Counter[str]:
+        total: collections.Counter[str] = collections.Counter()
+        for process in list(self._processes.values()):
+            total.update(process.counters)
+        return total
+
+    def _enqueue(self, op: Op, accesses: Sequence[tuple[Any, bool]] = (), hb_join: dict[str, int] | None = None,
+                 site: str | None = None) -> Op:
+        """Append ``op`` to its stream (blocking while the stream's launch queue is full), record its accesses."""
+        stream = op.stream
+        sim = self
+        host = self._this_process() if getattr(self._tls, "process", None) is not None else stream.process
+        if self.stopped:
+            raise SimStopped("the sim was stopped")
+        if len(stream.queue) >= self.launch_bound:
+            self._host_wait(lambda: len(stream.queue) < sim.launch_bound, [stream],
+                            f"a launch onto {stream.name}, whose launch queue is full ({self.launch_bound} pending "
+                            f"operations)")
+        with self.lock:
+            stream.enqueued += 1
+            op.seq = stream.enqueued
+            op.not_before = host.host_time
+            if op.kind in ("kernel", "nccl", "stall"):
+                stream.launches += 1
+                host.counters["launch"] += 1
+            hb = self.hb
+            if hb is not None:
+                hb.enqueue(stream.name, host.host)
+                hb.join_into(stream.name, hb_join)
+                if accesses:
+                    where = site or hb_cuda.site(3)
+                    for tensor, write in accesses:
+                        self._hb_touch(tensor, write, stream.name, op.name, where)
+                op.hb_clock = hb.snapshot(stream.name)
+            stream.queue.append(op)
+            stream.tail = op
+            if stream._worker is None:
+                stream._worker = threading.Thread(target=self._work, args=(stream,), daemon=True,
+                                                  name=f"sim-worker {stream.name}")
+                stream._worker._sim_unbound = True  # type: ignore[attr-defined]
+                stream._worker.start()
+            elif stream._idle:
+                stream._idle = False
+                stream._work_ready.changed()
+        return op
+
+    def _hb_touch(self, tensor: Any, write: bool, thread: str, op: str, site: str) -> None:
+        if isinstance(tensor, tuple):  # (storage, lo, hi): an NCCL buffer
+            storage, lo, hi = tensor
+        else:
+            if tensor.numel() == 0:
+                return
+            storage = tensor._sim_storage
+            size = tensor.element_size()
+            extent = 1 + sum((n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+            lo = tensor.storage_offset() * size
+            hi = lo + extent * size
+        self.hb.touch(id(storage), lo, hi, write, thread, op, site)
+
+    def _work(self, stream: SimStream) -> None:
+        """A stream's worker: runs its FIFO in order, each op after what it waits for."""
+        with contextlib.suppress(SimStopped), self.lock:
+            while True:
+                if not stream.queue:
+                    stream._idle = True
+                    self._wait_locked(lambda: bool(stream.queue), [stream._work_ready], None)
+                    stream._idle = False
+                op = stream.queue[0]
+                deps = op.deps
+                if deps:
+                    self._wait_locked(lambda deps=deps: all(d.done for d in deps), list({d.stream for d in deps}),
+                                      None)
+                op.start = max(stream.clock, op.not_before, *(d.end for d in deps))
+                op.end = op.start + op.duration
+                if op.kind == "nccl":
+                    self.nccl.run_kernel(op)  # spins (waits) here until it completes or exits
+                elif op.kind == "stall":
+                    release = op.nccl
+                    self._wait_locked(release.is_set, [stream], None, poll=0.05)
+                elif op.fn is not None:
+                    self.lock.release()
+                    try:
+                        op.fn()
+                    except BaseException as error:  # noqa: BLE001 - a failed kernel: sticky on its process
+                        op.failed = error
+                        op.process.error = op.process.error or error
+                    finally:
+                        self.lock.acquire()
+                stream.clock = max(stream.clock, op.end)
+                op.done = True
+                stream.queue.popleft()
+                stream.completed += 1
+                op.fn = None
+                stream.changed()
+
+    def _wait_locked(self, pred: Callable[[], bool], on: Sequence[_Watched], bound_s: float | None,
+                     where: str = "", poll: float | None = None) -> None:
+        """Wait (holding ``self.lock``) until ``pred()``; ``SimHang`` after ``bound_s`` (None: no bound, for the
+        workers); ``SimStopped`` once the sim stops."""
+        if pred():
+            return
+        cond = getattr(self._tls, "cond", None)
+        if cond is None:
+            cond = self._tls.cond = threading.Condition(self.lock)
+        watched = [*on, self]
+        for w in watched:
+            w.watchers.add(cond)
+        try:
+            limit = None if bound_s is None else time.monotonic() + bound_s
+            while not pred():
+                if self.stopped:
+                    raise SimStopped(f"the sim was stopped while waiting for {where or 'work'}")
+                timeout = poll
+                if limit is not None:
+                    remaining = limit - time.monotonic()
+                    if remaining <= 0:
+                        text = (f"SimHang: {self._who()} was blocked for {bound_s:g} s in {where} (on a GPU it would "
+                                f"never return). {self.state()}")
+                        self.hangs.append(text)
+                        raise SimHang(text)
+                    timeout = remaining if timeout is None else min(timeout, remaining)
+                cond.wait(timeout)
+        finally:
+            for w in watched:
+                w.watchers.discard(cond)
+
+    def _host_wait(self, pred: Callable[[], bool], on: Sequence[_Watched], where: str) -> None:
+        with self.lock:
+            self._wait_locked(pred, on, self.hang_bound_s, where)
+
+    def _host_joined(self, process: SimProcess, stream: str | None, until: float,
+                     clock: dict[str, int] | None = None) -> None:
+        """``process``'s host waited for ``stream`` (everything on it so far) or for what ``clock`` covers."""
+        with self.lock:
+            process.host_time = max(process.host_time, until)
+            if self.hb is not None:
+                self.hb.host_joins(process.host, self.hb.clocks.get(stream) if stream is not None else clock)
+
+    def _who(self) -> str:
+        process = getattr(self._tls, "process", None)
+        name = threading.current_thread().name
+        return f"the host of rank {process.rank} (thread {name!r})" if process is not None else f"thread {name!r}"
+
+    def state(self) -> str:
+        """What every stream's head waits for (the SimHang message's diagnosis)."""
+        lines = []
+        for stream in list(self._streams.values()):
+            if not stream.queue:
+                continue
+            head = stream.queue[0]
+            lines.append(f"{stream.name}: {len(stream.queue)} pending, head {head.name} {self._waits_for(head)}")
+        nccl = self.nccl.state()
+        return ("Stream heads: " + "; ".join(lines) if lines else "Every stream is drained.") + (
+            f" {nccl}" if nccl else "")
+
+    def _waits_for(self, op: Op) -> str:
+        pending = [d for d in op.deps if not d.done]
+        if pending:
+            d = pending[0]
+            return f"waits for {d.describe()}, behind {d.stream.queue[0].describe() if d.stream.queue else '?'}"
+        if op.kind == "nccl":
+            return self.nccl.waiting_for(op)
+        if op.kind == "stall":
+            return "(a stalled kernel: never completes)"
+        return "is running"
+
+    # ---- memory -------------------------------------------------------------------------------------------------
+
+    def _device_index(self, device: Any) -> int:
+        if device is None:
+            return self._this_process().device
+        if isinstance(device, int):
+            index = device
+        else:
+            device = torch.device(device)
+            if device.type != "cuda":
+                raise SimError(f"not a CUDA device: {device}")
+            index = self._this_process().device if device.index is None else device.index
+        if not 0 <= index < self.device_count:
+            raise RuntimeError(f"CUDA error: invalid device ordinal {index} (the sim has {self.device_count})")
+        return index
+
+    def _allocate_address(self, storage: SimStorage) -> int:
+        with self.lock:
+            addr = self._next_address
+            self._next_address += max(ADDRESS_ALIGNMENT, -(-storage.nbytes // ADDRESS_ALIGNMENT) * ADDRESS_ALIGNMENT)
+            bisect.insort(self._addresses, addr)
+            self._by_address[addr] = storage
+            self._allocated[storage.device] += storage.nbytes
+            if self.hb is not None:
+                self.hb.allocated(id(storage), storage.label, storage.alloc_stream.name)
+            return addr
+
+    def _freed(self, addr: int, nbytes: int, device: int, process: SimProcess, alloc_stream: str,
+               recorded: set[SimStream]) -> None:
+        with self.lock:
+            storage = self._by_address.pop(addr, None)
+            i = bisect.bisect_left(self._addresses, addr)
+            if i < len(self._addresses) and self._addresses[i] == addr:
+                del self._addresses[i]
+            self._allocated[device] -= nbytes
+            if self.hb is not None and not self.stopped:
+                self.hb.freed(id(storage) if storage is not None else -1, process.host,
+                              tuple(s.name for s in recorded))
+
+    def resolve(self, ptr: int, nbytes: int, device: int) -> tuple[SimStorage, int]:
+        """The allocation holding ``[ptr, ptr + nbytes)`` and the offset of ``ptr`` in it; SimError where CUDA would
+        fault (no allocation, out of bounds, another device)."""
+        with self.lock:
+            i = bisect.bisect_right(self._addresses, ptr) - 1
+            storage = self._by_address.get(self._addresses[i]) if i >= 0 else None
+            if storage is None or ptr + nbytes > storage.addr + storage.nbytes:
+                raise SimError(f"illegal memory access: {nbytes} bytes at {ptr:#x} lie in no live allocation")
+            if storage.device != device:
+                raise SimError(f"pointer {ptr:#x} is on cuda:{storage.device}, the call runs on cuda:{device}")
+            return storage, ptr - storage.addr
+
+    def wrap(self, inner: torch.Tensor, storage: SimStorage) -> SimTensor:
+        return SimTensor(inner, storage)
+
+    def empty(self, size: Sequence[int], stride: Sequence[int] | None, dtype: torch.dtype, device: int,
+              label: str | None = None) -> SimTensor:
+        """A new device allocation (no kernel: ``empty`` only allocates)."""
+        inner = torch.empty_strided(tuple(size), tuple(stride), dtype=dtype) if stride is not None else torch.empty(
+            tuple(size), dtype=dtype)
+        stream = self._this_process().current_stream(device)
+        what = label or f"{str(dtype).removeprefix('torch.')}{list(size)}"
+        return SimTensor(inner, SimStorage(self, stream.process, device, inner.untyped_storage(), stream, what))
+
+    def name(self, tensor: SimTensor, label: str) -> None:
+        """Call ``tensor``'s allocation ``label`` in reports."""
+        tensor._sim_storage.label = label
+        if self.hb is not None:
+            self.hb.name(id(tensor._sim_storage), label)
+
+    # ---- happens-before -------------------------------------------------------------------------------------------
+
+    @property
+    def races(self) -> dict[str, int]:
+        return {} if self.hb is None else self.hb.races
+
+    def hb_report(self, limit: int = 8) -> str:
+        return "" if self.hb is None else self.hb.report(limit)
+
+    def access(self, tensor: SimTensor, write: bool, op: str, on_host: bool = False) -> None:
+        """Record an access no aten op shows, on the current stream or, with ``on_host``, by the host."""
+        if self.hb is None:
+            return
+        process = self._this_process()
+        with self.lock:
+            if on_host:
+                self.hb.host_tick(process.host)
+                self._hb_touch(tensor, write, process.host, op, hb_cuda.site(2))
+            else:
+                self._enqueue(Op(process.current_stream(tensor._sim_storage.device), "kernel", op),
+                              accesses=[(tensor, write)], site=hb_cuda.site(2))
+
+    # ---- dispatch -----------------------------------------------------------------------------------------------
+
+    _infos: dict[Any, _OpInfo] = {}
+
+    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        sims: list[SimTensor] = []
+        cpus: list[torch.Tensor] = []
+        uargs = _unwrap(args, sims, cpus)
+        ukwargs = {k: _unwrap_one(v, sims, cpus) for k, v in kwargs.items()} if kwargs else kwargs
+        if not sims:
+            return func(*args, **kwargs)
+        info = self._infos.get(func)
+        if info is None:
+            info = self._infos[func] = _OpInfo(func)
+        if func in _SPECIAL:
+            return _SPECIAL[func](self, func, args, kwargs, sims, cpus)
+        device = sims[0]._sim_storage.device
+        for t in sims:
+            if t._sim_storage.device != device:
+                raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                                   f"cuda:{device} and cuda:{t._sim_storage.device}!")
+        for t in cpus:
+            if t.dim() != 0:
+                raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                                   f"cuda:{device} and cpu! (in {func})")
+        kind = info.kind
+        if kind == "view":
+            out = func(*uargs, **ukwargs)
+            return _rewrap(out, sims[0]._sim_storage)
+        if kind == "scalar":
+            if info.name in _METADATA_ONLY:
+                return func(*uargs, **ukwargs)
+            self._sync_current(device, f"{func} (a value for the host)")
+            return func(*uargs, **ukwargs)
+        if cpus:  # a 0-dim CPU tensor is a scalar argument: read at the call, as CUDA passes it by value
+            uargs = tuple(a.clone() if isinstance(a, torch.Tensor) and not isinstance(a, SimTensor) and a.dim() == 0
+                          and a.device.type == "cpu" else a for a in uargs)
+        stream = self._this_process().current_stream(device)
+        if kind == "mutate":
+            written = _written(info, args, kwargs, func)
+            accesses = [(t, any(t is w for w in written)) for t in sims]
+            self._launch(stream, info.name, lambda: func(*uargs, **ukwargs), accesses, args)
+            returns = [None if alias is None else _arg(func, args, kwargs, alias) for alias in info.returns_alias]
+            if not info.returns_alias:
+                return None
+            return returns[0] if len(returns) == 1 else tuple(returns)
+        return self._functional(func, info, args, kwargs, uargs, ukwargs, sims, stream, device)
+
+    def _launch(self, stream: SimStream, name: str, fn: Callable[[], Any], accesses: Sequence[tuple[Any, bool]],
+                args: tuple[Any, ...] = ()) -> Op:
+        duration = self.op_cost(name, args) if self.op_cost is not None else 0.0
+        return self._enqueue(Op(stream, "kernel", f"aten.{name}", fn, duration=duration), accesses=accesses)
+
+    def _functional(self, func: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    uargs: tuple[Any, ...], ukwargs: dict[str, Any], sims: list[SimTensor], stream: SimStream,
+                    device: int) -> Any:
+        try:
+            meta = func(*_to_meta(args), **{k: _to_meta_one(v) for k, v in kwargs.items()})
+        except Exception:  # noqa: BLE001 - no metadata: synchronize and run it now (counted)
+            self.fallbacks[info.name] += 1
+            self._sync_current(device, f"{func} (no metadata: run at once)")
+            out = func(*uargs, **ukwargs)
+            return _rewrap_new(self, out, device, stream)
+        outs: list[torch.Tensor] = []
+        wrapped = _alloc_like(self, meta, device, stream, outs)
+        if info.name in hb_cuda.ALLOC_ONLY:
+            return wrapped
+        inner_outs = [o._inner for o in outs]
+
+        def run() -> None:
+            result = func(*uargs, **ukwargs)
+            flat = result if isinstance(result, list | tuple) else (result,)
+            for dst, src in zip(inner_outs, [r for r in flat if isinstance(r, torch.Tensor)], strict=True):
+                dst.copy_(src)
+
+        self._launch(stream, info.name, run, [(t, False) for t in sims] + [(o, True) for o in outs], args)
+        return wrapped
+
+    def _factory(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``torch.empty(..., device="cuda")`` and the like: allocated from the call's metadata; all but ``empty*``
+        fill it with a kernel on the current stream."""
+        device = self._device_index(kwargs["device"])
+        meta_kwargs = {**kwargs, "device": "meta"}
+        meta_kwargs.pop("pin_memory", None)
+        meta = func(*_to_meta(args), **meta_kwargs)
+        stream = self._this_process().current_stream(device)
+        outs: list[torch.Tensor] = []
+        wrapped = _alloc_like(self, meta, device, stream, outs)
+        name = func.__name__
+        if name in hb_cuda.ALLOC_ONLY:
+            return wrapped
+        cpu_args = tuple(a._inner if isinstance(a, SimTensor) else a for a in args)
+        cpu_kwargs = {**kwargs, "device": "cpu"}
+        inner = outs[0]._inner
+
+        def run() -> None:
+            inner.copy_(func(*cpu_args, **cpu_kwargs))
+
+        self._launch(stream, name, run, [(outs[0], True)])
+        return wrapped
+
+    def _sync_current(self, device: int, why: str) -> None:
+        process = self._this_process()
+        stream = process.current_stream(device)
+        self._host_wait(lambda: not stream.queue, [stream], f"{why}, which synchronizes {stream.name}")
+        self._host_joined(process, stream.name, stream.clock)
+        process.check_error()
+
+    def h2d(self, src: torch.Tensor, device: int, dtype: torch.dtype | None, non_blocking: bool,
+            dst: SimTensor | None = None) -> SimTensor:
+        """A host-to-device copy on the current stream: ``src`` is read now; a blocking copy then synchronizes."""
+        snapshot = src.detach().to(dtype=dtype or src.dtype, copy=True)
+        stream = self._this_process().current_stream(device)
+        if dst is None:
+            dst = self.empty(snapshot.shape, snapshot.stride(), snapshot.dtype, device)
+        inner = dst._inner
+
+        def run() -> None:
+            inner.copy_(snapshot)
+
+        self._launch(stream, "copy_ (host to device)", run, [(dst, True)])
+        if not non_blocking:
+            self._count("blocking copy")
+            self._sync_current(device, f"a blocking host-to-device copy of {snapshot.numel()} elements")
+        return dst
+
+
+_MISSING = object()
+
+
+def _factory_patch(sim: Sim, original: Callable[..., Any]) -> Callable[..., Any]:
+    def factory(*args: Any, **kwargs: Any) -> Any:
+        if _is_cuda(kwargs.get("device")) and _ACTIVE is sim:
+            return sim._factory(original, args, kwargs)
+        return original(*args, **kwargs)
+
+    factory.__name__ = original.__name__
+    return factory
+
+
+def _h2d_patch(sim: Sim, original: Callable[..., Any]) -> Callable[..., Any]:
+    def host_to_device(*args: Any, **kwargs: Any) -> Any:
+        device = kwargs.get("device")
+        if _is_cuda(device) and _ACTIVE is sim:
+            cpu = original(*args, **{**kwargs, "device": "cpu"})
+            return sim.h2d(cpu, sim._device_index(device), None, False)  # built on the host, then a blocking copy
+        return original(*args, **kwargs)
+
+    host_to_device.__name__ = original.__name__
+    return host_to_device
+
+
+def _sim() -> Sim:
+    sim = _ACTIVE
+    if sim is None:
+        raise SimError("a simulated device tensor used while no Sim is installed")
+    return sim
+
+
+def _unwrap_one(value: Any, sims: list[SimTensor], cpus: list[torch.Tensor]) -> Any:
+    if isinstance(value, SimTensor):
+        sims.append(value)
+        return value._inner
+    if isinstance(value, torch.Tensor):
+        cpus.append(value)
+        return value
+    if isinstance(value, list | tuple) and value and isinstance(value[0], torch.Tensor):
+        return type(value)(_unwrap_one(v, sims, cpus) for v in value)
+    return value
+
+
+def _unwrap(args: tuple[Any, ...], sims: list[SimTensor], cpus: list[torch.Tensor]) -> tuple[Any, ...]:
+    return tuple(_unwrap_one(a, sims, cpus) for a in args)
+
+
+def _to_meta_one(value: Any) -> Any:
+    if isinstance(value, SimTensor):
+        return torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, list | tuple) and value and isinstance(value[0], torch.Tensor):
+        return type(value)(_to_meta_one(v) for v in value)
+    return value
+
+
+def _to_meta(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(_to_meta_one(a) for a in args)
+
+
+def _rewrap(out: Any, storage: SimStorage) -> Any:
+    if isinstance(out, torch.Tensor):
+        return SimTensor(out, storage)
+    if isinstance(out, list | tuple):
+        return type(out)(_rewrap(o, storage) for o in out)
+    return out
+
+
+def _rewrap_new(sim: Sim, out: Any, device: int, stream: SimStream) -> Any:
+    """Results computed at once on the host (a fallback): each a new allocation."""
+    if isinstance(out, torch.Tensor):
+        inner = out.clone() if out._base is not None else out
+        return SimTensor(inner, SimStorage(sim, stream.process, device, inner.untyped_storage(), stream,
+                                           f"{str(inner.dtype).removeprefix('torch.')}{list(inner.shape)}"))
+    if isinstance(out, list | tuple):
+        return type(out)(_rewrap_new(sim, o, device, stream) for o in out)
+    return out
+
+
+def _alloc_like(sim: Sim, meta: Any, device: int, stream: SimStream, outs: list[torch.Tensor]) -> Any:
+    if isinstance(meta, torch.Tensor):
+        t = sim.empty(meta.shape, meta.stride(), meta.dtype, device)
+        outs.append(t)
+        return t
+    if isinstance(meta, list | tuple):
+        return type(meta)(_alloc_like(sim, m, device, stream, outs) for m in meta)
+    return meta
+
+
+def _arg(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], index: int) -> Any:
+    name = func._schema.arguments[index].name
+    return args[index] if index < len(args) else kwargs.get(name)
+
+
+def _written(info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], func: Any) -> list[Any]:
+    written = []
+    for i in info.writes:
+        value = _arg(func, args, kwargs, i)
+        written.extend(value if isinstance(value, list | tuple) else [value])
+    return written
+
+
+# ---- ops the generic rules do not cover -----------------------------------------------------------------------
+
+
+def _to_copy(sim: Sim, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], sims: list[SimTensor],
+             cpus: list[torch.Tensor]) -> Any:
+    src = args[0]
+    target = kwargs.get("device")
+    dtype = kwargs.get("dtype")
+    non_blocking = bool(kwargs.get("non_blocking", False))
+    if target is not None and torch.device(target).type == "cpu":  # device to host: waits for the stream
+        device = src._sim_storage.device
+        sim._count("copy (device to host)")
+        sim._sync_current(device, f"a device-to-host copy of {src.numel()} elements")
+        out = src._inner.to(dtype=dtype or src.dtype, copy=True)
+        process = sim._this_process()
+        if sim.hb is not None:
+            with sim.lock:
+                sim._hb_touch(src, False, process.host, "aten._to_copy (device to host)", hb_cuda.site(3))
+        return out
+    if not isinstance(src, SimTensor):  # host to device
+        return sim.h2d(src, sim._device_index(target), dtype, non_blocking)
+    device = src._sim_storage.device if target is None else sim._device_index(target)
+    if device != src._sim_storage.device:
+        raise SimError("device-to-device copies between simulated GPUs are not modelled")
+    info = sim._infos[func]
+    stream = sim._this_process().current_stream(device)
+    uargs = _unwrap(args, [], [])
+    ukwargs = {k: v for k, v in kwargs.items()}
+    return sim._functional(func, info, args, kwargs, uargs, ukwargs, sims, stream, device)
+
+
+def _copy_(sim: Sim, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], sims: list[SimTensor],
+           cpus: list[torch.Tensor]) -> Any:
+    dst, src = args[0], args[1]
+    non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+    if isinstance(dst, SimTensor) and isinstance(src, SimTensor):
+        if dst._sim_storage.device != src._sim_storage.device:
+            raise SimError("device-to-device copies between simulated GPUs are not modelled")
+        d, s = dst._inner, src._inner
+        sim._launch(sim._this_process().current_stream(dst._sim_storage.device), "copy_", lambda: d.copy_(s),
+                    [(src, False), (dst, True)])
+        return dst
+    if isinstance(dst, SimTensor):  # host to device, into an existing tensor: the source is read now
+        device = dst._sim_storage.device
+        value, d = src.detach().clone(), dst._inner
+        sim._launch(sim._this_process().current_stream(device), "copy_ (host to device)", lambda: d.copy_(value),
+                    [(dst, True)])
+        if not non_blocking and src.dim() != 0:
+            sim._count("blocking copy")
+            sim._sync_current(device, f"a blocking host-to-device copy of {src.numel()} elements")
+        return dst
+    device = src._sim_storage.device  # device to host
+    sim._count("copy (device to host)")
+    sim._sync_current(device, f"a device-to-host copy of {src.numel()} elements")
+    if sim.hb is not None:
+        with sim.lock:
+            sim._hb_touch(src, False, sim._this_process().host, "aten.copy_ (device to host)", hb_cuda.site(3))
+    return dst.copy_(src._inner)
+
+
+def _refuse(sim: Sim, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], sims: list[SimTensor],
+            cpus: list[torch.Tensor]) -> Any:
+    raise SimError(f"{func} is not modelled on the simulated device")
+
+
+_SPECIAL: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten._to_copy.default: _to_copy,
+    torch.ops.aten.copy_.default: _copy_,
+    torch.ops.aten.set_.source_Storage: _refuse,
+    torch.ops.aten.set_.source_Storage_storage_offset: _refuse,
+    torch.ops.aten.set_.source_Tensor: _refuse,
+    torch.ops.aten.resize_.default: _refuse,
+}
+
+
+# ---- pytest ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sim() -> Iterator[Sim]:
+    """A ``Sim()`` installed for the test (its defaults; build your own ``with Sim(...)`` for other settings)."""
+    with Sim() as installed:
+        yield installed
+
+
+__all__ = ["DEFAULT_HANG_BOUND_S", "DEFAULT_LAUNCH_BOUND", "Op", "Sim", "SimError", "SimEvent", "SimHang",
+           "SimProcess", "SimStopped", "SimStream", "SimTensor", "sim"]
