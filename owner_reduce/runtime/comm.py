@@ -481,16 +481,33 @@ class TorchDistComm(ReduceComm):
             self._settle(self._issue_p2p([(op, call)]), flush=self.flush)
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """On the accelerator the backend needs (NCCL: CUDA) without a blocking copy (``nccl_comm`` Note (no blocking
+        copy)): the values go there by a non-blocking copy from pinned memory, the gather's work is polled within the
+        deadline (``wait_until``), and only then the result comes back, by a non-blocking copy waited for the same
+        way (issue 37, finding 6)."""
         from deepspeed.accelerator import get_accelerator
 
-        local = torch.tensor(values, dtype=torch.int64, device=get_accelerator().current_device_name())
+        self.watchdog.raise_if_failed()
+        device = torch.device(get_accelerator().current_device_name())
+        host = torch.tensor(values, dtype=torch.int64)
+        if device.type == "cuda":
+            local = torch.empty_like(host, device=device)
+            local.copy_(pinned(host), non_blocking=True)
+        else:
+            local = host
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
         with _no_python_dispatcher():
             work = self._tdist.all_gather(gathered, local, group=self._group, async_op=True)
             self._settle([(work, _Call("all_gather", None, local.numel(), local.dtype, local.is_cuda))], flush=None)
-        if local.is_cuda:  # the values are read on the host next: wait for them, within the deadline
-            self.wait_until(lambda: True, "all_gather_ints", flush=None)
-        return [g.tolist() for g in gathered]
+        if not local.is_cuda:
+            return [g.tolist() for g in gathered]
+        self.wait_until(lambda: True, "all_gather_ints", flush=None)  # the gather's work, in flight
+        out = pinned(torch.empty(self.world_size * local.numel(), dtype=torch.int64))
+        out.copy_(torch.cat(gathered), non_blocking=True)  # on the current stream, which waited for the work
+        copied = torch.cuda.Event()
+        copied.record()
+        self.wait_until(copied.query, "all_gather_ints: its copy to the host", flush=None)
+        return out.view(self.world_size, -1).tolist()
 
     def _split(self, groups: Sequence[Sequence[int]]) -> TorchDistComm:
         """This rank's group as a ``new_group`` with local synchronization: only its members create it, and torch names
@@ -631,6 +648,16 @@ def _call_name(call: _Call, index: int, calls: int, comm: ReduceComm) -> str:
     who = "" if root is None else f"{'peer' if kind in ('send', 'recv') else 'root'}={comm.peer_name(root)}, "
     name = f"{kind}({who}count={count}, dtype={str(dtype).removeprefix('torch.')})"
     return name if calls == 1 else f"{name} (call {index + 1} of {calls})"
+
+
+def pinned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in pinned host memory, so that a copy between it and the device is asynchronous; ``tensor`` itself
+    where no pinned allocator is available (a copy may then be synchronous, which is why each is made only after the
+    collective it reads was waited for within the deadline: ``nccl_comm`` Note (no blocking copy))."""
+    try:
+        return tensor.pin_memory()
+    except RuntimeError:
+        return tensor
 
 
 def _no_python_dispatcher() -> Any:

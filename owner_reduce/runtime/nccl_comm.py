@@ -86,7 +86,7 @@ import torch
 from ..planning.wording import ranks_phrase
 from . import deadline as deadlines
 from . import watchdog as watchdogs
-from .comm import ReduceComm
+from .comm import ReduceComm, pinned
 
 UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId)
 
@@ -194,15 +194,47 @@ def exchange_unique_id(process_group: Any) -> bytes:
             payload[0] = 1
         except Exception as error:  # noqa: BLE001 - reported to every rank through the status byte
             problem = f": {type(error).__name__}: {error}"
-    backend = str(dist.get_backend(group))
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
-    payload = payload.to(device)
-    with no_python_dispatcher():
-        dist.broadcast(payload, src=dist.get_global_rank(group, 0), group=group)
-    data = payload.cpu()
+    src = dist.get_global_rank(group, 0)
+    if "nccl" in str(dist.get_backend(group)):
+        data = _broadcast_on_device(payload, src, group, rank)
+    else:
+        with no_python_dispatcher():
+            dist.broadcast(payload, src=src, group=group)
+        data = payload
     if int(data[0]) != 1:
         raise RuntimeError(f"owner_reduce: group rank 0 could not create an NCCL unique id{problem}")
     return bytes(data[1:].tolist())
+
+
+def _broadcast_on_device(payload: torch.Tensor, src: int, group: Any, rank: int) -> torch.Tensor:
+    """``payload`` broadcast from ``src`` over an NCCL process group, without a blocking copy (Note (no blocking copy)
+    in ``CupyNcclComm.all_gather_ints``): to the device by a non-blocking copy, the broadcast's work polled within the
+    deadline (init's, inside its window), then back by a non-blocking copy, waited for the same way."""
+    import torch.distributed as dist
+    from torch._dispatch.python import no_python_dispatcher
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    on_device = torch.empty_like(payload, device=device)
+    on_device.copy_(pinned(payload), non_blocking=True)
+    with no_python_dispatcher():
+        work = dist.broadcast(on_device, src=src, group=group, async_op=True)
+    work.block_current_stream()  # the stream waits for it, the host does not
+    deadline = deadlines.from_environment()
+    what = "broadcast of the NCCL unique id (over the data-parallel process group)"
+
+    def failed() -> str | None:
+        error = work.exception() if work.is_completed() else None
+        return None if error is None else f"{type(error).__name__}: {deadlines.first_line(error)}"
+
+    deadlines.poll_until_done(lambda: bool(work.is_completed()), deadline=deadline, rank=_process_rank(rank),
+                              flush=None, call=what, check_error=failed)
+    back = pinned(torch.empty_like(payload))
+    back.copy_(on_device, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    deadlines.poll_until_done(copied.query, deadline=deadline, rank=_process_rank(rank), flush=None,
+                              call=f"{what}: its copy to the host")
+    return back
 
 
 _LEFT_OPEN: dict[int, Any] = {}  # id(handle) -> a cupy NcclCommunicator neither aborted nor destroyed yet
@@ -382,18 +414,40 @@ class CupyNcclComm(ReduceComm):
                              f"0..{self.world_size - 1}")
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
-        """Through this communicator (ncclAllGather of int64), so it needs no torch process group."""
+        """Through this communicator (ncclAllGather of int64), so it needs no torch process group.
+
+        Note (no blocking copy): a blocking copy synchronizes the host with the stream, outside the deadline, behind
+        whatever the stream holds (issue 37, finding 6). So the values go to the device by a non-blocking copy from
+        pinned memory, the host waits for the gather within the deadline (an event after it, polled by
+        ``wait_until``), and only then copies the result back (non-blocking into pinned memory, that copy waited for
+        the same way): a pageable buffer (where pinning is unavailable) can make a copy synchronous, but never behind
+        an unfinished collective."""
         if self._in_group:
             raise RuntimeError(f"{self.name}: all_gather_ints inside a collective group on rank {self.rank}")
-        local = torch.tensor(values, dtype=torch.int64, device=torch.device("cuda", self.device))
-        out = torch.empty(self.world_size * local.numel(), dtype=torch.int64, device=local.device)
+        count = len(values)
+        device = torch.device("cuda", self.device)
+        host = pinned(torch.tensor(values, dtype=torch.int64))
         stream = self._stream()
         self._wait_current(stream)
-        what = f"all_gather(count={local.numel()}, dtype=int64)"
-        self._call(what, lambda: self._live(what).allGather(local.data_ptr(), out.data_ptr(), local.numel(),
+        with torch.cuda.stream(stream):
+            local = torch.empty(count, dtype=torch.int64, device=device)
+            out = torch.empty(self.world_size * count, dtype=torch.int64, device=device)
+            local.copy_(host, non_blocking=True)
+        what = f"all_gather(count={count}, dtype=int64)"
+        self._call(what, lambda: self._live(what).allGather(local.data_ptr(), out.data_ptr(), count,
                                                             nccl_dtype(torch.int64), stream.cuda_stream))
-        self.wait_until(stream.query, what, flush=None)
-        return [row.tolist() for row in out.view(self.world_size, -1).cpu()]
+        self._wait_for_event(stream, what)
+        back = pinned(torch.empty(self.world_size * count, dtype=torch.int64))
+        with torch.cuda.stream(stream):
+            back.copy_(out, non_blocking=True)
+        self._wait_for_event(stream, f"{what}: its copy to the host")
+        return back.view(self.world_size, -1).tolist()
+
+    def _wait_for_event(self, stream: torch.cuda.Stream, what: str) -> None:
+        """Wait, within the deadline, for what ``stream`` holds now (an event recorded after it)."""
+        done = self._make_event()
+        done.record(stream)
+        self.wait_until(done.query, what, flush=None)
 
     def _split(self, groups: Sequence[Sequence[int]]) -> CupyNcclComm:
         """A new NCCL communicator per group: each group's first rank creates its unique id, every rank gathers them
