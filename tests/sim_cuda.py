@@ -5,7 +5,7 @@ calling ``torch.cuda.*``, ``cupy`` and ``cupy.cuda.nccl``; ``Sim`` patches those
 
 API::
 
-    from sim_cuda import Sim, SimHang, sim  # ``sim``: a pytest fixture, Sim() installed for the test
+    from sim_cuda import Sim, SimHang, sim_fixture  # the ``sim`` fixture: a Sim() installed for the test
 
     with Sim(launch_bound=1000, hang_bound_s=10.0, hb=False) as sim:   # installed in this thread (rank 0's process)
         x = torch.zeros(8, device="cuda")        # a device tensor (``SimTensor``) on the current device
@@ -1408,12 +1408,12 @@ _SPECIAL: dict[Any, Callable[..., Any]] = {
 # ---- pytest ------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def sim() -> Iterator[Sim]:
+@pytest.fixture(name="sim")
+def sim_fixture() -> Iterator[Sim]:
     """A ``Sim()`` installed for the test (its defaults; build your own ``with Sim(...)`` for other settings)."""
     with Sim() as installed:
         yield installed
 
 
 __all__ = ["DEFAULT_HANG_BOUND_S", "DEFAULT_LAUNCH_BOUND", "Op", "Sim", "SimError", "SimEvent", "SimHang",
-           "SimProcess", "SimStopped", "SimStream", "SimTensor", "sim"]
+           "SimProcess", "SimStopped", "SimStream", "SimTensor", "sim_fixture"]

@@ -719,11 +719,11 @@ class SimNccl:
             if post.recv is not None and not (post.call.kind == "reduce" and post.call.arg != member.rank):
                 accesses.append((post.recv[0], post.recv[1], post.recv[1] + post.recv[2], True))
         previous = member.last_kernel
-        sim._enqueue(op, accesses=[((s, lo, hi), write) for s, lo, hi, write in accesses],
-                     hb_join=None if previous is None else previous.hb_clock)
-        with sim.lock:
+        with sim.lock:  # before the worker can see it: run_kernel takes it off member.kernels
             member.kernels.append(op)
             member.last_kernel = op
+        sim._enqueue(op, accesses=[((s, lo, hi), write) for s, lo, hi, write in accesses],
+                     hb_join=None if previous is None else previous.hb_clock)
         sim._count("nccl kernel")
         for other in others:
             sim._enqueue(sim_cuda.Op(other, "wait", f"join {name}", deps=[op]),
