@@ -18,7 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -29,44 +28,17 @@ DEADLINE_S = 3.0
 BOUND_S = 10.0  # the issue: within the deadline plus 10 s
 
 
-def _tables(numels: list[int], world_size: int):
-    from owner_reduce.planning.owner_map import GroupTables
-
-    part = -(-sum(numels) // world_size)
-    partition_ids: dict[int, tuple[int, ...]] = {}
-    starts: dict[int, dict[int, int]] = {p: {} for p in range(world_size)}
-    lo = 0
-    for pid, numel in enumerate(numels):
-        hi = lo + numel
-        parts = tuple(p for p in range(world_size) if p * part < hi and lo < (p + 1) * part)
-        partition_ids[pid] = parts
-        for p in parts:
-            starts[p][pid] = max(lo, p * part) - lo
-        lo = hi
-    return GroupTables(group=0, param_ids=tuple(range(len(numels))), numels=tuple(numels),
-                       partition_count=world_size, partition_ids=partition_ids, start_offsets=starts,
-                       same_comm_as_dp=True)
-
-
-def _kept(numels: list[int], world_size: int, rank: int, pid: int) -> tuple[int, int]:
-    part = -(-sum(numels) // world_size)
-    lo = sum(numels[:pid])
-    start, stop = max(lo, rank * part), min(lo + numels[pid], (rank + 1) * part)
-    return (start - lo, stop - start) if start < stop else (0, 0)
-
-
 def stalled_peer_main(world_size: int, stall_rank: int, layers: int, kernels: int, bucket: int, steps: int,
                       stall_step: int) -> None:
     """The acceptance scenario, in this process (``python -c``): prints one JSON line per rank."""
+    from fakes import flat_map
     from sim_cuda import Sim
+    from sim_runtime import GRAPH, make_runtime
 
-    from owner_reduce.planning.flags import OwnerReduceFlags
-    from owner_reduce.planning.owner_map import OwnerMap
     from owner_reduce.runtime import nccl_comm
-    from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
 
     numels = [256, 16] * layers  # a weight and a bias per layer
-    owner_map = OwnerMap.from_group_tables([_tables(numels, world_size)], world_size)
+    owner_map = flat_map(numels, world_size)
     release = threading.Event()  # the stopped rank goes on once every survivor is done
     stalled_at: list[float] = []
     survivors = [world_size - 1]
@@ -77,15 +49,8 @@ def stalled_peer_main(world_size: int, stall_rank: int, layers: int, kernels: in
         uid = nccl_comm.new_unique_id()
 
         def rank_main(rank: int) -> dict:
-            comm = nccl_comm.CupyNcclComm(uid, rank, world_size)
-            rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, False), owner_map, measure=False),
-                                    comm_factory=lambda group: comm)
-            rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
-            for pid, n in enumerate(numels):
-                offset, length = _kept(numels, world_size, rank, pid)
-                rt.register_param(pid, (n,), torch.zeros(n, device="cuda"), torch.zeros(length, device="cuda"),
-                                  offset)
-            rt.register_graph_z1(7, list(range(len(numels))))
+            rt = make_runtime(owner_map, rank, lambda group: nccl_comm.CupyNcclComm(uid, rank, world_size),
+                              bucket=bucket)
             grads = [torch.ones(n, device="cuda") for n in numels]
             out: dict = {"rank": rank}
             computes[rank] = torch.cuda.current_stream()
@@ -100,8 +65,8 @@ def stalled_peer_main(world_size: int, stall_rank: int, layers: int, kernels: in
                     for pid in reversed(range(len(numels))):
                         for _ in range(kernels):
                             sim.kernel(1e-5, name=f"layer {pid // 2}")
-                        rt.reduce_grad(grads[pid], 7, pid)
-                    rt.end_backward(7, False)
+                        rt.reduce_grad(grads[pid], GRAPH, pid)
+                    rt.end_backward(GRAPH, False)
                     out["steps"] = step
                     out["flushes"] = rt.stats.flushes
             except BaseException as error:  # noqa: BLE001 - the verdict is the test's
