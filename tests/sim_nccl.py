@@ -70,6 +70,7 @@ NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = 0, 1, 2, 3, 4
 TORCH_DTYPES = {NCCL_INT8: torch.int8, NCCL_UINT8: torch.uint8, NCCL_INT32: torch.int32, NCCL_UINT32: torch.uint32,
                 NCCL_INT64: torch.int64, NCCL_UINT64: torch.uint64, NCCL_FLOAT16: torch.float16,
                 NCCL_FLOAT32: torch.float32, NCCL_FLOAT64: torch.float64, NCCL_BFLOAT16: torch.bfloat16}
+CALL_KINDS = frozenset({"reduce", "allReduce", "reduceScatter", "allGather", "broadcast", "send", "recv"})
 OP_NAMES = {NCCL_SUM: "sum", NCCL_PROD: "prod", NCCL_MAX: "max", NCCL_MIN: "min", NCCL_AVG: "avg"}
 
 # ncclResult_t; cupy 14's NcclError knows 0-6 only (its ERROR_NAMES): 7, ncclInProgress, raises KeyError
@@ -392,8 +393,9 @@ class SimNccl:
 
     def inject(self, kind: str, status: int = SYSTEM_ERROR, *, rank: int | None = None, comm: int | None = None,
                nth: int = 1, once: bool = True) -> None:
-        """The ``nth`` call of ``kind`` ("reduce", "allReduce", ..., "groupStart", "groupEnd", "abort", "destroy",
-        "init") on ``rank``'s process (any) and its communicator number ``comm`` (any) raises ``NcclError(status)``."""
+        """The ``nth`` call of ``kind`` ("reduce", "allReduce", ..., "*" for any of those, "groupStart", "groupEnd",
+        "abort", "destroy", "init") on ``rank``'s process (any) and its communicator number ``comm`` (any; numbered
+        in creation order on that process) raises ``NcclError(status)``, counted from now."""
         self._faults.append(_Fault(kind, status, rank, comm, nth, once=once))
 
     def stall(self, member: Member, from_kernel: int = 1) -> None:
@@ -528,7 +530,9 @@ class SimNccl:
     def _fault(self, kind: str, member: Member | None) -> int | None:
         process = member.process if member is not None else self.sim._this_process()
         for fault in self._faults:
-            if fault.kind != kind or fault.rank is not None and fault.rank != process.rank:
+            if fault.kind != kind and not (fault.kind == "*" and kind in CALL_KINDS):
+                continue
+            if fault.rank is not None and fault.rank != process.rank:
                 continue
             if fault.comm is not None and (member is None or member.index != fault.comm):
                 continue
