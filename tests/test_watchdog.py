@@ -324,8 +324,8 @@ def test_the_end_of_backwards_wait_raises_the_watchdogs_error_when_it_fired_firs
     _flush(f.node, 2)
     returned, (kind, error) = in_thread(lambda: f.dp.wait_until(lambda: True, "end_backward"))
     assert returned and kind == "raised" and error is f.dp.watchdog.error
-    assert "flush #2: flush watchdog: reduce(root=1 = data-parallel rank 1, count=4, dtype=float32) (call 1 of 2) on " \
-           "the node communicator timed out after waiting" in str(error)
+    assert "flush #2: flush watchdog (the main thread in end_backward): reduce(root=1 = data-parallel rank 1, " \
+           "count=4, dtype=float32) (call 1 of 2) on the node communicator timed out after waiting" in str(error)
 
 
 def test_an_asynchronous_error_fires_before_the_deadline(monkeypatch):

@@ -133,9 +133,13 @@ class ReduceComm(ABC):
             watchdog.raise_if_failed()
             return self._any_async_error()
 
-        deadlines.poll_until_done(lambda: all(c._works_done() for c in comms) and done(), deadline=self.deadline,
-                                  rank=self.global_rank, dp_rank=self.dp_rank, flush=lambda: names()[0],
-                                  call=lambda: names()[1], check_error=check_error, abort=self._abort_all)
+        watchdog.waiting = call
+        try:
+            deadlines.poll_until_done(lambda: all(c._works_done() for c in comms) and done(), deadline=self.deadline,
+                                      rank=self.global_rank, dp_rank=self.dp_rank, flush=lambda: names()[0],
+                                      call=lambda: names()[1], check_error=check_error, abort=self._abort_all)
+        finally:
+            watchdog.waiting = None
         watchdog.raise_if_failed()  # done only because the watchdog's abort forgot the works meanwhile
 
     def _works_done(self) -> bool:

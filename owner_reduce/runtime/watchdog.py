@@ -83,6 +83,7 @@ class FlushWatchdog:
         self.held_since: float | None = None  # the main thread is inside an NCCL call or open group since then
         self.held_by: ReduceComm | None = None
         self.held_group = False  # in a group (else a single call)
+        self.waiting: str | None = None  # the main thread's bounded wait now (``wait_until``'s call), for the error
         self.armed = False  # the thread looks (something is in flight, or the main thread is inside NCCL)
         self.failed = False  # the communicators were claimed for an abort (by the watchdog or an error path)
         self.error: OwnerReduceCommError | None = None  # the watchdog's error: raised by the main thread's next call
@@ -232,12 +233,12 @@ class FlushWatchdog:
             if not comm._entry_watched(entry):  # completed and forgotten meanwhile: Note (firing) in ``nccl_comm``
                 continue
             flush, name = comm._entry_name(entry)
-            self._fire(_error(comm, flush, name, now - entry.issued_at, "timed out"))
+            self._fire(self._error(comm, flush, name, now - entry.issued_at, "timed out"))
             return True
         held, held_by = self.held_since, self.held_by
         if held is not None and held_by is not None and now - held >= held_by.deadline.allowed_s(held):
-            self._fire(_error(held_by, held_by.flush, f"an NCCL {self._held_what()}", now - held,
-                              "has not returned"))
+            self._fire(self._error(held_by, held_by.flush, f"an NCCL {self._held_what()}", now - held,
+                                   "has not returned"))
             return True
         if self.lock.acquire(blocking=False):  # never while the main thread is inside a call (Note (guard))
             try:
@@ -250,7 +251,7 @@ class FlushWatchdog:
                 entry = self._oldest_pending(comm)
                 flush, name = comm._entry_name(entry) if entry is not None else (comm.flush, "no call in flight")
                 waited = now - entry.issued_at if entry is not None else 0.0
-                self._fire(_error(comm, flush, name, waited, f"failed: {reason}"))
+                self._fire(self._error(comm, flush, name, waited, f"failed: {reason}"))
                 return True
         return False
 
@@ -281,6 +282,17 @@ class FlushWatchdog:
             self._end(error, f"every communicator was aborted, but the main thread did not come back to owner_reduce "
                              f"within {self.grace_s:g} s to raise it")
 
+    def _error(self, comm: ReduceComm, flush: int | None, call: str, waited_s: float, reason: str
+               ) -> OwnerReduceCommError:
+        """``rank 5, flush #7: flush watchdog: reduce(...) on the rail communicator timed out after waiting 12.0 s``,
+        with ``(the main thread in end_backward)`` after "flush watchdog" where the main thread was in a bounded
+        wait then (waited since the issue, not since that wait)."""
+        waiting = self.waiting
+        where = "" if waiting is None else f" (the main thread in {waiting})"
+        return OwnerReduceCommError(rank=comm.global_rank, dp_rank=comm.dp_rank, flush=flush,
+                                    call=f"flush watchdog{where}: {call} on the {comm.role} communicator",
+                                    waited_s=waited_s, deadline=comm.deadline, reason=reason)
+
     def _held_what(self) -> str:
         return "group (ncclGroupStart ... ncclGroupEnd)" if self.held_group else "call"
 
@@ -295,12 +307,6 @@ class FlushWatchdog:
             sys.stderr.flush()
         finally:
             self.end(BLOCKED_EXIT_CODE)
-
-
-def _error(comm: ReduceComm, flush: int | None, call: str, waited_s: float, reason: str) -> OwnerReduceCommError:
-    return OwnerReduceCommError(rank=comm.global_rank, dp_rank=comm.dp_rank, flush=flush,
-                                call=f"flush watchdog: {call} on the {comm.role} communicator", waited_s=waited_s,
-                                deadline=comm.deadline, reason=reason)
 
 
 def abort_concurrently(aborts: Sequence[tuple[str, Callable[[], Any]]], bound_s: float
