@@ -266,7 +266,9 @@ def test_communicators_left_open_are_aborted_at_exit_never_destroyed(monkeypatch
     device = Device()
     left, closed, aborted = (Handle(device, n) for n in ("left", "closed", "aborted"))
     monkeypatch.setattr(nccl_comm, "_LEFT_OPEN", {})
-    monkeypatch.setattr(nccl_comm.atexit, "register", lambda fn: None)
+    registered = []
+    monkeypatch.setattr(nccl_comm, "_EXIT_HANDLER", False)
+    monkeypatch.setattr(nccl_comm.atexit, "register", registered.append)
     for h in (left, closed, aborted):
         nccl_comm._left_open(h)
     monkeypatch.setattr(nccl_comm, "_nccl", lambda: NcclModule(device))
@@ -274,6 +276,7 @@ def test_communicators_left_open_are_aborted_at_exit_never_destroyed(monkeypatch
     closing.close()  # drained: destroyed, and no longer left open
     aborting = cupy_comm(device, aborted)
     aborting._abort()
+    assert registered == [nccl_comm._abort_left_open]  # once
     nccl_comm._abort_left_open()
     assert left.aborted.is_set() and left.destroys == 0
     assert closed.destroys == 1 and not closed.aborted.is_set()

@@ -238,6 +238,7 @@ def _broadcast_on_device(payload: torch.Tensor, src: int, group: Any, rank: int)
 
 
 _LEFT_OPEN: dict[int, Any] = {}  # id(handle) -> a cupy NcclCommunicator neither aborted nor destroyed yet
+_EXIT_HANDLER = False  # _abort_left_open is registered with atexit
 
 
 def _left_open(handle: Any) -> None:
@@ -246,8 +247,10 @@ def _left_open(handle: Any) -> None:
     destroyed (its ``NcclCommunicator`` never deallocated before), and at exit whatever is left is aborted, all at
     once, within the watchdog's abort bound: never destroyed. (A communicator dropped without ``close`` keeps its NCCL
     resources until exit.)"""
-    if not _LEFT_OPEN:
+    global _EXIT_HANDLER  # registered once per process
+    if not _EXIT_HANDLER:
         atexit.register(_abort_left_open)
+        _EXIT_HANDLER = True
     _LEFT_OPEN[id(handle)] = handle
 
 
