@@ -153,8 +153,8 @@ class Post:
 
     member: Member
     call: Call
-    send: tuple[Any, int, int] | None  # (storage, byte offset, bytes)
-    recv: tuple[Any, int, int] | None
+    send: tuple[torch.Tensor, int, int, int] | None  # (the allocation's bytes, byte offset, bytes, its address):
+    recv: tuple[torch.Tensor, int, int, int] | None  # not the SimStorage, whose death is the allocator's free
     match: Match | None = None
     kernel: Any = None  # the sim_cuda.Op it runs in
     arrived: bool = False
@@ -163,8 +163,8 @@ class Post:
     withdrawn: bool = False  # its kernel exited (abort) before the call ran
 
     def view(self, which: str) -> torch.Tensor:
-        storage, offset, nbytes = self.send if which == "send" else self.recv
-        return storage.bytes[offset:offset + nbytes].view(TORCH_DTYPES[self.call.dtype])
+        data, offset, nbytes, _ = self.send if which == "send" else self.recv
+        return data[offset:offset + nbytes].view(TORCH_DTYPES[self.call.dtype])
 
 
 @dataclass(eq=False)
@@ -614,7 +614,7 @@ class SimNccl:
                     continue
                 ptr, n = ptr_count
                 storage, offset = sim.resolve(ptr, n * itemsize, member.device)
-                bufs.append((storage, offset, n * itemsize))
+                bufs.append((storage.bytes, offset, n * itemsize, storage.addr))
             pointers = [p for p, _ in filter(None, (send, recv))]
             if any(p % 16 for p in pointers):
                 process.counters["nccl misaligned"] += 1
@@ -719,9 +719,9 @@ class SimNccl:
         accesses = []
         for post, _, _ in posts:
             if post.send is not None:
-                accesses.append((post.send[0], post.send[1], post.send[1] + post.send[2], False))
+                accesses.append((post.send[3], post.send[1], post.send[1] + post.send[2], False))
             if post.recv is not None and not (post.call.kind == "reduce" and post.call.arg != member.rank):
-                accesses.append((post.recv[0], post.recv[1], post.recv[1] + post.recv[2], True))
+                accesses.append((post.recv[3], post.recv[1], post.recv[1] + post.recv[2], True))
         previous = member.last_kernel
         with sim.lock:  # before the worker can see it: run_kernel takes it off member.kernels
             member.kernels.append(op)
