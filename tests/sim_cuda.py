@@ -552,7 +552,7 @@ class Sim(_Watched):
         self._processes: dict[int, SimProcess] = {}
         self._tls = threading.local()
         self._addresses: list[int] = []  # sorted allocation addresses (the registry)
-        self._by_address: dict[int, SimStorage] = {}
+        self._by_address: dict[int, weakref.ref[SimStorage]] = {}  # weak: a storage dies with its last tensor
         self._next_address = 0x7F0000000000
         self._allocated: collections.Counter[int] = collections.Counter()  # bytes per device
         self._patches: list[tuple[Any, str, Any]] = []
@@ -809,8 +809,13 @@ class Sim(_Watched):
         return SimEvent(self, enable_timing)
 
     def name_stream(self, stream: SimStream, name: str) -> None:
-        """Call ``stream`` ``name`` in reports (and in the happens-before checker)."""
+        """Call ``stream`` ``name`` in reports (and in the happens-before checker); ``name#2`` where taken."""
         with self.lock:
+            taken = {s.name for s in self._streams.values() if s is not stream}
+            base, n = name, 1
+            while name in taken:
+                n += 1
+                name = f"{base}#{n}"
             if self.hb is not None:
                 self.hb.rename(stream.name, name)
             stream.name = name
@@ -891,17 +896,17 @@ class Sim(_Watched):
         return op
 
     def _hb_touch(self, tensor: Any, write: bool, thread: str, op: str, site: str) -> None:
-        if isinstance(tensor, tuple):  # (storage, lo, hi): an NCCL buffer
-            storage, lo, hi = tensor
+        if isinstance(tensor, tuple):  # (address, lo, hi): an NCCL buffer
+            addr, lo, hi = tensor
         else:
             if tensor.numel() == 0:
                 return
-            storage = tensor._sim_storage
+            addr = tensor._sim_storage.addr
             size = tensor.element_size()
             extent = 1 + sum((n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride(), strict=True))
             lo = tensor.storage_offset() * size
             hi = lo + extent * size
-        self.hb.touch(id(storage), lo, hi, write, thread, op, site)
+        self.hb.touch(addr, lo, hi, write, thread, op, site)
 
     def _work(self, stream: SimStream) -> None:
         """A stream's worker: runs its FIFO in order, each op after what it waits for."""
@@ -1031,30 +1036,30 @@ class Sim(_Watched):
             addr = self._next_address
             self._next_address += max(ADDRESS_ALIGNMENT, -(-storage.nbytes // ADDRESS_ALIGNMENT) * ADDRESS_ALIGNMENT)
             bisect.insort(self._addresses, addr)
-            self._by_address[addr] = storage
+            self._by_address[addr] = weakref.ref(storage)
             self._allocated[storage.device] += storage.nbytes
             if self.hb is not None:
-                self.hb.allocated(id(storage), storage.label, storage.alloc_stream.name)
+                self.hb.allocated(addr, storage.label, storage.alloc_stream.name)  # the hb key: addresses are unique
             return addr
 
     def _freed(self, addr: int, nbytes: int, device: int, process: SimProcess, alloc_stream: str,
                recorded: set[SimStream]) -> None:
         with self.lock:
-            storage = self._by_address.pop(addr, None)
+            self._by_address.pop(addr, None)
             i = bisect.bisect_left(self._addresses, addr)
             if i < len(self._addresses) and self._addresses[i] == addr:
                 del self._addresses[i]
             self._allocated[device] -= nbytes
             if self.hb is not None and not self.stopped:
-                self.hb.freed(id(storage) if storage is not None else -1, process.host,
-                              tuple(s.name for s in recorded))
+                self.hb.freed(addr, process.host, tuple(s.name for s in recorded))
 
     def resolve(self, ptr: int, nbytes: int, device: int) -> tuple[SimStorage, int]:
         """The allocation holding ``[ptr, ptr + nbytes)`` and the offset of ``ptr`` in it; SimError where CUDA would
         fault (no allocation, out of bounds, another device)."""
         with self.lock:
             i = bisect.bisect_right(self._addresses, ptr) - 1
-            storage = self._by_address.get(self._addresses[i]) if i >= 0 else None
+            ref = self._by_address.get(self._addresses[i]) if i >= 0 else None
+            storage = ref() if ref is not None else None
             if storage is None or ptr + nbytes > storage.addr + storage.nbytes:
                 raise SimError(f"illegal memory access: {nbytes} bytes at {ptr:#x} lie in no live allocation")
             if storage.device != device:
@@ -1077,7 +1082,7 @@ class Sim(_Watched):
         """Call ``tensor``'s allocation ``label`` in reports."""
         tensor._sim_storage.label = label
         if self.hb is not None:
-            self.hb.name(id(tensor._sim_storage), label)
+            self.hb.name(tensor._sim_storage.addr, label)
 
     # ---- happens-before -------------------------------------------------------------------------------------------
 
