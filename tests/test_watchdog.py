@@ -182,7 +182,8 @@ def _stop_watchdogs():
 def fast(watchdog: watchdogs.FlushWatchdog, **bounds: float) -> list[str]:
     """The watchdog with short bounds and a fake end of the process: what it would have written, then ended."""
     said: list[str] = []
-    watchdog.poll_s, watchdog.lock_wait_s, watchdog.abort_bound_s, watchdog.grace_s = 0.02, 0.3, 2.0, 1.0
+    watchdog.poll_s, watchdog.lock_wait_s, watchdog.group_wait_s = 0.02, 0.3, 1.0
+    watchdog.abort_bound_s, watchdog.grace_s = 2.0, 1.0
     for name, value in bounds.items():
         setattr(watchdog, name, value)
     watchdog.write = said.append
@@ -366,8 +367,8 @@ def test_a_main_thread_inside_an_nccl_call_cannot_be_interrupted_so_the_process_
         time.sleep(0.02)
     f.module.released.set()
     blocked.join(HANG_S)
-    assert f.dp.watchdog.ended == ("the main thread is inside an NCCL group (ncclGroupStart ... ncclGroupEnd) on the "
-                                   "data-parallel communicator, which cannot be interrupted")
+    assert f.dp.watchdog.ended == ("the main thread is inside ncclGroupEnd on the data-parallel communicator, which "
+                                   "cannot be interrupted")
     message, code = said
     assert code == f"exit {BLOCKED_EXIT_CODE}"
     assert message.startswith("owner_reduce flush watchdog: OwnerReduceCommError: owner_reduce: rank 0, flush #1: "
@@ -389,9 +390,61 @@ def test_a_main_thread_stuck_in_an_nccl_call_with_nothing_in_flight_ends_the_pro
     f.module.released.set()
     blocked.join(HANG_S)
     assert said[0].startswith("owner_reduce flush watchdog: OwnerReduceCommError: owner_reduce: rank 0, flush #1: "
-                              "flush watchdog: an NCCL group (ncclGroupStart ... ncclGroupEnd) on the node "
-                              "communicator has not returned after waiting"), said
+                              "flush watchdog: ncclGroupEnd on the node communicator has not returned after "
+                              "waiting"), said
     assert said[1] == f"exit {BLOCKED_EXIT_CODE}"
+
+
+def test_a_group_slow_in_python_past_the_deadline_is_waited_for_then_aborted_after_it(monkeypatch):
+    """The main thread holds its group open in Python (not inside NCCL) when a deadline passes: the watchdog waits for
+    the group to close (never aborting under it), then aborts; the next flush raises. Held past ``group_wait_s``,
+    the process ends instead."""
+    f = family(monkeypatch, order=False)
+    said = fast(f.dp.watchdog, group_wait_s=5.0)
+    f.device.stall("rail")
+    _flush(f.rail, 1)
+    closed = threading.Event()
+
+    def slow_group() -> None:
+        with f.dp.group(flush=2):
+            f.dp.reduce(f.dp.buffer[:4], 1)
+            deadline = time.monotonic() + HANG_S
+            while f.dp.watchdog.error is None and time.monotonic() < deadline:
+                time.sleep(0.01)  # Python inside the open group, past the rail group's deadline
+            time.sleep(0.2)  # the watchdog has recorded the error, and waits for this group to close
+            assert not any(h.aborted.is_set() for h in f.handles.values()), "aborted under an open group"
+        closed.set()
+        _flush(f.dp, 3)
+
+    returned, result = in_thread(slow_group)
+    assert returned and result[0] == "raised" and result[1] is f.dp.watchdog.error, result
+    assert closed.is_set() and said == []
+    f.dp.watchdog._thread.join(HANG_S)
+    assert all(h.aborted.is_set() for h in f.handles.values())
+    assert f.device.log.index("groupEnd", f.device.log.index("data-parallel.reduce")) < min(
+        f.device.log.index(f"{n}.abort") for n in f.handles)  # the group was ended before any abort
+
+    g = family(monkeypatch, order=False)
+    said = fast(g.dp.watchdog, group_wait_s=0.3)
+    g.device.stall("rail")
+    _flush(g.rail, 1)
+    release = threading.Event()
+
+    def stuck_group() -> None:
+        with g.dp.group(flush=2):
+            g.dp.reduce(g.dp.buffer[:4], 1)
+            release.wait(HANG_S)
+
+    thread = threading.Thread(target=stuck_group, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + HANG_S
+    while g.dp.watchdog.ended is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    release.set()
+    thread.join(HANG_S)
+    assert g.dp.watchdog.ended == ("the main thread kept an NCCL group open on the data-parallel communicator for "
+                                   "0.3 s after the deadline, and no communicator may be aborted under an open group")
+    assert said[-1] == f"exit {BLOCKED_EXIT_CODE}" and not any(h.aborted.is_set() for h in g.handles.values())
 
 
 def test_an_abort_that_does_not_return_ends_the_process(monkeypatch):

@@ -314,7 +314,7 @@ class CupyNcclComm(ReduceComm):
     """
 
     name = "cupy-nccl"
-    _issued_at = 0.0  # when the open group started (``watchdog.enter``)
+    _issued_at = 0.0  # when the group's ncclGroupEnd launched it (``watchdog.calling``)
 
     def __init__(self, unique_id: bytes, rank: int, world_size: int, *, device: int | None = None,
                  stream: torch.cuda.Stream | None = None) -> None:
@@ -560,7 +560,7 @@ class CupyNcclComm(ReduceComm):
         self._calls_in_group = 0
         self._wait_current(self._stream())
         watchdog = self.watchdog
-        self._issued_at = watchdog.enter(self, True)
+        watchdog.enter(self)
         try:
             _nccl().groupStart()
         except Exception as error:  # noqa: BLE001 - no group is open: the guard goes, then every communicator aborts
@@ -575,6 +575,7 @@ class CupyNcclComm(ReduceComm):
         pending, self._abort_pending = self._abort_pending, False
         self._group_open = False
         watchdog = self.watchdog
+        self._issued_at = watchdog.calling("ncclGroupEnd")  # the group's kernels are launched here
         try:
             _nccl().groupEnd()
         except Exception as error:  # noqa: BLE001 - the group is ended by then: the guard goes, then the aborts
@@ -598,6 +599,7 @@ class CupyNcclComm(ReduceComm):
         self._first_call = None
         self._abort_pending = False  # group() aborts anyway
         if self._group_open:
+            self.watchdog.calling("ncclGroupEnd")
             try:
                 _nccl().groupEnd()
             finally:
@@ -766,6 +768,7 @@ class CupyNcclComm(ReduceComm):
         guarded = not self._group_open
         if guarded:
             self.watchdog.enter(self)
+            self.watchdog.calling("an NCCL call outside a group")
         try:
             return fn()
         except Exception as error:  # noqa: BLE001 - NcclError, CUDARuntimeError: re-raised with rank and call

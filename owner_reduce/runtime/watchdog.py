@@ -25,8 +25,9 @@ complete (its event, or torch's work) against the deadline from its issue, the c
 (only while the guard is free: never concurrently with the main thread's calls), and how long the main thread has
 been inside an NCCL call. On the first failure the watchdog records one ``OwnerReduceCommError`` naming the rank, the
 flush, the call and the communicator, then:
-1. it takes the guard, waiting at most ``LOCK_WAIT_S``: a main thread still inside an NCCL call then (blocked in
-   ``ncclGroupEnd`` behind a full work FIFO, or in a lazy connection) cannot be interrupted: the process ends;
+1. it takes the guard. A main thread inside an NCCL call (``ncclGroupEnd``, or a call outside a group: ``calling``)
+   for ``LOCK_WAIT_S`` (blocked behind a full work FIFO, or in a lazy connection) cannot be interrupted, and one that
+   keeps its group open for ``GROUP_WAIT_S`` must not be aborted under: the process ends;
 2. it claims every communicator and aborts them all at once, one thread each (``abort_concurrently``): an abort
    waits for its communicator's last kernel, which may be queued behind a spinning kernel of another communicator
    on the same stream, so no order of aborts one after another is safe (finding 2); an abort that has not returned
@@ -36,7 +37,8 @@ flush, the call and the communicator, then:
    the end of backward's wait), which raises the recorded error; if it has not within ``GRACE_S``, the process ends.
 Ending the process is what init's watchdog does (``deadline.end_process_if_still_blocked``): the error on stderr,
 then ``os._exit(BLOCKED_EXIT_CODE)``. So every rank fails within the deadline plus at most
-``POLL_S + LOCK_WAIT_S + ABORT_BOUND_S + GRACE_S`` (9.1 s).
+``POLL_S + GROUP_WAIT_S + ABORT_BOUND_S + GRACE_S`` (9.6 s). A main thread inside an NCCL call past the deadline
+(``calling``) with nothing else in flight fires the same way (its call cannot return: the process ends).
 
 Note (claims by the main thread): an error path of the main thread (a failed NCCL call, a timed-out wait) claims and
 aborts every communicator the same way (``abort_all``), so a failure on one level never leaves the others' kernels
@@ -59,9 +61,10 @@ if TYPE_CHECKING:
     from .comm import ReduceComm
 
 POLL_S = 0.1  # how often an armed watchdog looks (torch's ProcessGroupNCCL watchdog: 100 ms)
-LOCK_WAIT_S = 1.0  # how long it waits for the main thread to leave an NCCL call before it must end the process
-ABORT_BOUND_S = 5.0  # how long the concurrent aborts may take, all together
-GRACE_S = 3.0  # how long the main thread has, after the aborts, to reach a call that raises the error
+LOCK_WAIT_S = 1.0  # how long the main thread may stay inside one NCCL call once a deadline passed
+GROUP_WAIT_S = 3.0  # how long the watchdog waits, at most, for the main thread to close its open group
+ABORT_BOUND_S = 4.0  # how long the concurrent aborts may take, all together
+GRACE_S = 2.5  # how long the main thread has, after the aborts, to reach a call that raises the error
 
 _monotonic = time.monotonic
 _LIVE: weakref.WeakSet[FlushWatchdog] = weakref.WeakSet()  # stopped at exit before any communicator is aborted
@@ -73,22 +76,23 @@ class FlushWatchdog:
 
     poll_s = POLL_S
     lock_wait_s = LOCK_WAIT_S
+    group_wait_s = GROUP_WAIT_S
     abort_bound_s = ABORT_BOUND_S
     grace_s = GRACE_S
+    end: Callable[[int], Any] = staticmethod(os._exit)  # how the process ends (tests: a fake)
 
     def __init__(self, owner: ReduceComm) -> None:
         self.comms: list[ReduceComm] = [owner]
         self.lock = threading.Lock()  # Note (guard)
         self._acquire, self._release = self.lock.acquire, self.lock.release
-        self.held_since: float | None = None  # the main thread is inside an NCCL call or open group since then
-        self.held_by: ReduceComm | None = None
-        self.held_group = False  # in a group (else a single call)
+        self.held_by: ReduceComm | None = None  # the communicator whose call or group holds the guard now
+        self.in_call: str | None = None  # the NCCL call the main thread is inside now (``calling``)
+        self.in_call_since: float | None = None
         self.waiting: str | None = None  # the main thread's bounded wait now (``wait_until``'s call), for the error
         self.armed = False  # the thread looks (something is in flight, or the main thread is inside NCCL)
         self.failed = False  # the communicators were claimed for an abort (by the watchdog or an error path)
         self.error: OwnerReduceCommError | None = None  # the watchdog's error: raised by the main thread's next call
         self.write: Callable[[str], Any] | None = None  # tests: where the last words go (stderr)
-        self.end: Callable[[int], Any] = os._exit  # tests: a fake end
         self.ended: str | None = None  # why the process was ended (tests read it when ``end`` returns)
         self._wake = threading.Event()
         self._stopped = threading.Event()
@@ -98,21 +102,26 @@ class FlushWatchdog:
 
     # ---- the main thread's hot path ------------------------------------------------------------------------
 
-    def enter(self, comm: ReduceComm, group: bool = False) -> float:
-        """Hold the guard for an NCCL call or (``group``) a group on ``comm``: the time it started. Raises the
-        watchdog's error instead when it has claimed the communicators."""
+    def enter(self, comm: ReduceComm) -> None:
+        """Hold the guard for an NCCL call or a group on ``comm``. Raises the watchdog's error instead when it has
+        claimed the communicators."""
         self._acquire()
         if self.error is not None:
-            self.lock.release()
+            self._release()
             self.raise_if_failed()
-        self.held_by, self.held_group = comm, group
-        now = self.held_since = _monotonic()
+        self.held_by = comm
+
+    def calling(self, what: str) -> float:
+        """The main thread, holding the guard, enters an NCCL call that may block (``ncclGroupEnd``, a call outside a
+        group): the time, which is also its group's issue time. ``leave`` ends it."""
+        self.in_call = what
+        now = self.in_call_since = _monotonic()
         if not self.armed:
             self.arm()
         return now
 
     def leave(self) -> None:
-        self.held_since = None
+        self.in_call_since = None
         self._release()
 
     def arm(self) -> None:
@@ -200,7 +209,7 @@ class FlushWatchdog:
                     self._wake.set()
 
     def _busy(self) -> bool:
-        return self.held_since is not None or any(self._oldest_pending(c) is not None for c in self.family())
+        return self.in_call_since is not None or any(self._oldest_pending(c) is not None for c in self.family())
 
     def _oldest_pending(self, comm: ReduceComm) -> Any:
         """The oldest group of ``comm`` not complete, or None. Groups complete in issue order on one communicator
@@ -235,10 +244,9 @@ class FlushWatchdog:
             flush, name = comm._entry_name(entry)
             self._fire(self._error(comm, flush, name, now - entry.issued_at, "timed out"))
             return True
-        held, held_by = self.held_since, self.held_by
-        if held is not None and held_by is not None and now - held >= held_by.deadline.allowed_s(held):
-            self._fire(self._error(held_by, held_by.flush, f"an NCCL {self._held_what()}", now - held,
-                                   "has not returned"))
+        since, held_by, what = self.in_call_since, self.held_by, self.in_call
+        if since is not None and held_by is not None and now - since >= held_by.deadline.allowed_s(since):
+            self._fire(self._error(held_by, held_by.flush, what or "an NCCL call", now - since, "has not returned"))
             return True
         if self.lock.acquire(blocking=False):  # never while the main thread is inside a call (Note (guard))
             try:
@@ -257,16 +265,17 @@ class FlushWatchdog:
 
     def _fire(self, error: OwnerReduceCommError) -> None:
         """Note (firing), steps 1 to 3."""
-        if not self.lock.acquire(timeout=self.lock_wait_s):
-            held_by = self.held_by
-            what = "call" if held_by is None else f"{self._held_what()} on the {held_by.role} communicator"
-            self._end(error, f"the main thread is inside an NCCL {what}, which cannot be interrupted")
+        if self.failed:
+            return
+        self.error = error  # from now on the main thread's next call raises it, without calling NCCL
+        why = self._take_guard()
+        if why is not None:
+            self._end(error, why)
             return
         try:
             if self.failed:  # an error path of the main thread claimed them first: it raises its own error
                 return
             self.failed = True
-            self.error = error
             aborts = self._claim()
         finally:
             self.lock.release()
@@ -293,8 +302,20 @@ class FlushWatchdog:
                                     call=f"flush watchdog{where}: {call} on the {comm.role} communicator",
                                     waited_s=waited_s, deadline=comm.deadline, reason=reason)
 
-    def _held_what(self) -> str:
-        return "group (ncclGroupStart ... ncclGroupEnd)" if self.held_group else "call"
+    def _take_guard(self) -> str | None:
+        """Note (firing) 1: acquire the guard (then None), or say why the process must end."""
+        started = _monotonic()
+        while not self.lock.acquire(timeout=0.02):
+            now = _monotonic()
+            since, held_by = self.in_call_since, self.held_by
+            where = "" if held_by is None else f" on the {held_by.role} communicator"
+            if since is not None and now - since >= self.lock_wait_s:
+                return (f"the main thread is inside {self.in_call or 'an NCCL call'}{where}, which cannot be "
+                        f"interrupted")
+            if now - started >= self.group_wait_s:
+                return (f"the main thread kept an NCCL group open{where} for {self.group_wait_s:g} s after the "
+                        f"deadline, and no communicator may be aborted under an open group")
+        return None
 
     def _end(self, error: OwnerReduceCommError, why: str) -> None:
         """Say why on stderr and end the process, as init's watchdog does (``deadline`` Note (a blocking init))."""
