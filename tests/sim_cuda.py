@@ -7,7 +7,7 @@ API::
 
     from sim_cuda import Sim, SimHang, sim_fixture  # the ``sim`` fixture: a Sim() installed for the test
 
-    with Sim(launch_bound=1000, hang_bound_s=10.0, hb=False) as sim:   # installed in this thread (rank 0's process)
+    with Sim(launch_bound=1000, hang_bound_s=10.0, hb=False) as sim:   # installed (this thread: rank 0's process)
         x = torch.zeros(8, device="cuda")        # a device tensor (``SimTensor``) on the current device
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -17,7 +17,13 @@ API::
         results = sim.run_ranks(fn, 4)           # fn(rank) on 4 threads, each rank a process of its own: its own
                                                  # current device (rank % device_count), default stream, host
         sim.kernel(0.002, name="layer 3")        # a synthetic compute kernel of 2 ms (virtual) on the current stream
-        sim.counters["wait_event"], sim.nccl.comms(rank=0), sim.races (hb=True), sim.hangs, sim.mismatches
+        release = sim.stall()                    # a kernel that never completes until ``release.set()``
+        sim.nccl.stall(member), sim.nccl.inject("reduce", 6, rank=0), sim.nccl.async_error(member)  # faults
+        sim.counters["wait_event"], sim.nccl.comms(rank=0), sim.nccl.calls_of(0), sim.races (hb=True), sim.hangs,
+        sim.nccl.mismatches, sim.nccl.process_exit(0)  # what cupy's __dealloc__ does at a process's exit
+
+``Sim(transport="processes")`` in each of several processes: the unique id names a hub in the process that made it
+(``sim_nccl_transport``). ``sim_runtime`` drives the real runtime on it.
 
 What it models (``docs/notes/issue-37-simulated-device.md`` says where it departs from CUDA and NCCL):
 
@@ -36,7 +42,8 @@ What it models (``docs/notes/issue-37-simulated-device.md`` says where it depart
   its host's clock when launched) and ends ``duration`` later (``op_cost(name, args)`` for torch ops, default 0;
   ``sim.kernel(seconds)``; NCCL: ``sim.nccl.cost`` and a per-communicator ``delay_s``). Events carry virtual times, so
   ``elapsed_time`` is exact; a host wait moves its host's clock to what it waited for.
-- NCCL (``sim_nccl``): see there. Every host wait that would block forever on a GPU (a full launch queue, a
+- NCCL (``sim_nccl``): see there. Threads the product starts (a watchdog) act in the process that started them.
+  Every host wait that would block forever on a GPU (a full launch queue, a
   synchronize, a blocking copy, NCCL's init, work FIFO, abort and destroy waits) gives up after ``hang_bound_s`` wall
   seconds with ``SimHang`` naming where the host was blocked and what every stream's head waits for; ``SimHang`` is a
   ``BaseException``, so the product's ``except Exception`` cannot swallow what on a GPU would never return, and each
