@@ -33,11 +33,11 @@ def mech():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer without a GPU")
-@pytest.mark.parametrize("check", ["launch-stall", "abort-order", "product-stall"])
-def test_without_a_gpu_it_says_so_and_exits_3(check):
-    done = subprocess.run([sys.executable, str(SCRIPT), check], capture_output=True, text=True, timeout=120)
+def test_without_a_gpu_it_says_so_and_exits_3():
+    done = subprocess.run([sys.executable, str(SCRIPT), "product-stall"], capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 3, done.stderr[-2000:]
-    assert f"nccl_mechanisms {check}: no CUDA GPU is visible" in done.stdout
+    assert "nccl_mechanisms product-stall: no CUDA GPU is visible" in done.stdout
 
 
 @pytest.mark.parametrize("rank", [0, 1])
