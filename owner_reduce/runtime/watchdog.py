@@ -15,16 +15,19 @@ One watchdog per data-parallel communicator and the sub-communicators made from 
 
 Note (guard): ``lock`` is held by the main thread (the thread that issues flushes) in every NCCL call and from
 ``ncclGroupStart`` to ``ncclGroupEnd`` (``enter``/``leave``; a cheap uncontended lock, once per group), and the
-communicators are claimed for an abort only by a thread holding it. So no communicator is ever aborted while the
-main thread has a group open on it (``nccl_comm`` Note (abort inside a group)) or is inside a call on it. A claim
-takes each communicator's NCCL handle away (``ReduceComm._take_for_abort``): from then on the main thread's next
-call on it raises without calling NCCL, the watchdog's error where it recorded one (``raise_if_failed``).
+communicators are claimed for an abort only by a thread holding it. Inside it the main thread marks the calls that
+may block on the host (``calling``: ``ncclGroupEnd``, every call outside a group; the calls enqueued inside a group
+only enqueue), which is what tells "inside NCCL" from "in Python inside an open group". So no communicator is ever
+aborted while the main thread has a group open on it (``nccl_comm`` Note (abort inside a group)) or is inside a call
+on it. A claim takes each communicator's NCCL handle away (``ReduceComm._take_for_abort``): from then on the main
+thread's next call on it raises without calling NCCL, the watchdog's error where it recorded one
+(``raise_if_failed``).
 
 Note (firing): each poll (``POLL_S``) checks, for every communicator of the family, the oldest group not yet seen
 complete (its event, or torch's work) against the deadline from its issue, the communicator's asynchronous error
 (only while the guard is free: never concurrently with the main thread's calls), and how long the main thread has
 been inside an NCCL call. On the first failure the watchdog records one ``OwnerReduceCommError`` naming the rank, the
-flush, the call and the communicator, then:
+flush, the call and the communicator (the main thread's next call raises it from then on), then:
 1. it takes the guard. A main thread inside an NCCL call (``ncclGroupEnd``, or a call outside a group: ``calling``)
    for ``LOCK_WAIT_S`` (blocked behind a full work FIFO, or in a lazy connection) cannot be interrupted, and one that
    keeps its group open for ``GROUP_WAIT_S`` must not be aborted under: the process ends;
@@ -71,8 +74,9 @@ _LIVE: weakref.WeakSet[FlushWatchdog] = weakref.WeakSet()  # stopped at exit bef
 
 
 class FlushWatchdog:
-    """The watchdog of one communicator family (see the module's notes). The hot path is ``enter``/``leave`` (once
-    per group on the cupy communicator) and ``arm`` (once when the first group after an idle spell is issued)."""
+    """The watchdog of one communicator family (see the module's notes). The hot path, once per group on the cupy
+    communicator: ``enter``, ``calling`` (one clock read, the group's issue time) and ``leave``; ``arm`` once when
+    the first group after an idle spell is issued."""
 
     poll_s = POLL_S
     lock_wait_s = LOCK_WAIT_S
