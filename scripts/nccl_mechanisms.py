@@ -289,6 +289,11 @@ RANK_MAIN = {"launch-stall": rank_launch_stall, "abort-order": rank_abort_order,
 # ---- the parent ----------------------------------------------------------------------------------------------------
 
 
+def _rank_command(argv: list[str], rank: int, out_dir: Path) -> list[str]:
+    """How the parent starts a rank: this script again, with the parent's arguments and the rank's."""
+    return [sys.executable, __file__, *argv, "--rank", str(rank), "--dir", str(out_dir)]
+
+
 def _spawn(args: argparse.Namespace, out_dir: Path) -> list[subprocess.Popen]:
     from owner_reduce.harness.launch import free_port
 
@@ -300,8 +305,8 @@ def _spawn(args: argparse.Namespace, out_dir: Path) -> list[subprocess.Popen]:
                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                "PYTHONUNBUFFERED": "1", "OWNER_REDUCE_TIMEOUT_S": str(args.deadline)}
         log = (out_dir / f"{args.check}-rank{rank}.log").open("w")
-        procs.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--rank", str(rank), "--dir",
-                                       str(out_dir)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+        procs.append(subprocess.Popen(_rank_command(args.argv, rank, out_dir), env=env, stdout=log,
+                                      stderr=subprocess.STDOUT, cwd=ROOT))
     return procs
 
 
@@ -346,21 +351,29 @@ def parent(args: argparse.Namespace) -> int:
         print(f"RESULT nccl_mechanisms check={args.check} ok=0 ranks_exit={codes} (a rank crashed or ran past "
               f"{args.timeout:g} s); rank 0's last lines: {results[0][1][-800:]!r}", flush=True)
         return RANKS_FAILED
-    if args.check == "launch-stall":
-        blocked = r0.get("blocked_in_launch")
-        ok = blocked is not None and blocked < args.launches and r0.get("launches") == args.launches
-        print(f"RESULT nccl_mechanisms check=launch-stall ok={int(ok)} launches={args.launches} "
-              f"host_blocked_in_launch={blocked} abort_s={r0.get('abort_s', float('nan')):.2f} "
-              f"resumed_after_abort={int(r0.get('launches') == args.launches)} loop_s={r0['loop_s']:.1f}", flush=True)
-        return 0 if ok else 1
-    p0, p1 = r0["part0"], r0["part1"]
-    ok = (not r0["b_alone_returned"] and p0["a_returned"] and p0["b_returned"] and p1["a_returned"]
-          and p1["b_returned"])
-    both0, both1 = int(p0["a_returned"] and p0["b_returned"]), int(p1["a_returned"] and p1["b_returned"])
-    print(f"RESULT nccl_mechanisms check=abort-order ok={int(ok)} b_alone_returned_within_{args.alone_s:g}s="
-          f"{int(r0['b_alone_returned'])} then_a_concurrently: both_returned={both0} in {p0['after_s']:.2f}s; "
-          f"fresh_pair_concurrently: both_returned={both1} in {p1['after_s']:.2f}s", flush=True)
+    ok, line = (judge_launch_stall if args.check == "launch-stall" else judge_abort_order)(r0, args)
+    print(line, flush=True)
     return 0 if ok else 1
+
+
+def judge_launch_stall(r0: dict[str, Any], args: argparse.Namespace) -> tuple[bool, str]:
+    """The host blocked in a launch before the last one, and every launch ran once the abort came."""
+    blocked = r0.get("blocked_in_launch")
+    resumed = r0.get("launches") == args.launches
+    ok = blocked is not None and blocked < args.launches and resumed
+    return ok, (f"RESULT nccl_mechanisms check=launch-stall ok={int(ok)} launches={args.launches} "
+                f"host_blocked_in_launch={blocked} abort_s={r0.get('abort_s', float('nan')):.2f} "
+                f"resumed_after_abort={int(resumed)} loop_s={r0.get('loop_s', float('nan')):.1f}")
+
+
+def judge_abort_order(r0: dict[str, Any], args: argparse.Namespace) -> tuple[bool, str]:
+    """B's abort alone did not return; A's then, concurrently, let both return; a fresh pair at once returned."""
+    p0, p1 = r0["part0"], r0["part1"]
+    both0, both1 = p0["a_returned"] and p0["b_returned"], p1["a_returned"] and p1["b_returned"]
+    ok = not r0["b_alone_returned"] and both0 and both1
+    return ok, (f"RESULT nccl_mechanisms check=abort-order ok={int(ok)} b_alone_returned_within_{args.alone_s:g}s="
+                f"{int(r0['b_alone_returned'])} then_a_concurrently: both_returned={int(both0)} in "
+                f"{p0['after_s']:.2f}s; fresh_pair_concurrently: both_returned={int(both1)} in {p1['after_s']:.2f}s")
 
 
 def _parent_product_stall(args: argparse.Namespace, procs: list[subprocess.Popen], out_dir: Path,
@@ -412,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, default=8.0, help="product-stall: OWNER_REDUCE_TIMEOUT_S")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--dir", default=None, help="where the ranks' logs go (default: $OUT/nccl_mechanisms)")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args.argv = [a for a in (sys.argv[1:] if argv is None else argv)]
     if args.rank is None:
         return parent(args)
     result = RANK_MAIN[args.check](args.rank, 2, args)

@@ -76,3 +76,34 @@ def test_the_product_stall_is_judged_on_the_bound_and_the_named_error(mech):
                                                                 "it")
     assert mech.judge_product_stall(1, 9.0, 8.0, "RuntimeError: CUDA error") == (
         False, "rank 0 exited 1 without owner_reduce's bounded error")
+
+
+_ON_THE_SIM = """
+import importlib.util, sys
+sys.path[:0] = [{tests!r}]
+from sim_cuda import Sim
+spec = importlib.util.spec_from_file_location("nccl_mechanisms", {script!r})
+mech = importlib.util.module_from_spec(spec)
+sys.modules["nccl_mechanisms"] = mech
+spec.loader.exec_module(mech)
+with Sim(transport="processes", max_ranks=1, hang_bound_s=30.0):
+    mech.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("argv", [["launch-stall"], ["abort-order", "--alone-s", "2"],
+                                  ["product-stall", "--deadline", "3"]])
+def test_each_check_passes_on_the_simulated_device(mech, monkeypatch, tmp_path, capsys, argv):
+    """The script as gpu_check runs it (its parent: spawning, bounds, verdict, RESULT line), each rank process on the
+    simulated device (``Sim(transport="processes")``: CUDA's launch queue, NCCL's abort waiting for the last kernel), so
+    that its first run on a GPU is not its first run."""
+    boot = _ON_THE_SIM.format(tests=str(ROOT / "tests"), script=str(SCRIPT))
+    monkeypatch.setattr(mech, "_rank_command", lambda args, rank, out: [sys.executable, "-c", boot, *args, "--rank",
+                                                                       str(rank), "--dir", str(out)])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the parent's check; the ranks run on the sim
+    code = mech.main([*argv, "--timeout", "120", "--dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    logs = "".join(p.read_text(errors="replace")[-1500:] for p in (tmp_path / "nccl_mechanisms").glob("*.log"))
+    assert code == 0, out + logs
+    assert f"RESULT nccl_mechanisms check={argv[0]} ok=1 " in out, out
