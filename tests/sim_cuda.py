@@ -686,7 +686,9 @@ class Sim(_Watched):
             self.nccl.stopped()
 
     def _patch(self, obj: Any, name: str, value: Any) -> None:
-        self._patches.append((obj, name, getattr(obj, name, _MISSING)))
+        """``obj.name = value`` until uninstalled (an attribute ``obj`` only inherited is deleted again)."""
+        own = name in vars(obj) if isinstance(obj, type) else hasattr(obj, name)
+        self._patches.append((obj, name, getattr(obj, name) if own else _MISSING))
         setattr(obj, name, value)
 
     def _patch_torch_cuda(self) -> None:
