@@ -241,8 +241,7 @@ class SimStream(_Watched):
 
     def synchronize(self) -> None:
         self.sim._count("synchronize")
-        self.sim._host_wait(lambda: not self.queue, [self], f"{self.name}.synchronize()")
-        self.sim._host_joined(self.sim._this_process(), self.name, self.clock)
+        self.sim._wait_for_tail(self, f"{self.name}.synchronize()")
         self.process.check_error()
 
     def __eq__(self, other: object) -> bool:
@@ -686,7 +685,9 @@ class Sim(_Watched):
             self.nccl.stopped()
 
     def _patch(self, obj: Any, name: str, value: Any) -> None:
-        self._patches.append((obj, name, getattr(obj, name, _MISSING)))
+        """``obj.name = value`` until uninstalled (an attribute ``obj`` only inherited is deleted again)."""
+        own = name in vars(obj) if isinstance(obj, type) else hasattr(obj, name)
+        self._patches.append((obj, name, getattr(obj, name) if own else _MISSING))
         setattr(obj, name, value)
 
     def _patch_torch_cuda(self) -> None:
@@ -730,10 +731,8 @@ class Sim(_Watched):
             sim._count("synchronize")
             process = sim._this_process()
             dev = sim._device_index(index)
-            streams = [s for s in process.streams() if s.device_index == dev]
-            sim._host_wait(lambda: all(not s.queue for s in streams), streams, f"torch.cuda.synchronize({dev})")
-            for s in streams:
-                sim._host_joined(process, s.name, s.clock)
+            for s in [s for s in process.streams() if s.device_index == dev]:
+                sim._wait_for_tail(s, f"torch.cuda.synchronize({dev}), waiting for {s.name}")
             process.check_error()
 
         def current_stream(index: Any = None) -> SimStream:
@@ -1217,9 +1216,16 @@ class Sim(_Watched):
     def _sync_current(self, device: int, why: str) -> None:
         process = self._this_process()
         stream = process.current_stream(device)
-        self._host_wait(lambda: not stream.queue, [stream], f"{why}, which synchronizes {stream.name}")
-        self._host_joined(process, stream.name, stream.clock)
+        self._wait_for_tail(stream, f"{why}, which synchronizes {stream.name}")
         process.check_error()
+
+    def _wait_for_tail(self, stream: SimStream, where: str) -> None:
+        """The host waits for everything enqueued on ``stream`` so far (not what other threads enqueue meanwhile)."""
+        tail = stream.tail
+        if tail is None:
+            return
+        self._host_wait(lambda: tail.done, [stream], where)
+        self._host_joined(self._this_process(), None, tail.end, tail.hb_clock)
 
     def h2d(self, src: torch.Tensor, device: int, dtype: torch.dtype | None, non_blocking: bool,
             dst: SimTensor | None = None) -> SimTensor:
