@@ -9,6 +9,8 @@ Prints, from one run, every measure with its repeats interleaved (so load swings
 - bytes the runtime allocates per steady-state step (a dispatch mode counts every new tensor storage), with
   gradient accumulation 1 and 2, with the buckets kept and with ``release_reduce_buckets`` (the native runtime
   then frees its buckets too; the CUDA caching allocator serves them again, the CPU allocator does not);
+- host time of one group of the cupy NCCL communicator (``CupyNcclComm``: its guard, calls and in-flight event) on
+  no-op NCCL calls and CPU buffers, as a flush issues it (4 Reduces), 32 groups per step then the step's wait;
 - median step time of DeepCompile + owner_reduce (AllReduce path and owner path) vs plain ZeRO-1 on
   --world-size gloo ranks, runs interleaved over --repeats rounds, as ratios.
 CPU numbers say what the Python runtime costs on the host; collective speed here is gloo's, not NCCL's.
@@ -281,6 +283,62 @@ def _two_level_issue_costs(rounds: int, stage_counts: tuple[int, ...] = (1, 8, 3
     return out
 
 
+def _cupy_group_costs(rounds: int, groups: int = 32, calls: int = 4, package: str = "owner_reduce") -> float:
+    """Median µs of host time per group of ``calls`` Reduces on ``CupyNcclComm`` with NCCL's calls and CUDA's events
+    replaced by no-ops (the seam the unit tests use: torch's current stream, the buffer's DLPack view made): the
+    communicator's own cost per group (its guard, the calls' issue path, the event recorded after the group and, with
+    the flush watchdog, the thread that polls it), ``groups`` groups per step, then the step's wait forgets them.
+    ``package``: where the runtime is imported from (a copy of another commit's, loaded under another name, compares
+    two versions in one process, their rounds interleaved)."""
+    import importlib
+
+    import torch
+
+    nccl_comm = importlib.import_module(f"{package}.runtime.nccl_comm")
+    ReduceComm = importlib.import_module(f"{package}.runtime.comm").ReduceComm  # noqa: N806 - a class
+
+    class Handle:
+        def reduce(self, *args: Any) -> None:
+            pass
+
+        def check_async_error(self) -> None:
+            pass
+
+    class Event:
+        def record(self, stream: Any = None) -> None:
+            pass
+
+        def query(self) -> bool:
+            return True
+
+    class Stream:
+        cuda_stream = 0
+
+    nccl_comm._nccl = lambda: types.SimpleNamespace(groupStart=lambda: None, groupEnd=lambda: None, NCCL_SUM=0)
+    comm = nccl_comm.CupyNcclComm.__new__(nccl_comm.CupyNcclComm)
+    ReduceComm.__init__(comm, 0, 4)
+    comm.stream, comm.device, comm._calls_in_group, comm._comm, comm.aborted = None, 0, 0, Handle(), False
+    comm._views, comm._group_open, comm._abort_pending = {}, False, False
+    comm._issued, comm._free_events, comm._first_call, comm._sum = [], [], None, 0
+    comm._make_event = Event
+    comm._stream = lambda: Stream
+    comm._wait_current = comm._current_waits_for = lambda stream: None
+    buf = torch.zeros(calls * 64)
+    comm._views[id(buf)] = nccl_comm._BufferView(buf, None, 4096, 4, 0, 7)
+    views = [buf[i * 64:(i + 1) * 64] for i in range(calls)]
+    samples = []
+    clock = time.perf_counter_ns
+    for step in range(rounds):
+        for g in range(groups):
+            start = clock()
+            with comm.group(flush=step * groups + g):
+                for root, view in enumerate(views):
+                    comm.reduce(view, root)
+            samples.append(clock() - start)
+        comm.wait_until(lambda: True, "end_backward")
+    return statistics.median(samples) / 1e3
+
+
 def _allocated_bytes(fn: Any) -> int:
     """Bytes of every tensor storage created while ``fn`` runs (views and in-place results do not count)."""
     import torch
@@ -343,6 +401,7 @@ def main() -> int:
     memory = _memory()
     comm = _comm_costs(rounds=20, calls=50)
     two_level = _two_level_issue_costs(rounds=300)
+    cupy_group = _cupy_group_costs(rounds=200)
 
     step: dict[str, list[float]] = {"plain": [], "allreduce": [], "owner": []}
     ratios: dict[str, list[float]] = {"allreduce": [], "owner": []}
@@ -384,6 +443,7 @@ def main() -> int:
     for stages, (kept, fresh) in two_level.items():
         print(f"two-level flush, host time per stage ({stages:2d} stages, 1 node + 3 rail calls, no-op comms): "
               f"{kept:6.2f} us with the views kept, {fresh:6.2f} us made per flush ({kept / fresh:.2f}x)")
+    print(f"cupy NCCL communicator, host time per group of 4 Reduces (no-op NCCL, CPU buffers): {cupy_group:6.2f} us")
     for (ga, release), (nbytes, grad_bytes) in memory.items():
         what = "release_reduce_buckets" if release else "buckets kept          "
         print(f"bytes allocated per steady step, GA {ga}, {what}: {nbytes:12,d} "

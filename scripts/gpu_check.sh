@@ -11,7 +11,12 @@
 #      .whl/, installed into /tmp/owner_reduce_site; otherwise scripts/env.sh (.venv from PyPI); native DeepCompile's
 #      extension starts building in the background (TORCH_CUDA_ARCH_LIST from the GPU);
 #   3. scripts/nccl_check.py at ws 2 and ws 4 on one GPU (owner flush == AllReduce bitwise; timings are ranks
-#      sharing a GPU, not an interconnect);
+#      sharing a GPU, not an interconnect); after ws 2, issue 37's two-rank checks (scripts/nccl_mechanisms.py):
+#      mech_launch_stall (a collective that never completes behind 5000 launches: the host blocks in a launch, and an
+#      abort from another thread releases it), mech_abort_order (two communicators aborted in the wrong order hang,
+#      then aborted concurrently return) and stall_deep (the product, a 128-layer model with small buckets, rank 1
+#      stopped: rank 0 fails within the deadline + 10 s naming the call, the communicator and the flush);
+#      every multi-rank step on the shared GPU runs with NCCL_MULTI_RANK_GPU_ENABLE=1 and NCCL_MAX_NCHANNELS=4;
 #   4. scripts/gpu_e2e.py at ws 2: plain ZeRO-1, DeepCompile + owner_reduce, native DeepCompile (optional inside
 #      the step), owner == plain bitwise, host us per reduce_grad, peak memory, phase times;
 #   5. pytest -m cuda (two-rank tests: ranks share the GPU);
@@ -116,7 +121,8 @@ manifest_field() { "$PLAN_PY" -c "import json,sys; print(json.load(open(sys.argv
   "$NCCL_DIR/manifest.json" "$1" 2>/dev/null; }
 
 # The steps: name:limit_s:required. The limits add up to more than the budget: a step never starts past it.
-MULTI_PLAN=("nccl_ws2:60:required" "nccl_ws4:75:required" "e2e_ws2:160:required" "pytest_cuda:150:required"
+MULTI_PLAN=("nccl_ws2:60:required" "mech_launch_stall:50:optional" "mech_abort_order:60:optional"
+            "stall_deep:80:required" "nccl_ws4:75:required" "e2e_ws2:160:required" "pytest_cuda:150:required"
             "bf16_ws4:175:required" "e2e_ws4:130:required" "two_level_ws4:120:optional" "e2e_ws1:70:optional")
 SINGLE_PLAN=("nccl_ws1:90:required" "pytest_cuda:150:required" "e2e_ws1:150:required")
 PLAN=()
@@ -135,6 +141,9 @@ command_of() {  # the command line of a step, for the dry run and the run alike 
     two_level_ws4) echo "scripts/gpu_e2e.py --world-size 4 --ranks-per-node 2 --model exact_linear --steps 4 --require-bitwise --modes plain,two_level --timeout 60 --total-timeout 105";;
     bf16_ws4) echo "scripts/gpu_e2e.py --world-size 4 --steps 4 ${BF16_MODEL[*]} --modes owner,native --timeout 120 --total-timeout 160";;
     pytest_cuda) echo "-m pytest -q -m cuda -p no:cacheprovider -k 'not ws4_bf16' tests (the ws 4 bf16 test is step bf16_ws4)";;
+    mech_launch_stall) echo "scripts/nccl_mechanisms.py launch-stall --launches 5000 --timeout 40";;
+    mech_abort_order) echo "scripts/nccl_mechanisms.py abort-order --alone-s 10 --join-s 20 --timeout 50";;
+    stall_deep) echo "scripts/nccl_mechanisms.py product-stall --layers 128 --bucket 16384 --deadline 8 --timeout 70";;
   esac
 }
 ARCH_DOT="${ARCH:0:${#ARCH}-1}.${ARCH: -1}"
@@ -197,8 +206,11 @@ if [ "$MODE" = dry ]; then
   if [ "$WS2" = 1 ]; then
     echo "              (e2e: owner == plain bitwise; native optional inside the step; bf16_ws4 prints every rank's"
     echo "               phases, and a mode past its bound fails naming each rank's phase)"
+    echo "              (multi-rank steps on the shared GPU: NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_MAX_NCHANNELS=4, channels"
+    echo "               capped; mech_*: the review's mechanisms, optional; stall_deep: the product's bound, required)"
   else
     echo "  ws 2, ws 4  SKIPPED: ${WHY_NOT_WS2:-see above}; the check then fails (issue 17 needs ws 2 and 4)"
+    echo "  mech_launch_stall, mech_abort_order, stall_deep  SKIPPED with them: two ranks are needed"
   fi
   echo "  summary     \${OUT:-out}/gpu_summary.txt: every number, and what was not measured"
   exit 0
@@ -234,6 +246,7 @@ step() {
   case $name in  # the lines worth keeping: results, and (nccl_check) the indented checks under each dtype
     pytest_cuda) grep -E '^(FAILED|ERROR|SKIPPED|[0-9]+ (passed|failed|skipped|error|deselected))' "$STEPS_DIR/$name.txt";;
     nccl_*) grep -E '^(RESULT|nccl_check:|  (float32|bfloat16|float16):|    (identical|random|median))' "$STEPS_DIR/$name.txt";;
+    mech_*|stall_*) grep -E '^(RESULT|nccl_mechanisms)' "$STEPS_DIR/$name.txt" | cut -c1-600;;
     *) grep -E '^(RESULT|gpu_e2e: (ws=|all|A COMP|the owner|.*(SKIPPED|FAILED|unavailable))|  owner runtime:|  \[dc-probe\]|  phase r0 +\+ *[0-9.]+s done )' \
          "$STEPS_DIR/$name.txt" | cut -c1-400;;
   esac | head -150 >> "$SUMMARY"
@@ -304,8 +317,20 @@ e2e_step() { need_ds "$1" && run_step "$1" $(command_of "$1") --json "$OUTDIR/$1
 # ---- 3.-8. the steps -------------------------------------------------------------------------------------------------
 if [ "$WS2" = 1 ]; then
   export NCCL_MULTI_RANK_GPU_ENABLE=1
+  export NCCL_MAX_NCHANNELS=4  # ranks share the GPU: capped channels (issue 37)
   # shellcheck disable=SC2046
   run_step nccl_ws2 $(command_of nccl_ws2 | sed 's/^NCCL_MULTI_RANK_GPU_ENABLE=1 //') --json "$OUTDIR/nccl_ws2.json"
+  if [ "$HAVE_CUPY" = 1 ]; then
+    # shellcheck disable=SC2046
+    run_step mech_launch_stall $(command_of mech_launch_stall) --dir "$OUTDIR"
+    # shellcheck disable=SC2046
+    run_step mech_abort_order $(command_of mech_abort_order) --dir "$OUTDIR"
+    # shellcheck disable=SC2046
+    need_ds stall_deep && run_step stall_deep $(command_of stall_deep) --dir "$OUTDIR"
+  else
+    note "steps mech_launch_stall, mech_abort_order, stall_deep: SKIPPED (cupy is not importable)"
+    RAN[stall_deep]=skipped; FAILED=1
+  fi
   # shellcheck disable=SC2046
   run_step nccl_ws4 $(command_of nccl_ws4 | sed 's/^NCCL_MULTI_RANK_GPU_ENABLE=1 //') --json "$OUTDIR/nccl_ws4.json"
   e2e_step e2e_ws2
@@ -348,6 +373,12 @@ if [ "$WS2" = 1 ]; then
 fi
 if [ "$WS2" = 1 ]; then
   has two_level_ws4 "^RESULT gpu_e2e mode=two_level ws=4 " || note "  - the two-level flush at ws 4 (two nodes of two)"
+  has mech_launch_stall "^RESULT nccl_mechanisms check=launch-stall ok=1" || \
+    note "  - issue 37: the host blocked in a launch behind a stalled collective, released by an abort"
+  has mech_abort_order "^RESULT nccl_mechanisms check=abort-order ok=1" || \
+    note "  - issue 37: two communicators aborted in the wrong order hang, concurrently return"
+  has stall_deep "^RESULT nccl_mechanisms check=product-stall ok=1" || \
+    note "  - issue 37: a stalled peer in a 128-layer model fails rank 0 within the deadline + 10 s"
 fi
 for m in plain owner native; do has e2e_ws1 "^RESULT gpu_e2e mode=$m ws=1 " || note "  - gpu_e2e $m at ws 1"; done
 note "  - any interconnect: ranks share one GPU (its memory and SMs), so no timing here is an NVLink/IB measurement"

@@ -7,7 +7,7 @@ API::
 
     from sim_cuda import Sim, SimHang, sim_fixture  # the ``sim`` fixture: a Sim() installed for the test
 
-    with Sim(launch_bound=1000, hang_bound_s=10.0, hb=False) as sim:   # installed in this thread (rank 0's process)
+    with Sim(launch_bound=1000, hang_bound_s=10.0, hb=False) as sim:   # installed (this thread: rank 0's process)
         x = torch.zeros(8, device="cuda")        # a device tensor (``SimTensor``) on the current device
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -17,7 +17,13 @@ API::
         results = sim.run_ranks(fn, 4)           # fn(rank) on 4 threads, each rank a process of its own: its own
                                                  # current device (rank % device_count), default stream, host
         sim.kernel(0.002, name="layer 3")        # a synthetic compute kernel of 2 ms (virtual) on the current stream
-        sim.counters["wait_event"], sim.nccl.comms(rank=0), sim.races (hb=True), sim.hangs, sim.mismatches
+        release = sim.stall()                    # a kernel that never completes until ``release.set()``
+        sim.nccl.stall(member), sim.nccl.inject("reduce", 6, rank=0), sim.nccl.async_error(member)  # faults
+        sim.counters["wait_event"], sim.nccl.comms(rank=0), sim.nccl.calls_of(0), sim.races (hb=True), sim.hangs,
+        sim.nccl.mismatches, sim.nccl.process_exit(0)  # what cupy's __dealloc__ does at a process's exit
+
+``Sim(transport="processes")`` in each of several processes: the unique id names a hub in the process that made it
+(``sim_nccl_transport``). ``sim_runtime`` drives the real runtime on it.
 
 What it models (``docs/notes/issue-37-simulated-device.md`` says where it departs from CUDA and NCCL):
 
@@ -36,7 +42,8 @@ What it models (``docs/notes/issue-37-simulated-device.md`` says where it depart
   its host's clock when launched) and ends ``duration`` later (``op_cost(name, args)`` for torch ops, default 0;
   ``sim.kernel(seconds)``; NCCL: ``sim.nccl.cost`` and a per-communicator ``delay_s``). Events carry virtual times, so
   ``elapsed_time`` is exact; a host wait moves its host's clock to what it waited for.
-- NCCL (``sim_nccl``): see there. Every host wait that would block forever on a GPU (a full launch queue, a
+- NCCL (``sim_nccl``): see there. Threads the product starts (a watchdog) act in the process that started them.
+  Every host wait that would block forever on a GPU (a full launch queue, a
   synchronize, a blocking copy, NCCL's init, work FIFO, abort and destroy waits) gives up after ``hang_bound_s`` wall
   seconds with ``SimHang`` naming where the host was blocked and what every stream's head waits for; ``SimHang`` is a
   ``BaseException``, so the product's ``except Exception`` cannot swallow what on a GPU would never return, and each
@@ -234,8 +241,7 @@ class SimStream(_Watched):
 
     def synchronize(self) -> None:
         self.sim._count("synchronize")
-        self.sim._host_wait(lambda: not self.queue, [self], f"{self.name}.synchronize()")
-        self.sim._host_joined(self.sim._this_process(), self.name, self.clock)
+        self.sim._wait_for_tail(self, f"{self.name}.synchronize()")
         self.process.check_error()
 
     def __eq__(self, other: object) -> bool:
@@ -552,7 +558,7 @@ class Sim(_Watched):
         self._processes: dict[int, SimProcess] = {}
         self._tls = threading.local()
         self._addresses: list[int] = []  # sorted allocation addresses (the registry)
-        self._by_address: dict[int, SimStorage] = {}
+        self._by_address: dict[int, weakref.ref[SimStorage]] = {}  # weak: a storage dies with its last tensor
         self._next_address = 0x7F0000000000
         self._allocated: collections.Counter[int] = collections.Counter()  # bytes per device
         self._patches: list[tuple[Any, str, Any]] = []
@@ -679,7 +685,9 @@ class Sim(_Watched):
             self.nccl.stopped()
 
     def _patch(self, obj: Any, name: str, value: Any) -> None:
-        self._patches.append((obj, name, getattr(obj, name, _MISSING)))
+        """``obj.name = value`` until uninstalled (an attribute ``obj`` only inherited is deleted again)."""
+        own = name in vars(obj) if isinstance(obj, type) else hasattr(obj, name)
+        self._patches.append((obj, name, getattr(obj, name) if own else _MISSING))
         setattr(obj, name, value)
 
     def _patch_torch_cuda(self) -> None:
@@ -723,10 +731,8 @@ class Sim(_Watched):
             sim._count("synchronize")
             process = sim._this_process()
             dev = sim._device_index(index)
-            streams = [s for s in process.streams() if s.device_index == dev]
-            sim._host_wait(lambda: all(not s.queue for s in streams), streams, f"torch.cuda.synchronize({dev})")
-            for s in streams:
-                sim._host_joined(process, s.name, s.clock)
+            for s in [s for s in process.streams() if s.device_index == dev]:
+                sim._wait_for_tail(s, f"torch.cuda.synchronize({dev}), waiting for {s.name}")
             process.check_error()
 
         def current_stream(index: Any = None) -> SimStream:
@@ -809,8 +815,13 @@ class Sim(_Watched):
         return SimEvent(self, enable_timing)
 
     def name_stream(self, stream: SimStream, name: str) -> None:
-        """Call ``stream`` ``name`` in reports (and in the happens-before checker)."""
+        """Call ``stream`` ``name`` in reports (and in the happens-before checker); ``name#2`` where taken."""
         with self.lock:
+            taken = {s.name for s in self._streams.values() if s is not stream}
+            base, n = name, 1
+            while name in taken:
+                n += 1
+                name = f"{base}#{n}"
             if self.hb is not None:
                 self.hb.rename(stream.name, name)
             stream.name = name
@@ -891,17 +902,17 @@ class Sim(_Watched):
         return op
 
     def _hb_touch(self, tensor: Any, write: bool, thread: str, op: str, site: str) -> None:
-        if isinstance(tensor, tuple):  # (storage, lo, hi): an NCCL buffer
-            storage, lo, hi = tensor
+        if isinstance(tensor, tuple):  # (address, lo, hi): an NCCL buffer
+            addr, lo, hi = tensor
         else:
             if tensor.numel() == 0:
                 return
-            storage = tensor._sim_storage
+            addr = tensor._sim_storage.addr
             size = tensor.element_size()
             extent = 1 + sum((n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride(), strict=True))
             lo = tensor.storage_offset() * size
             hi = lo + extent * size
-        self.hb.touch(id(storage), lo, hi, write, thread, op, site)
+        self.hb.touch(addr, lo, hi, write, thread, op, site)
 
     def _work(self, stream: SimStream) -> None:
         """A stream's worker: runs its FIFO in order, each op after what it waits for."""
@@ -1031,30 +1042,30 @@ class Sim(_Watched):
             addr = self._next_address
             self._next_address += max(ADDRESS_ALIGNMENT, -(-storage.nbytes // ADDRESS_ALIGNMENT) * ADDRESS_ALIGNMENT)
             bisect.insort(self._addresses, addr)
-            self._by_address[addr] = storage
+            self._by_address[addr] = weakref.ref(storage)
             self._allocated[storage.device] += storage.nbytes
             if self.hb is not None:
-                self.hb.allocated(id(storage), storage.label, storage.alloc_stream.name)
+                self.hb.allocated(addr, storage.label, storage.alloc_stream.name)  # the hb key: addresses are unique
             return addr
 
     def _freed(self, addr: int, nbytes: int, device: int, process: SimProcess, alloc_stream: str,
                recorded: set[SimStream]) -> None:
         with self.lock:
-            storage = self._by_address.pop(addr, None)
+            self._by_address.pop(addr, None)
             i = bisect.bisect_left(self._addresses, addr)
             if i < len(self._addresses) and self._addresses[i] == addr:
                 del self._addresses[i]
             self._allocated[device] -= nbytes
             if self.hb is not None and not self.stopped:
-                self.hb.freed(id(storage) if storage is not None else -1, process.host,
-                              tuple(s.name for s in recorded))
+                self.hb.freed(addr, process.host, tuple(s.name for s in recorded))
 
     def resolve(self, ptr: int, nbytes: int, device: int) -> tuple[SimStorage, int]:
         """The allocation holding ``[ptr, ptr + nbytes)`` and the offset of ``ptr`` in it; SimError where CUDA would
         fault (no allocation, out of bounds, another device)."""
         with self.lock:
             i = bisect.bisect_right(self._addresses, ptr) - 1
-            storage = self._by_address.get(self._addresses[i]) if i >= 0 else None
+            ref = self._by_address.get(self._addresses[i]) if i >= 0 else None
+            storage = ref() if ref is not None else None
             if storage is None or ptr + nbytes > storage.addr + storage.nbytes:
                 raise SimError(f"illegal memory access: {nbytes} bytes at {ptr:#x} lie in no live allocation")
             if storage.device != device:
@@ -1077,7 +1088,7 @@ class Sim(_Watched):
         """Call ``tensor``'s allocation ``label`` in reports."""
         tensor._sim_storage.label = label
         if self.hb is not None:
-            self.hb.name(id(tensor._sim_storage), label)
+            self.hb.name(tensor._sim_storage.addr, label)
 
     # ---- happens-before -------------------------------------------------------------------------------------------
 
@@ -1205,9 +1216,16 @@ class Sim(_Watched):
     def _sync_current(self, device: int, why: str) -> None:
         process = self._this_process()
         stream = process.current_stream(device)
-        self._host_wait(lambda: not stream.queue, [stream], f"{why}, which synchronizes {stream.name}")
-        self._host_joined(process, stream.name, stream.clock)
+        self._wait_for_tail(stream, f"{why}, which synchronizes {stream.name}")
         process.check_error()
+
+    def _wait_for_tail(self, stream: SimStream, where: str) -> None:
+        """The host waits for everything enqueued on ``stream`` so far (not what other threads enqueue meanwhile)."""
+        tail = stream.tail
+        if tail is None:
+            return
+        self._host_wait(lambda: tail.done, [stream], where)
+        self._host_joined(self._this_process(), None, tail.end, tail.hb_clock)
 
     def h2d(self, src: torch.Tensor, device: int, dtype: torch.dtype | None, non_blocking: bool,
             dst: SimTensor | None = None) -> SimTensor:

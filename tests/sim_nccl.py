@@ -153,8 +153,8 @@ class Post:
 
     member: Member
     call: Call
-    send: tuple[Any, int, int] | None  # (storage, byte offset, bytes)
-    recv: tuple[Any, int, int] | None
+    send: tuple[torch.Tensor, int, int, int] | None  # (the allocation's bytes, byte offset, bytes, its address):
+    recv: tuple[torch.Tensor, int, int, int] | None  # not the SimStorage, whose death is the allocator's free
     match: Match | None = None
     kernel: Any = None  # the sim_cuda.Op it runs in
     arrived: bool = False
@@ -163,8 +163,8 @@ class Post:
     withdrawn: bool = False  # its kernel exited (abort) before the call ran
 
     def view(self, which: str) -> torch.Tensor:
-        storage, offset, nbytes = self.send if which == "send" else self.recv
-        return storage.bytes[offset:offset + nbytes].view(TORCH_DTYPES[self.call.dtype])
+        data, offset, nbytes, _ = self.send if which == "send" else self.recv
+        return data[offset:offset + nbytes].view(TORCH_DTYPES[self.call.dtype])
 
 
 @dataclass(eq=False)
@@ -374,6 +374,7 @@ class SimNccl:
         self.cost = cost
         self.transport = transport
         self.mismatches: list[str] = []
+        self.trace: list[tuple[int, str]] = []  # (process rank, "groupStart" / "reduce" / "abort failed" ...)
         self.use_after_free: list[str] = []
         self.misaligned: list[str] = []
         self._groups: dict[bytes, Any] = {}
@@ -541,10 +542,21 @@ class SimNccl:
                 return fault.status
         return None
 
-    def _raise_fault(self, kind: str, member: Member | None) -> None:
+    def _raise_fault(self, kind: str, member: Member | None, trace: bool = True) -> None:
         status = self._fault(kind, member)
         if status is not None:
+            if trace:
+                self._trace(f"{kind} failed", member)
             raise NcclError(status)
+
+    def _trace(self, what: str, member: Member | None = None) -> None:
+        process = member.process if member is not None else self.sim._this_process()
+        self.trace.append((process.rank, what))
+        process.counters[f"nccl {what}"] += what in ("groupStart", "groupEnd")
+
+    def calls_of(self, rank: int = 0) -> list[str]:
+        """``rank``'s NCCL calls in order (``reduce``, ``groupEnd failed``, ``abort`` ...)."""
+        return [what for r, what in self.trace if r == rank]
 
     # ---- cupy's calls ----------------------------------------------------------------------------------------
 
@@ -602,7 +614,7 @@ class SimNccl:
         try:
             if member.freed:
                 raise NcclError(INVALID_ARGUMENT)  # cupy: the handle is gone after abort/destroy
-            self._raise_fault(kind, member)
+            self._raise_fault(kind, member, trace=False)
             if dtype not in TORCH_DTYPES:
                 raise NcclError(INVALID_ARGUMENT)
             itemsize = TORCH_DTYPES[dtype].itemsize
@@ -614,7 +626,7 @@ class SimNccl:
                     continue
                 ptr, n = ptr_count
                 storage, offset = sim.resolve(ptr, n * itemsize, member.device)
-                bufs.append((storage, offset, n * itemsize))
+                bufs.append((storage.bytes, offset, n * itemsize, storage.addr))
             pointers = [p for p, _ in filter(None, (send, recv))]
             if any(p % 16 for p in pointers):
                 process.counters["nccl misaligned"] += 1
@@ -622,6 +634,7 @@ class SimNccl:
                                        + ", ".join(f"{p:#x}" for p in pointers if p % 16))
             call = Call(kind, count, dtype, op, arg)
             post = Post(member, call, bufs[0], bufs[1])
+            self._trace(kind, member)
             with sim.lock:
                 if kind in ("send", "recv"):
                     src, dst = (member.rank, arg) if kind == "send" else (arg, member.rank)
@@ -634,10 +647,12 @@ class SimNccl:
                     member.coll_seq += 1
                     member.group.post(post, ("coll", seq), tuple(range(member.group.nranks)))
         except NcclError as error:
+            self._trace(f"{kind} failed", member)
             if group_state.depth:
                 group_state.error = group_state.error or error.status
             raise
         except BaseException:
+            self._trace(f"{kind} failed", member)
             if group_state.depth:
                 group_state.error = group_state.error or INVALID_USAGE
             raise
@@ -665,11 +680,13 @@ class SimNccl:
 
     def group_start(self) -> None:
         self._raise_fault("groupStart", None)
+        self._trace("groupStart")
         self._group_state().depth += 1
 
     def group_end(self) -> None:
         state = self._group_state()
         if state.depth == 0:
+            self._trace("groupEnd failed")
             raise NcclError(INVALID_USAGE)
         state.depth -= 1
         if state.depth:
@@ -685,8 +702,10 @@ class SimNccl:
             self.use_after_free.append(text)
             raise SimUseAfterFree(text)
         if error is not None:
+            self._trace("groupEnd failed")
             raise NcclError(error)  # NCCL reports the failed enqueue again and launches nothing
         self._raise_fault("groupEnd", None)
+        self._trace("groupEnd")
         by_member: dict[Member, list[tuple[Post, Any, float]]] = {}
         for member, post, stream, duration in calls:
             by_member.setdefault(member, []).append((post, stream, duration))
@@ -719,9 +738,9 @@ class SimNccl:
         accesses = []
         for post, _, _ in posts:
             if post.send is not None:
-                accesses.append((post.send[0], post.send[1], post.send[1] + post.send[2], False))
+                accesses.append((post.send[3], post.send[1], post.send[1] + post.send[2], False))
             if post.recv is not None and not (post.call.kind == "reduce" and post.call.arg != member.rank):
-                accesses.append((post.recv[0], post.recv[1], post.recv[1] + post.recv[2], True))
+                accesses.append((post.recv[3], post.recv[1], post.recv[1] + post.recv[2], True))
         previous = member.last_kernel
         with sim.lock:  # before the worker can see it: run_kernel takes it off member.kernels
             member.kernels.append(op)
@@ -739,6 +758,7 @@ class SimNccl:
         if member.freed:
             return
         self._raise_fault("abort", member)
+        self._trace("abort", member)
         with sim.lock:
             member.aborted = True
             if any(member in state.linked for state in self._threads_groups.values()):
@@ -773,6 +793,7 @@ class SimNccl:
         if member.freed:
             return
         self._raise_fault("destroy", member)
+        self._trace("destroy", member)
         self._destroy(member)
 
     def _destroy(self, member: Member) -> None:

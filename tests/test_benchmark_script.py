@@ -24,7 +24,8 @@ def test_the_host_measures_run_and_print_every_line():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     text = out.stdout
     for line in ("reduce_grad through the op (real runtime, no flush):", "flush host time,  148 gradients",
-                 "flush host time, 1000 gradients", "bytes allocated per steady step, GA 2, buckets kept"):
+                 "flush host time, 1000 gradients", "bytes allocated per steady step, GA 2, buckets kept",
+                 "cupy NCCL communicator, host time per group of 4 Reduces"):
         assert line in text, (line, text[-2000:])
     stages = re.findall(r"two-level flush, host time per stage \(\s*(\d+) stages", text)
     assert stages == ["1", "8", "32"], text[-2000:]

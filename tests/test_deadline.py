@@ -1,5 +1,10 @@
-"""Bounded waits: the deadline's source, the polling core with a fake event and a fake NCCL communicator, the
-torch.distributed wait with fake and real (gloo) works, and the error's message."""
+"""Bounded waits: the deadline's source, the polling core with a fake event and a fake clock, the torch.distributed
+wait with fake and real (gloo) works, and the error's message. The cupy communicator's waits, aborts and group rules
+run on the simulated device's NCCL (``tests/test_sim_nccl_comm.py``).
+
+Fakes that stay, and why: ``FakeClock``/``FakeEvent`` time the polling core itself (``poll_until_done`` takes its clock
+and completion as arguments); ``FakeTdist``/``DeviceWork`` stand for torch's ProcessGroupNCCL works, which the
+simulated device does not model (it simulates cupy's NCCL, not torch's process group)."""
 
 from __future__ import annotations
 
@@ -17,10 +22,18 @@ from owner_reduce import OwnerReduceCommError
 from owner_reduce.harness.launch import run_ranks
 from owner_reduce.runtime import deadline as deadlines
 from owner_reduce.runtime import nccl_comm
-from owner_reduce.runtime.comm import ReduceComm
 from owner_reduce.runtime.deadline import ENV_VAR, Deadline, poll_until_done, resolve, wait_work
 
 SHORT = Deadline(0.2, "test")
+
+
+@pytest.fixture(autouse=True)
+def _no_flush_watchdog(monkeypatch):
+    """These tests bound the main thread's own waits and aborts; the flush watchdog, which counts each group's deadline
+    from its issue and would race them at the same short deadline, is tested on its own (tests/test_watchdog.py)."""
+    from owner_reduce.runtime.watchdog import FlushWatchdog
+
+    monkeypatch.setattr(FlushWatchdog, "arm", lambda self: None)
 
 
 # ---- where the deadline comes from ---------------------------------------------------------------------------
@@ -138,280 +151,7 @@ def test_real_clock_timeout_is_close_to_the_deadline():
     assert 0.05 <= time.monotonic() - start < 1.0
 
 
-# ---- the cupy communicator's failure handling, with a fake NCCL communicator -----------------------------------
-
-
-class FakeNccl:
-    """Stands for cupy's NcclCommunicator: counts abort/destroy; ``check_async_error`` raises when told."""
-
-    def __init__(self, async_error: str | None = None) -> None:
-        self.aborts = 0
-        self.destroys = 0
-        self.async_error = async_error
-
-    def abort(self) -> None:
-        self.aborts += 1
-
-    def destroy(self) -> None:
-        self.destroys += 1
-
-    def check_async_error(self) -> None:
-        if self.async_error:
-            raise RuntimeError(self.async_error)
-
-    def allReduce(self, *args) -> None:  # noqa: N802 - cupy's name
-        raise RuntimeError("NCCL_ERROR_INVALID_USAGE")
-
-
-class FakeNcclModule:
-    def __init__(self) -> None:
-        self.starts = self.ends = 0
-
-    def groupStart(self) -> None:  # noqa: N802 - cupy's name
-        self.starts += 1
-
-    def groupEnd(self) -> None:  # noqa: N802 - cupy's name
-        self.ends += 1
-
-
-class _RecordedEvent(FakeEvent):
-    """A CUDA event recorded after a group: done once queried (the group's kernels have run)."""
-
-    def __init__(self) -> None:
-        super().__init__(1)
-
-    def record(self, stream=None) -> None:
-        self.queries = 0
-
-
-def _cupy_comm(fake: FakeNccl, stream: FakeEvent, deadline: Deadline = SHORT) -> nccl_comm.CupyNcclComm:
-    """A CupyNcclComm around a fake NCCL communicator, with one group in flight whose event is ``stream`` (its
-    ``query``: the group's work done): its real wait/abort/close logic, no GPU."""
-    comm = nccl_comm.CupyNcclComm.__new__(nccl_comm.CupyNcclComm)
-    ReduceComm.__init__(comm, 0, 2, deadline=deadline)
-    comm.stream, comm.device, comm._calls_in_group, comm._comm, comm.aborted = stream, 0, 0, fake, False
-    comm._views, comm._group_open, comm._abort_pending = {}, False, False
-    comm._free_events, comm._first_call, comm._make_event = [], None, _RecordedEvent
-    comm._issued = [nccl_comm._IssuedGroup(stream, 3, ("all_reduce", None, 0, 8, torch.float32), 2)]
-    comm._wait_current = comm._current_waits_for = lambda stream: None
-    return comm
-
-
-def test_cupy_comm_timeout_aborts_exactly_once_and_never_destroys():
-    fake = FakeNccl()
-    comm = _cupy_comm(fake, FakeEvent(done_after=None))
-    comm.flush = 4
-    with pytest.raises(OwnerReduceCommError, match=r"rank 0, flush #4: end_backward, waiting for all_reduce\(count=8, "
-                                                   r"dtype=float32\) \(call 1 of 2\) of flush #3 timed out after "
-                                                   r"waiting 0\.2 s"):
-        comm.wait_until(FakeEvent(None).query, "end_backward", flush=4)
-    assert (fake.aborts, fake.destroys, comm.aborted) == (1, 0, True)
-    comm.close()  # after an abort: nothing left to release, nothing waits
-    comm.close()
-    assert (fake.aborts, fake.destroys) == (1, 0)
-    with pytest.raises(RuntimeError, match="was aborted after an earlier failure"):
-        comm._live("reduce(root=1, count=3, dtype=float32)")
-
-
-def test_cupy_comm_async_error_aborts_and_names_it():
-    fake = FakeNccl(async_error="NCCL_ERROR_REMOTE_ERROR: remote process exited")
-    comm = _cupy_comm(fake, FakeEvent(None))
-    with pytest.raises(OwnerReduceCommError, match=r"flush #2: bucket growth, waiting for all_reduce\(count=8, "
-                                                   r"dtype=float32\) \(call 1 of 2\) of flush #3 failed: "
-                                                   r"RuntimeError: NCCL_ERROR_REMOTE"):
-        comm.wait_until(FakeEvent(None).query, "bucket growth", flush=2)
-    assert (fake.aborts, fake.destroys) == (1, 0)
-
-
-def test_cupy_comm_close_drains_then_destroys_or_aborts_when_the_stream_is_stuck():
-    done = FakeNccl()
-    comm = _cupy_comm(done, FakeEvent(done_after=3))
-    comm.close()
-    assert (done.aborts, done.destroys) == (0, 1)
-    stuck = FakeNccl()
-    comm = _cupy_comm(stuck, FakeEvent(None), deadline=Deadline(0.05, "test"))
-    start = time.monotonic()
-    with pytest.raises(OwnerReduceCommError, match=r"close \(work still in flight"):
-        comm.close()
-    assert (stuck.aborts, stuck.destroys) == (1, 0) and time.monotonic() - start < 2.0
-    comm.close()
-    assert (stuck.aborts, stuck.destroys) == (1, 0)
-
-
-def test_a_failure_inside_a_group_aborts_the_communicator(monkeypatch):
-    module = FakeNcclModule()
-    monkeypatch.setattr(nccl_comm, "_nccl", lambda: module)
-    fake = FakeNccl()
-    comm = _cupy_comm(fake, FakeEvent(1))
-    with pytest.raises(ValueError, match="injected"), comm.group(flush=9):
-        raise ValueError("injected")
-    assert (module.starts, module.ends) == (1, 1) and (fake.aborts, fake.destroys) == (1, 0)
-    assert comm.flush == 9 and not comm._in_group
-    # and a group without error does not abort
-    healthy = FakeNccl()
-    comm = _cupy_comm(healthy, FakeEvent(1))
-    with comm.group(flush=1):
-        pass
-    assert healthy.aborts == 0
-
-
-def test_a_failed_nccl_call_aborts_the_communicator():
-    fake = FakeNccl()
-    comm = _cupy_comm(fake, FakeEvent(1))
-    with pytest.raises(RuntimeError, match="owner_reduce NCCL x failed on rank 0, outside a flush: RuntimeError: "
-                                           "NCCL_ERROR_INVALID"):
-        comm._call("x", lambda: fake.allReduce())
-    assert fake.aborts == 1
-
-
-# ---- a failure inside an NCCL group: the group ends first, then the abort, and the first error is raised ---------
-
-
-class NcclGroupModel:
-    """cupy's ``nccl`` module and one ``NcclCommunicator`` together, with NCCL's group rules as src/group.cc and
-    init.cc have them: a call enqueued inside a group links the communicator into the thread's group;
-    ``ncclCommAbort`` frees it (2.21: at once; 2.28: as a job ``ncclGroupEnd`` runs before launching), so a group
-    end that still finds it linked walks freed memory (logged ``use after free``: a segfault on a GPU). A failed
-    enqueue sets the group's error, which ``ncclGroupEnd`` returns again (launching nothing). ``fail`` names the
-    calls that fail: ``"reduce#2"`` (the second reduce), ``"groupStart"``, ``"groupEnd"``, ``"abort"``."""
-
-    def __init__(self, *fail: str) -> None:
-        self.fail = set(fail)
-        self.log: list[str] = []
-        self.depth = 0
-        self.linked = self.freed = False
-        self.group_error: str | None = None
-        self.reduces = 0
-        self.aborts = self.destroys = 0
-
-    def _maybe_fail(self, what: str) -> None:
-        if what in self.fail:
-            self.log.append(f"{what} failed")
-            raise RuntimeError(f"NCCL_ERROR_REMOTE_ERROR in {what}")
-
-    def groupStart(self) -> None:  # noqa: N802 - cupy's name
-        self._maybe_fail("groupStart")
-        self.depth += 1
-        self.log.append("groupStart")
-
-    def groupEnd(self) -> None:  # noqa: N802 - cupy's name
-        self.log.append("groupEnd")
-        if self.depth == 0:
-            raise RuntimeError("NCCL_ERROR_INVALID_USAGE: ncclGroupEnd: not in a group call")
-        self.depth -= 1
-        if self.linked and self.freed:
-            self.log.append("use after free")
-        self.linked = False
-        error, self.group_error = self.group_error, None
-        if error is not None:
-            raise RuntimeError(error)
-        self._maybe_fail("groupEnd")
-
-    def reduce(self, *args) -> None:
-        self.reduces += 1
-        what = f"reduce#{self.reduces}"
-        if self.freed:
-            self.log.append("use after free")
-        if self.depth:
-            self.linked = True
-        try:
-            self._maybe_fail(what)
-        except RuntimeError as error:
-            if self.depth:
-                self.group_error = str(error)
-            raise
-        self.log.append(what)
-
-    def abort(self) -> None:
-        self.log.append("abort")
-        self.aborts += 1
-        self._maybe_fail("abort")
-        self.freed = True  # NCCL frees the communicator, linked into the open group or not
-
-    def destroy(self) -> None:
-        self.destroys += 1
-
-    def check_async_error(self) -> None:
-        pass
-
-
-class _FakeStream:
-    cuda_stream = 0
-
-    def query(self) -> bool:
-        return True
-
-
-def _grouped_comm(monkeypatch, model: NcclGroupModel) -> nccl_comm.CupyNcclComm:
-    """A CupyNcclComm whose NCCL (module and communicator) is ``model``, with one cached CPU buffer view, so that
-    ``reduce`` runs the real issue path (``_collective``, ``_call_lazy``) and the real group hooks."""
-    monkeypatch.setattr(nccl_comm, "_nccl", lambda: model)
-    comm = _cupy_comm(model, FakeEvent(1))
-    comm.stream, comm._sum = None, 0  # torch's current stream: no record_stream, no stream waits
-    comm._stream = _FakeStream
-    buf = torch.zeros(8)
-    comm._views[id(buf)] = nccl_comm._BufferView(buf, None, 4096, 4, 0, 7)
-    comm.buffer = buf
-    return comm
-
-
-def test_a_failed_call_inside_a_group_ends_the_group_then_aborts_and_raises_that_call(monkeypatch):
-    """A dead peer fails the second call of a flush: the group is ended before the abort (no use of a freed
-    communicator), the abort runs once, and the error raised names the failed call, not NCCL's group end."""
-    model = NcclGroupModel("reduce#2")
-    comm = _grouped_comm(monkeypatch, model)
-    with pytest.raises(RuntimeError) as caught, comm.group(flush=5):
-        comm.reduce(comm.buffer[:4], 0)
-        comm.reduce(comm.buffer[4:], 1)
-        raise AssertionError("not reached: the second reduce raises")
-    assert model.log == ["groupStart", "reduce#1", "reduce#2 failed", "groupEnd", "abort"]
-    assert model.aborts == 1 and model.destroys == 0 and comm.aborted and not comm._in_group
-    assert str(caught.value).startswith("owner_reduce NCCL reduce(root=1, count=4, dtype=float32) failed on rank 0, "
-                                        "flush #5: RuntimeError: NCCL_ERROR_REMOTE_ERROR in reduce#2")
-    # NCCL's group end reported the failed enqueue again: kept as a note, never the error raised
-    assert any("closing the collective group afterwards failed too" in n for n in caught.value.__notes__)
-    with pytest.raises(RuntimeError, match="was aborted after an earlier failure"), comm.group(flush=6):
-        comm.reduce(comm.buffer[:4], 0)
-    assert model.aborts == 1 and "use after free" not in model.log and model.depth == 0
-
-
-def test_any_error_inside_a_group_ends_it_before_the_abort(monkeypatch):
-    model = NcclGroupModel()
-    comm = _grouped_comm(monkeypatch, model)
-    with pytest.raises(ValueError, match="not a collective"), comm.group(flush=2):
-        comm.reduce(comm.buffer[:4], 0)
-        raise ValueError("not a collective")
-    assert model.log == ["groupStart", "reduce#1", "groupEnd", "abort"] and model.aborts == 1
-
-
-def test_a_failing_group_end_aborts_after_it_once(monkeypatch):
-    model = NcclGroupModel("groupEnd")
-    comm = _grouped_comm(monkeypatch, model)
-    with pytest.raises(RuntimeError, match=r"owner_reduce NCCL groupEnd \(2 calls\) failed on rank 0"):
-        with comm.group(flush=3):
-            comm.reduce(comm.buffer[:4], 0)
-            comm.reduce(comm.buffer[4:], 1)
-    assert model.log == ["groupStart", "reduce#1", "reduce#2", "groupEnd", "groupEnd failed", "abort"]
-    assert model.aborts == 1 and not comm._in_group and "use after free" not in model.log
-
-
-def test_a_failing_group_start_opens_nothing_and_aborts_at_once(monkeypatch):
-    model = NcclGroupModel("groupStart")
-    comm = _grouped_comm(monkeypatch, model)
-    with pytest.raises(RuntimeError, match=r"owner_reduce NCCL groupStart failed on rank 0"), comm.group(flush=1):
-        raise AssertionError("not reached: the group never opened")
-    assert model.log == ["groupStart failed", "abort"] and model.aborts == 1 and not comm._in_group
-
-
-def test_a_failing_abort_after_a_failed_call_is_a_note_on_the_first_error(monkeypatch):
-    model = NcclGroupModel("reduce#1", "abort")
-    comm = _grouped_comm(monkeypatch, model)
-    with pytest.raises(RuntimeError, match=r"reduce\(root=0, count=4, dtype=float32\) failed") as caught:
-        with comm.group(flush=1):
-            comm.reduce(comm.buffer[:4], 0)
-    assert model.log == ["groupStart", "reduce#1 failed", "groupEnd", "abort", "abort failed"]
-    assert any("aborting the NCCL communicator failed too: RuntimeError: NCCL_ERROR_REMOTE_ERROR in abort" in n
-               for n in caught.value.__notes__)
+# ---- the cupy communicator's failure handling: on the simulated device's NCCL, tests/test_sim_nccl_comm.py ---------
 
 
 # ---- the handle hands its flush number and the call to the wait ------------------------------------------------
@@ -988,10 +728,12 @@ def test_a_cupy_communicator_whose_peer_never_joins_ends_its_process_at_the_dead
 
 
 class _TimingOutTdist(FakeTdist):
-    """gloo: every work's ``wait(timeout)`` raises gloo's timeout."""
+    """gloo: every work's ``wait(timeout)`` raises gloo's timeout, after the group's warm-up at its creation."""
 
     def _work(self, buf):
-        return FakeWork(raises="[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting")
+        self.works.append(FakeWork(raises=None if not self.works else
+                                   "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting"))
+        return self.works[-1]
 
 
 def test_a_gloo_rail_that_times_out_names_the_global_rank_the_data_parallel_root_and_the_rail():
@@ -1007,51 +749,6 @@ def test_a_gloo_rail_that_times_out_names_the_global_rank_the_data_parallel_root
     assert str(caught.value).startswith(
         "owner_reduce: rank 5 (data-parallel rank 0), flush #7: reduce(root=1 = data-parallel rank 2, count=4, "
         "dtype=float32) on the rail communicator timed out after waiting")
-
-
-def test_a_failed_cupy_rail_call_names_the_global_rank_the_data_parallel_root_and_the_rail(monkeypatch):
-    model = NcclGroupModel("reduce#1")
-    comm = _grouped_comm(monkeypatch, model)
-    comm.role, comm.members, comm.global_rank = "rail", (1, 3), 3
-    comm.rank = 1
-    with pytest.raises(RuntimeError) as caught, comm.group(flush=5):
-        comm.reduce(comm.buffer[:4], 0)
-    assert str(caught.value).startswith(
-        "owner_reduce NCCL reduce(root=0 = data-parallel rank 1, count=4, dtype=float32) on the rail communicator "
-        "failed on rank 3, flush #5: RuntimeError: NCCL_ERROR_REMOTE_ERROR in reduce#1")
-
-
-def test_a_stalled_cupy_rail_fails_the_data_parallel_wait_naming_its_call_and_flush():
-    """Before: the data-parallel communicator's stale flush number and no call (cupy keeps no works)."""
-    dp = _cupy_comm(FakeNccl(), FakeEvent(1))
-    dp.flush = 2  # the last flush issued on the data-parallel communicator itself
-    rail = _cupy_comm(FakeNccl(), FakeEvent(None))
-    rail._issued = [nccl_comm._IssuedGroup(FakeEvent(1), 3, ("reduce", "root", 0, 4, torch.bfloat16), 1),
-                    nccl_comm._IssuedGroup(FakeEvent(None), 4, ("reduce", "root", 1, 4, torch.bfloat16), 2)]
-    rail.role, rail.members = "rail", (0, 2)
-    dp.subs.append(rail)
-    with pytest.raises(OwnerReduceCommError) as caught:
-        dp.wait_until(lambda: True, "end_backward")
-    assert str(caught.value).startswith(
-        "owner_reduce: rank 0, flush #4: end_backward, waiting for reduce(root=1 = data-parallel rank 2, count=4, "
-        "dtype=bfloat16) (call 1 of 2) on the rail communicator timed out")
-    assert dp._comm is None and rail._comm is None  # every level aborted
-
-
-def test_a_group_leader_that_cannot_create_a_unique_id_fails_every_rank_of_the_split(monkeypatch):
-    comm = _cupy_comm(FakeNccl(), FakeEvent(1))
-    monkeypatch.setattr(nccl_comm, "new_unique_id", lambda: (_ for _ in ()).throw(RuntimeError("no socket")))
-    sent = []
-
-    def gather(values):
-        sent.append(values)
-        return [list(values), [1] + [7] * nccl_comm.UNIQUE_ID_BYTES]  # rank 1 (not a leader) is fine
-
-    comm.all_gather_ints = gather
-    with pytest.raises(RuntimeError, match=r"data-parallel rank 0 could not create an NCCL unique id for a node or "
-                                           r"rail communicator: RuntimeError: no socket"):
-        comm._split([[0, 1]])
-    assert sent[0][0] == 0 and len(sent[0]) == 1 + nccl_comm.UNIQUE_ID_BYTES  # the status went out with the gather
 
 
 def test_torch_sub_groups_are_made_by_their_members_only_and_named_by_their_ranks():

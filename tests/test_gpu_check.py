@@ -109,6 +109,19 @@ def test_dry_run_shows_the_carry_the_nccl_install_the_versions_and_the_ws2_ws4_p
             "plain,two_level") in step["two_level_ws4"] and ", optional:" in step["two_level_ws4"]
     assert "required" in step["bf16_ws4"] and "TORCH_CUDA_ARCH_LIST from the GPU, e.g. 9.0" in text
     assert not (tmp_path / "out").exists(), "a dry run writes nothing"
+    # issue 37: the review's two mechanism checks and the product's stall in a deep model (scripts/nccl_mechanisms.py),
+    # each with its own timeout, right after nccl_ws2 (so that the budget reaches them), on capped channels
+    issue37 = ("nccl_ws2", "mech_launch_stall", "mech_abort_order", "stall_deep", "nccl_ws4")
+    at = [next(i for i, line in enumerate(lines) if line.startswith(f"  {name} ")) for name in issue37]
+    assert at == list(range(at[0], at[0] + len(issue37))), at  # one after another, in this order
+    assert lines[at[1]] == ("  mech_launch_stall timeout 50s, optional: scripts/nccl_mechanisms.py launch-stall "
+                            "--launches 5000 --timeout 40")
+    assert lines[at[2]] == ("  mech_abort_order timeout 60s, optional: scripts/nccl_mechanisms.py abort-order "
+                            "--alone-s 10 --join-s 20 --timeout 50")
+    assert lines[at[3]] == ("  stall_deep  timeout 80s, required: scripts/nccl_mechanisms.py product-stall --layers "
+                            "128 --bucket 16384 --deadline 8 --timeout 70")
+    assert ("              (multi-rank steps on the shared GPU: NCCL_MULTI_RANK_GPU_ENABLE=1 NCCL_MAX_NCHANNELS=4, "
+            "channels") in lines
 
 
 @pytest.mark.timeout(240)
@@ -138,6 +151,8 @@ def test_dry_run_without_nccl_2_30_plans_ws1_and_says_ws2_ws4_are_skipped(tmp_pa
     assert order == sorted(order)
     assert "the check then fails (issue 17 needs ws 2 and 4)" in lines[order[3]]
     assert not any(line.startswith(("  nccl_ws2", "  bf16_ws4")) for line in lines)
+    assert "  mech_launch_stall, mech_abort_order, stall_deep  SKIPPED with them: two ranks are needed" in lines
+    assert not any(line.startswith(("  mech_launch_stall ", "  mech_abort_order ", "  stall_deep ")) for line in lines)
 
 
 def test_dry_run_with_the_real_libnccl(tmp_path):
@@ -236,3 +251,4 @@ def test_gpu_e2e_past_its_bound_fails_naming_each_rank_phase(monkeypatch):
     message = str(caught.value)
     assert message.startswith("owner job overstayed its bound of 4 s: ranks [0, 1] of 2 did not finish within 4s")
     assert "; where each rank was: rank 0: " in message and "; rank 1: " in message
+

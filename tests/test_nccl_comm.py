@@ -414,6 +414,7 @@ def test_two_rank_reduce_scatter_in_place_then_handoff():
 
 
 # ---- DLPack views: made without any stream synchronization (torch's real __dlpack__, fake CUDA) -----------------
+# These fakes stay: they run torch's own Tensor.__dlpack__ stream logic, which the simulated device replaces by its own.
 
 
 class _CountingCuda:

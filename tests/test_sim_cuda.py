@@ -360,6 +360,31 @@ def test_misaligned_pointers_are_counted(sim):
     assert sim.counters["nccl misaligned"] == 1 and "allReduce(count=8)" in sim.nccl.misaligned[0]
 
 
+@pytest.mark.timeout(60)
+def test_nccl_kernels_take_their_modelled_time_and_a_communicators_delay():
+    """An AllReduce of 4096 bytes at 10 us + bytes / 1 GB/s, on a communicator slowed by 1 ms per kernel, after a
+    2 ms compute kernel on one rank: both ranks' kernels start when the later rank arrives (2 ms) and end 1.0141 ms
+    later on both, as the events around them say."""
+    with Sim(latency_s=10e-6, bandwidth=1e9) as sim:
+        comms = _comms(sim, 2)
+        comms[0].member.group.delay_s = 1e-3
+
+        def step(rank):
+            x = torch.ones(1024, device="cuda")
+            if rank == 1:
+                sim.kernel(0.002, name="layer")
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            comms[rank].allReduce(_ptr(x), _ptr(x), 1024, NCCL_FLOAT32, NCCL_SUM, 0)
+            end.record()
+            end.synchronize()
+            return start.time, end.time
+
+        (s0, e0), (s1, e1) = sim.run_ranks(step, 2)
+        assert (s0, s1) == (0.0, pytest.approx(0.002))
+        assert e0 == e1 == pytest.approx(0.002 + 10e-6 + 4096 / 1e9 + 1e-3)
+
+
 # ---- happens-before ----------------------------------------------------------------------------------------------
 
 

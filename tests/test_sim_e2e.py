@@ -70,6 +70,8 @@ def _run(sim, ws, stage, ga, algo, bucket, dtype=torch.float32):
     names = check_collective_log(sim, runtimes)
     assert sim.fallbacks == {}, sim.fallbacks  # the runtime's hot path never runs an op synchronously
     assert sim.hangs == [] and sim.nccl.mismatches == []
+    assert not sim.races, f"{len(sim.races)} distinct races:\n{sim.hb_report()}"
+    assert sim.hb is None or sim.hb.ops > 100 * ws, sim.hb.ops  # every access went through the checker
     return runtimes, names
 
 
@@ -81,7 +83,7 @@ def _cleanup(sim, runtimes):
 @pytest.mark.parametrize("case", list(ONE_LEVEL))
 def test_one_level_flushes_on_the_cupy_path(case):
     ws, stage, ga, algo, bucket, dtype = ONE_LEVEL[case]
-    with Sim(hang_bound_s=20) as sim:
+    with Sim(hang_bound_s=20, hb=True) as sim:
         runtimes, names = _run(sim, ws, stage, ga, algo, bucket, dtype)
         scheduled = {r.algo for r in runtimes[0].flush_log[-len(runtimes[0].flush_log) // STEPS:]}
         assert ALGOS[algo] <= scheduled, (scheduled, names)
@@ -105,7 +107,7 @@ def _two_level(monkeypatch, sim, per_node, step, layout):
 @pytest.mark.parametrize("case", list(TWO_LEVEL))
 def test_two_level_flushes_on_the_cupy_path(case, monkeypatch):
     ws, per_node, stage, ga, step, layout = TWO_LEVEL[case]
-    with Sim(hang_bound_s=20) as sim:
+    with Sim(hang_bound_s=20, hb=True) as sim:
         _two_level(monkeypatch, sim, per_node, step, layout)
         runtimes, names = _run(sim, ws, stage, ga, "two_level", 64)
         for rank, rt in enumerate(runtimes):
@@ -154,6 +156,36 @@ def test_negative_control_a_wrong_root_in_one_ranks_two_level_stage_is_caught(mo
         text = sim.nccl.mismatches[0]
         roots = re.search(r"differs across ranks: rank 0: reduce\(root=(\d), .*; rank 1: reduce\(root=(\d), ", text)
         assert roots and roots.group(1) != roots.group(2), text
-        assert isinstance(errors[3], RuntimeError) and "on the rail communicator failed on rank 3" in str(errors[3])
-        assert "SimMismatch" in str(errors[3]), errors[3]
-        assert all(isinstance(errors[r], OwnerReduceCommError | SimHang) for r in (0, 1, 2)), errors
+        # The rail pair (ranks 1 and 3) fails naming its rail Reduce: the rank whose post completed the mismatched
+        # set raises it from that call (the sim's SimMismatch); the other's kernel fails asynchronously, seen by its
+        # end of backward's wait or by its flush watchdog, whichever polls first (the sim's scheduling decides which).
+        raised = [r for r in (1, 3) if "SimMismatch" in str(errors[r])]
+        assert len(raised) == 1, errors
+        assert re.search(rf"reduce\(root=\d = data-parallel rank \d, .*\) on the rail communicator failed on rank "
+                         rf"{raised[0]}, flush #\d+: SimMismatch", str(errors[raised[0]])), errors[raised[0]]
+        (other,) = {1, 3} - set(raised)
+        assert isinstance(errors[other], OwnerReduceCommError), errors[other]
+        assert re.search(rf"rank {other}, flush #\d+: .*rail communicator.*NCCL_ERROR_INVALID_USAGE",
+                         str(errors[other])), errors[other]  # the call it names: the rail's, or an older node one
+        assert all(isinstance(errors[r], OwnerReduceCommError | SimHang) for r in (0, 2)), errors
+
+@pytest.mark.timeout(120)
+def test_negative_control_the_nccl_calls_accesses_are_checked_for_races(monkeypatch):
+    """The reduce stream not waiting for the copies into the bucket (``CudaStreams.reducing`` without its
+    ``wait_stream``): the NCCL kernels read the bucket unordered with the compute stream's copies, which the checker
+    reports naming the NCCL call, although the sim's worker threads may well have run them in a safe order."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def reducing(self):
+        with self._cuda.stream(self.reduce_stream):
+            yield
+
+    monkeypatch.setattr(CudaStreams, "reducing", reducing)
+    with Sim(hang_bound_s=20, hb=True) as sim:
+        owner_map = flat_map(NUMELS, 2)
+        runtimes = cupy_runtimes(sim, owner_map, algo="reduce", bucket=64)
+        train_step(sim, runtimes, NUMELS, 0, 1)
+        assert any(re.search(r"write by aten\.copy_ on r\d/default .* and (read|write) by (aten\.div_|nccl reduce)", r)
+                   for r in sim.races), sim.hb_report()
+        assert any("by nccl reduce(" in r for r in sim.races), sim.hb_report()

@@ -68,7 +68,6 @@ def _assert_bounded_failures(sim, outcomes, ranks):
 DEEP = [8] * 128  # 128 layers of 8-element gradients; 32-element buckets: a flush every 4 layers
 
 
-@pytest.mark.xfail(strict=True, reason="issue 37 finding 1: fixed on branch fixes")
 @pytest.mark.timeout(120)
 def test_a_stalled_peer_in_a_deep_model_fails_every_rank_within_the_deadline(monkeypatch):
     """Rank 1's data-parallel kernels stop completing (a hung GPU) in the second backward of a 128-layer model with
@@ -96,7 +95,6 @@ def test_a_stalled_peer_in_a_deep_model_fails_every_rank_within_the_deadline(mon
 # ---- finding 2 -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 37 finding 2: fixed on branch fixes")
 @pytest.mark.timeout(120)
 def test_a_stalled_rail_fails_within_the_deadline_although_the_node_step_waits_behind_it(monkeypatch):
     """Two nodes of two; in the second backward rank 2's rail kernels stop completing. Rank 0's rail kernels spin,
@@ -124,7 +122,6 @@ def test_a_stalled_rail_fails_within_the_deadline_although_the_node_step_waits_b
 # ---- finding 3 -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 37 finding 3: fixed on branch fixes")
 @pytest.mark.timeout(120)
 def test_after_a_failed_nccl_call_no_communicator_is_left_to_a_destroy_at_exit(monkeypatch):
     """Two nodes of two. Rank 2 dies before the third backward (it issues nothing more), so rank 0's first rail
@@ -176,7 +173,6 @@ class _ThreadGather:
         return [self.rows[r] for r in range(self.ws)]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 37 finding 5: fixed on branch fixes")
 @pytest.mark.timeout(120)
 def test_nccl_comm_blocking_0_is_refused_at_init_by_every_rank_naming_the_variable(monkeypatch):
     """``NCCL_COMM_BLOCKING=0`` makes NCCL calls return ``ncclInProgress`` (7), which cupy 14's ``NcclError`` cannot
@@ -219,7 +215,6 @@ def test_nccl_comm_blocking_0_is_refused_at_init_by_every_rank_naming_the_variab
 # ---- finding 6 -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 37 finding 6: fixed on branch fixes")
 @pytest.mark.timeout(60)
 def test_all_gather_ints_fails_within_the_deadline_behind_a_stalled_collective(monkeypatch):
     """Rank 0's all_reduce spins (rank 1 never joins it); then rank 0's ``all_gather_ints`` (the init-time agreement,

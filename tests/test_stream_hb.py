@@ -1,11 +1,15 @@
-"""The CUDA stream discipline, proven on CPU by happens-before (``hb_cuda``), not by call counts.
+"""The CUDA stream discipline, proven by happens-before (``hb_cuda``) on the simulated device (``sim_cuda``), not by
+call counts.
 
-The real runtime drives the real ``CudaStreams`` with a fake ``torch.cuda`` whose streams, events and host waits are
-vector clocks; every tensor access (the copies into buckets, padding, pre-division, the collectives, the hand-off,
-the copy-out, the optimizer reading and zeroing the grad buffers, the next backward's gradients) is stamped with the
-stream it runs on, and any two accesses to the same bytes that CUDA could run in either order are a race. The sweep
-covers every forced algorithm, stages 1 and 2, gradient accumulation 1 and 2, bucket release on and off, buckets
-that grow (padding and an oversized gradient), fp32 and bf16 together, and a backward that leaves its schedule.
+The real runtime drives the real ``CudaStreams`` on the sim's ``torch.cuda``; every device access (the copies into
+buckets, padding, pre-division, the collectives, the hand-off, the copy-out, the optimizer reading and zeroing the grad
+buffers, the next backward's gradients) is stamped with the stream it is enqueued on, the waits the product asked for
+advance vector clocks, and any two accesses to the same bytes that CUDA could run in either order are a race, even
+where the sim's worker threads happened to run them in a safe order. The sweep covers every forced algorithm, stages 1
+and 2, gradient accumulation 1 and 2, bucket release on and off, buckets that grow (padding and an oversized
+gradient), fp32 and bf16 together, and a backward that leaves its schedule. The communicator is one rank's mirror
+(every rank holds the same data) issuing its sums as device ops on the flush's stream: the ordering under test is the
+runtime's streams, not NCCL's (``test_sim_e2e.py`` runs the cupy path).
 
 Negative controls: without the free-event wait (``bucket_acquired``), the reduce stream's wait for the current one
 (``reducing``), the end-of-backward wait, or the wait before a bucket's buffer is replaced, the checker reports races.
@@ -15,11 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import types
+from collections.abc import Iterator
 
 import pytest
 import torch
 from fakes import MirrorComm, flat_map
-from hb_cuda_legacy import HbCuda
+from sim_cuda import Sim
 
 from owner_reduce.planning.flags import OwnerReduceFlags
 from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
@@ -41,7 +46,7 @@ class HbComm(MirrorComm):
     """The mirror communicator (identical data on every rank) whose send also shows as a read of its buffer: NCCL reads
     it on the current stream; the other calls' reads and writes are the torch ops they run."""
 
-    def __init__(self, hb: HbCuda, rank: int, world_size: int) -> None:
+    def __init__(self, hb: Sim, rank: int, world_size: int) -> None:
         super().__init__(rank=rank, world_size=world_size)
         self._hb = hb
 
@@ -106,9 +111,18 @@ class NodeHandoffComm(HbComm):
         buf.copy_(values[at - start:at - start + buf.numel()] * self._total)
 
 
+@contextlib.contextmanager
+def _sim() -> Iterator[Sim]:
+    """The simulated device with the happens-before checker, installed, its default stream named "compute"."""
+    with Sim(hb=True, max_ranks=1) as sim:
+        sim.name_stream(torch.cuda.current_stream(), "compute")
+        yield sim
+
+
 def _runtime(hb, algo, stage, params=PARAMS, ws=WS, rank=RANK, bucket=BUCKET, comm_cls=None):
-    """A runtime of rank ``rank`` of ``ws`` on ``params`` with the fake CUDA streams, double-buffered as on a GPU; each
-    grad buffer is this rank's slice of its parameter, in the parameter's dtype, named for the reports."""
+    """A runtime of rank ``rank`` of ``ws`` on ``params`` on the simulated device (``hb``, installed),
+    double-buffered; each grad buffer is this rank's slice of its parameter, a device tensor in the parameter's dtype,
+    named for the reports."""
     owner_map = flat_map([n for n, _ in params], ws)
     comm = (comm_cls or HbComm)(hb, rank, ws)
     rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, False), owner_map, flush_algo=algo),
@@ -119,13 +133,12 @@ def _runtime(hb, algo, stage, params=PARAMS, ws=WS, rank=RANK, bucket=BUCKET, co
     for p in owner_map:
         dtype = params[p.param_id][1]
         mine = [s for s in p.slices if s.owner == rank and s.length]
-        buf, offset = (torch.zeros(mine[0].length, dtype=dtype), mine[0].offset) if mine else (
-            torch.empty(0, dtype=dtype), 0)
-        weights[p.param_id] = torch.zeros(buf.numel(), dtype=dtype)
+        buf, offset = (torch.zeros(mine[0].length, dtype=dtype, device="cuda"), mine[0].offset) if mine else (
+            torch.empty(0, dtype=dtype, device="cuda"), 0)
+        weights[p.param_id] = torch.zeros(buf.numel(), dtype=dtype, device="cuda")
         hb.name(buf, f"the grad buffer of param {p.param_id}")
-        rt.register_param(p.param_id, (p.numel,), torch.zeros(p.numel, dtype=dtype), buf, offset)
+        rt.register_param(p.param_id, (p.numel,), torch.zeros(p.numel, dtype=dtype, device="cuda"), buf, offset)
     (rt.register_graph_z2 if stage == 2 else rt.register_graph_z1)(GRAPH, [p.param_id for p in owner_map])
-    rt.placer.buckets.double_on_host = True  # two buffers per dtype, as on a GPU
     rt.growth_waits = 0  # host waits before a bucket's buffer is replaced (the test counts them per step)
     sync = rt.placer._sync
 
@@ -134,8 +147,8 @@ def _runtime(hb, algo, stage, params=PARAMS, ws=WS, rank=RANK, bucket=BUCKET, co
         sync(call)
 
     rt.placer._sync = counting_sync
-    streams = rt.placer.streams = CudaStreams(torch.device("cpu"), cuda=hb)
-    hb.rename_stream(streams.reduce_stream, "reduce")
+    streams = rt.placer.streams = CudaStreams(torch.device("cuda", 0))  # as make_streams makes it for a CUDA grad
+    hb.name_stream(streams.reduce_stream, "reduce")
     return rt, weights
 
 
@@ -159,7 +172,7 @@ def _train(rt, weights, steps, ga, release, orders=(), params=PARAMS):
             rt.start_backward(update)
             for pid in order:
                 numel, dtype = params[pid]
-                rt.reduce_grad(torch.full((numel,), _value(step, micro, pid), dtype=dtype), GRAPH, pid)
+                rt.reduce_grad(torch.full((numel,), _value(step, micro, pid), dtype=dtype, device="cuda"), GRAPH, pid)
             rt.end_backward(GRAPH, release)
         rt.growth_per_step[-1] += rt.growth_waits
         if step == steps - 1:
@@ -174,28 +187,35 @@ def _train(rt, weights, steps, ga, release, orders=(), params=PARAMS):
 
 
 def _check_values(rt, expected):
+    """The grad buffers (as read when the run ended: ``_finish``) against the expected values."""
+    buffers = getattr(rt, "final_buffers", None) or {pid: p.grad_buffer.cpu() for pid, p in rt._params.items()}
     for pid, value in expected.items():
-        buf = rt._params[pid].grad_buffer
+        buf = buffers[pid]
         torch.testing.assert_close(buf.float(), torch.full((buf.numel(),), value), rtol=1e-2, atol=0,
                                    msg=lambda m, pid=pid: f"param {pid}: {m}")
+
+
+def _finish(hb, rt):
+    """The end of a run: the host waits for the device, the grad buffers are read (the sim is uninstalled next)."""
+    torch.cuda.synchronize()
+    rt.final_buffers = {pid: p.grad_buffer.cpu() for pid, p in rt._params.items()}
 
 
 # Learn, follow, leave at the first gradient, learn again, follow, leave halfway.
 ORDERS_LEAVING = (ARRIVAL, ARRIVAL, LEFT, ARRIVAL, ARRIVAL, LATE)
 
 
-def _run(algo, stage, ga, release, rank=RANK, steps=6, patches=(), false_queries=1, ws=WS, comm_cls=None):
+def _run(algo, stage, ga, release, rank=RANK, steps=6, patches=(), ws=WS, comm_cls=None):
     """One training run under the checker; ``patches`` are (object, name, replacement) undone afterwards."""
-    hb = HbCuda(false_queries=false_queries)
     with contextlib.ExitStack() as undo:
         for obj, name, value in patches:
             old = getattr(obj, name)
             setattr(obj, name, value)
             undo.callback(setattr, obj, name, old)
-        with hb:
-            rt, weights = _runtime(hb, algo, stage, rank=rank, ws=ws, comm_cls=comm_cls)
-            expected = _train(rt, weights, steps, ga, release, ORDERS_LEAVING)
-            hb.synchronize()
+        hb = undo.enter_context(_sim())
+        rt, weights = _runtime(hb, algo, stage, rank=rank, ws=ws, comm_cls=comm_cls)
+        expected = _train(rt, weights, steps, ga, release, ORDERS_LEAVING)
+        _finish(hb, rt)
     return hb, rt, expected
 
 
@@ -206,10 +226,10 @@ def _run(algo, stage, ga, release, rank=RANK, steps=6, patches=(), false_queries
 @pytest.mark.parametrize("algo", ["reduce", "allreduce", "handoff", "auto"])
 def test_no_race_in_the_stream_discipline(algo, stage, ga, release, rank):
     hb, rt, expected = _run(algo, stage, ga, release, rank)
-    assert not hb.races, f"{len(hb.races)} distinct races:\n{hb.report()}"
+    assert not hb.races, f"{len(hb.races)} distinct races:\n{hb.hb_report()}"
     # The run really went through the fake CUDA and the flushes it was meant to exercise.
     s = rt.stats
-    assert hb.ops > 250 and s.flushes >= 30 and s.scheduled_flushes >= 10, (hb.ops, s)
+    assert hb.hb.ops > 250 and s.flushes >= 30 and s.scheduled_flushes >= 10, (hb.hb.ops, s)
     assert s.schedule_fallbacks >= 2 and s.schedules_learned >= 2, s
     assert {r.dtype for r in rt.flush_log} == {"float32", "bfloat16"}
     assert max(rt.placer.buckets.size_for(d) for d in (torch.float32, torch.bfloat16)) == BUCKET
@@ -229,13 +249,12 @@ def test_no_race_in_the_stream_discipline(algo, stage, ga, release, rank):
 def test_no_race_while_the_measured_guard_alternates_and_times_flushes(stage, release):
     """A graph that keeps its order: learned in the first backward, then the trial's six backwards alternate the
     model's layout and native's (other bucket offsets, other calls) with timing events on the reduce stream, read
-    only after the bounded wait (the fake raises otherwise, as CUDA does), then the verdict's schedule."""
-    hb = HbCuda(false_queries=1)
-    with hb:
+    only after the bounded wait (the sim raises otherwise, as CUDA does), then the verdict's schedule."""
+    with _sim() as hb:
         rt, weights = _runtime(hb, "auto", stage)
         expected = _train(rt, weights, 9, 1, release)
-        hb.synchronize()
-    assert not hb.races, f"{len(hb.races)} distinct races:\n{hb.report()}"
+        _finish(hb, rt)
+    assert not hb.races, f"{len(hb.races)} distinct races:\n{hb.hb_report()}"
     s = rt.stats
     assert (s.trial_steps, s.trials_decided, s.schedule_fallbacks) == (6, 1, 0), s
     assert s.trial_native_flushes >= 3, s
@@ -276,7 +295,7 @@ def test_no_race_in_two_level_flushes_on_node_and_rail_streams(stage, release, r
     _rail_step(monkeypatch, step)
     _balanced(monkeypatch, balanced)  # balanced: each stage's node hand-off round on the rail stream, then copy-out
     hb, rt, expected = _run("two_level", stage, 2, release, rank=rank, ws=4, comm_cls=LevelComm)
-    assert not hb.races, f"{len(hb.races)} distinct races:\n{hb.report()}"
+    assert not hb.races, f"{len(hb.races)} distinct races:\n{hb.hb_report()}"
     s = rt.stats
     assert s.two_level_flushes >= 6 and s.node_calls >= s.two_level_stages and s.rail_calls > 0, s
     names = {name for name, *_ in rt.collective_log}
@@ -395,7 +414,7 @@ def test_each_wait_is_needed(drop, expect, release):
     hb, _, _ = _run("handoff", 1, 1, release, rank=0, steps=4, patches=[drop()])
     assert hb.races, "the checker did not see the missing wait"
     for pattern in expect + ([_FREED_EARLY] if release and drop is _drop_end_of_backward_wait else []):
-        assert any(re.search(pattern, text) for text in hb.races), (pattern, hb.report(50))
+        assert any(re.search(pattern, text) for text in hb.races), (pattern, hb.hb_report(50))
 
 
 def test_a_buffer_replaced_while_a_flush_reads_it_is_reported():
@@ -412,8 +431,7 @@ def test_a_buffer_replaced_while_a_flush_reads_it_is_reported():
         self._sync = lambda call: None if call == "bucket growth" else sync(call)
 
     params = [(8, torch.float32)] * 4 + [(40, torch.float32)]
-    hb = HbCuda()
-    with hb:
+    with _sim() as hb:
         rt, weights = _runtime(hb, "reduce", 1, params=params)
         GradPlacer.__init__ = no_growth_wait
         try:
@@ -422,50 +440,50 @@ def test_a_buffer_replaced_while_a_flush_reads_it_is_reported():
             GradPlacer.__init__ = init
         order = (3, 2, 1, 0, 4)  # 16 | 16 | 40: the third flush's gradient grows the bucket of the first
         _train(rt, weights, 2, 1, False, (order, order), params=params)
-        assert not hb.races, hb.report()
+        assert not hb.races, hb.hb_report()
         _train(rt2, weights2, 2, 1, False, (order, order), params=params)
-    assert any("freed on the host" in text and "on reduce" in text for text in hb.races), hb.report()
+    assert any("freed on the host" in text and "on reduce" in text for text in hb.races), hb.hb_report()
 
 
 # ---- the checker itself -------------------------------------------------------------------------------------
 
 
 def test_the_checker_orders_by_events_streams_and_host_waits():
-    hb = HbCuda()
-    side, compute = hb.Stream(), hb.current
-    with hb:
-        x = torch.zeros(8)
+    with _sim() as hb:
+        side, compute = torch.cuda.Stream(), torch.cuda.current_stream()
+        hb.name_stream(side, "side")
+        x = torch.zeros(8, device="cuda")
         hb.name(x, "x")
-        with hb.stream(side):
+        with torch.cuda.stream(side):
             x.add_(1)  # unordered with the zeros on compute
         assert any("race on x" in r for r in hb.races)
         hb.races.clear()
-        event = hb.Event()
+        event = torch.cuda.Event()
         event.record(side)
         compute.wait_event(event)
         x.mul_(2)  # after the add: ordered by the event
-        with hb.stream(side):
+        with torch.cuda.stream(side):
             side.wait_stream(compute)
             x.narrow(0, 0, 4).add_(1)  # after the mul
         x.narrow(0, 4, 4).add_(1)  # other bytes: no race
-        assert not hb.races, hb.report()
+        assert not hb.races, hb.hb_report()
         x.narrow(0, 2, 4).add_(1)  # overlaps the side stream's write
         assert len(hb.races) == 1 and "bytes [8, 16)" in next(iter(hb.races))
         hb.races.clear()
         side.synchronize()
         hb.access(x, write=False, op="host read", on_host=True)  # ordered by the host wait
-        y = torch.ones(4)
-        with hb.stream(side):
+        y = torch.ones(4, device="cuda")
+        with torch.cuda.stream(side):
             y.add_(1)
         hb.access(y, write=False, op="host read", on_host=True)  # not waited for
         assert any("read by host read on host" in r for r in hb.races)
         hb.races.clear()
-        with hb.stream(side):
-            z = torch.ones(4)  # allocated on the side stream, written on compute, freed without a wait
+        with torch.cuda.stream(side):
+            z = torch.ones(4, device="cuda")  # allocated on the side stream, written on compute, freed without a wait
         compute.wait_stream(side)
         z.add_(1)
         del z
-        assert any("freed on the host" in r and "on compute" in r for r in hb.races), hb.report()
+        assert any("freed on the host" in r and "on compute" in r for r in hb.races), hb.hb_report()
 
 
 # ---- bucket growth: once per run, not per step ------------------------------------------------------------------
@@ -479,18 +497,17 @@ def test_bucket_growth_waits_once_per_run(release):
     first flush mid-backward), and the grown capacity survives the buckets' release: no wait in any later step."""
     params = [(10, torch.float32)] * 12
     order = tuple(reversed(range(12)))
-    hb = HbCuda()
-    with hb:
+    with _sim() as hb:
         rt, weights = _runtime(hb, "handoff", 1, params=params, ws=7, rank=3, bucket=60)
         expected = _train(rt, weights, 6, 1, release, [order] * 6, params=params)
-        hb.synchronize()
-    assert not hb.races, hb.report()
+        _finish(hb, rt)
+        buckets = rt.placer.buckets
+        buckets.get(torch.float32, torch.device("cuda", 0))  # released: the pair the next step gets
+        for bucket in (buckets.current(torch.float32), buckets._shadow[torch.float32]):
+            assert (bucket.size, bucket.capacity, bucket.buffer.numel()) == (60, 63, 63)
+    assert not hb.races, hb.hb_report()
     assert rt.stats.handoff_rounds >= 10 and rt.stats.scheduled_flushes == 10, rt.stats
     assert rt.growth_per_step == [0, 1, 0, 0, 0, 0], rt.growth_per_step
-    buckets = rt.placer.buckets
-    buckets.get(torch.float32, torch.device("cpu"))  # released: the pair the next step gets
-    for bucket in (buckets.current(torch.float32), buckets._shadow[torch.float32]):
-        assert (bucket.size, bucket.capacity, bucket.buffer.numel()) == (60, 63, 63)
     _check_values(rt, expected)
 
 

@@ -27,6 +27,20 @@ from .verdict_book import VerdictBook, load_verdicts
 
 TIMEOUT_ENV_VAR = "OWNER_REDUCE_TIMEOUT_S"
 VERDICTS_ENV_VAR = verdict_book.ENV_VAR
+NCCL_BLOCKING_ENV_VAR = "NCCL_COMM_BLOCKING"  # NCCL's own variable, read here only to refuse what cupy cannot handle
+
+
+def check_nccl_blocking(value: str | None) -> None:
+    """``NCCL_COMM_BLOCKING``: unset or 1 (NCCL's blocking communicators); ValueError naming the variable otherwise.
+
+    Why refused: with any other value NCCL makes every communicator non-blocking, and every call may then return
+    ``ncclInProgress`` (7), which cupy 14's ``NcclError`` cannot even represent (``KeyError: 7``, its table ends at 5):
+    the runtime's calls would fail with an unrelated error, or be taken as done while NCCL still works on them."""
+    if value is None or not value.strip() or value.strip() == "1":
+        return
+    raise ValueError(f"owner_reduce: {NCCL_BLOCKING_ENV_VAR}={value!r}: owner_reduce's NCCL calls through cupy need "
+                     f"blocking communicators ({NCCL_BLOCKING_ENV_VAR} unset or 1): in a non-blocking one every call "
+                     f"may return ncclInProgress (7), which cupy's NcclError cannot represent")
 
 
 def parse_timeout_s(value: str | None) -> float | None:
@@ -84,6 +98,10 @@ def read_environment(environ: Mapping[str, str] | None = None, *, reduce_to_owne
     read(FORCE_ENV_VAR, "flush_algo", lambda: parse_force(env.get(FORCE_ENV_VAR)))
     read(MEASURE_ENV_VAR, "measure", lambda: parse_measure(env.get(MEASURE_ENV_VAR)))
     read(TIMEOUT_ENV_VAR, "timeout_s", lambda: parse_timeout_s(env.get(TIMEOUT_ENV_VAR)))
+    try:
+        check_nccl_blocking(env.get(NCCL_BLOCKING_ENV_VAR))
+    except ValueError as error:
+        problems.append((NCCL_BLOCKING_ENV_VAR, _reason(error)))
     if reduce_to_owner:
         read(CALIBRATION_ENV_VAR, "calibration", lambda: _complete(calibration_from_environment(env), env))
         path = env.get(VERDICTS_ENV_VAR, "").strip()

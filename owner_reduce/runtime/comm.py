@@ -18,8 +18,10 @@ raised inside stays the one raised; a failure while closing is only added to it 
 Note (sub-communicators): the node and rail communicators ``split`` makes (a two-level flush) run on their own
 streams, which the reduce stream joins; the runtime's bounded waits are on this (the data-parallel) communicator.
 So this communicator's ``wait_until`` covers them too: it waits for their works in flight, reports their errors
-(``node communicator: ...``), names their unfinished call, and on failure aborts every one of them with itself, so
-that no kernel of a stalled level keeps the GPU after the error. ``close_subs`` releases them.
+(``node communicator: ...``), names their unfinished call, and on failure aborts every one of them with itself, all
+at once (``watchdog``), so that no kernel of a stalled level keeps the GPU after the error. ``close_subs`` releases
+them. They share one flush watchdog (``watchdog``), which bounds each group from its issue where the host never gets
+to a wait.
 
 Note (names): an error names this process's global rank (``rank 5``; with its data-parallel rank where the two
 differ, a data-parallel group smaller than the job), the flush, the call and, on a sub-communicator, the
@@ -38,6 +40,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import deadline as deadlines
+from .watchdog import FlushWatchdog
 
 
 class ReduceComm(ABC):
@@ -55,6 +58,7 @@ class ReduceComm(ABC):
         self.subs: list[ReduceComm] = []  # made by split(): see Note (sub-communicators)
         self.global_rank = rank  # this process's rank in the job (implementations that know it set it): Note (names)
         self.members: tuple[int, ...] | None = None  # a sub-communicator's ranks as data-parallel ranks (split)
+        self.watchdog = FlushWatchdog(self)  # shared with the sub-communicators (split): ``watchdog``
 
     # ---- names in messages: Note (names) ---------------------------------------------------------------------
 
@@ -115,6 +119,8 @@ class ReduceComm(ABC):
         works in flight within the deadline; on a timeout or an error of any of them, abort them all and raise
         ``OwnerReduceCommError`` naming the call still unfinished (see Note (sub-communicators)), its communicator
         and its flush (``flush``, else that call's, else the last one issued here)."""
+        watchdog = self.watchdog
+        watchdog.raise_if_failed()  # the flush watchdog's error, where it aborted the communicators meanwhile
         comms = (self, *self.subs)
         named: list[tuple[int | None, str]] = []
 
@@ -123,9 +129,18 @@ class ReduceComm(ABC):
                 named.append(self._waiting_for(comms, call, flush))
             return named[0]
 
-        deadlines.poll_until_done(lambda: all(c._works_done() for c in comms) and done(), deadline=self.deadline,
-                                  rank=self.global_rank, dp_rank=self.dp_rank, flush=lambda: names()[0],
-                                  call=lambda: names()[1], check_error=self._any_async_error, abort=self._abort_all)
+        def check_error() -> str | None:
+            watchdog.raise_if_failed()
+            return self._any_async_error()
+
+        watchdog.waiting = call
+        try:
+            deadlines.poll_until_done(lambda: all(c._works_done() for c in comms) and done(), deadline=self.deadline,
+                                      rank=self.global_rank, dp_rank=self.dp_rank, flush=lambda: names()[0],
+                                      call=lambda: names()[1], check_error=check_error, abort=self._abort_all)
+        finally:
+            watchdog.waiting = None
+        watchdog.raise_if_failed()  # done only because the watchdog's abort forgot the works meanwhile
 
     def _works_done(self) -> bool:
         """Forget the works in flight that completed; True when none is left (none are kept by default)."""
@@ -147,26 +162,46 @@ class ReduceComm(ABC):
         return shown, f"{call}, waiting for {name}{of}{comm.where}"
 
     def _any_async_error(self) -> str | None:
-        """This communicator's asynchronous error, else the first sub-communicator's, named."""
-        error = self._async_error()
-        if error is not None:
-            return error
-        for sub in self.subs:
-            error = sub._async_error()
+        """This communicator's asynchronous error, else the first sub-communicator's, named. Under the watchdog's
+        guard, so never while it aborts them (``watchdog`` Note (guard))."""
+        with self.watchdog.lock:
+            error = self._async_error()
             if error is not None:
-                return f"{sub.role} communicator: {error}"
+                return error
+            for sub in self.subs:
+                error = sub._async_error()
+                if error is not None:
+                    return f"{sub.role} communicator: {error}"
         return None
 
     def _abort_all(self) -> None:
-        """Abort this communicator and every sub-communicator, each tried; the first failure is raised."""
-        first: BaseException | None = None
-        for comm in (self, *self.subs):
-            try:
-                comm._abort()
-            except Exception as error:  # noqa: BLE001 - every communicator is aborted; the first failure reported
-                first = first or error
-        if first is not None:
-            raise first
+        """Abort every communicator of this family (this one, the one it was split from, every sub-communicator) at
+        once, each in a thread of its own, within the watchdog's bound (``watchdog`` Note (claims by the main
+        thread)); the first failure is raised."""
+        self.watchdog.abort_all()
+
+    def _take_for_abort(self) -> Callable[[], Any] | None:
+        """Under the watchdog's guard, no group open: claim this communicator for an abort and return what aborts it
+        (run in a thread of its own), or None where there is nothing to abort (already claimed). From then on no call
+        of this communicator reaches the collective library. By default its ``_abort``."""
+        return self._abort
+
+    # ---- what the flush watchdog watches (``watchdog`` Note (firing)); read from its thread ----------------
+
+    def _watched(self) -> Sequence[Any]:
+        """A snapshot of the groups (or works) issued and not yet forgotten, oldest first; each has ``issued_at``."""
+        return ()
+
+    def _entry_done(self, entry: Any) -> bool:
+        raise NotImplementedError
+
+    def _entry_watched(self, entry: Any) -> bool:
+        """``entry`` is still among those issued (checked after ``_entry_done`` said it is not done)."""
+        raise NotImplementedError
+
+    def _entry_name(self, entry: Any) -> tuple[int | None, str]:
+        """(its flush, its first call's name)."""
+        raise NotImplementedError
 
     def _async_error(self) -> str | None:
         """An error the communicator reported asynchronously (NCCL), or None."""
@@ -232,8 +267,14 @@ class ReduceComm(ABC):
         sub.members = tuple(next(g for g in groups if self.rank in g))
         sub.global_rank = self.global_rank
         sub.deadline = self.deadline
+        sub.watchdog = self.watchdog  # one family: ``watchdog``
+        self.watchdog.add(sub)
         self.subs.append(sub)
+        sub._after_split()
         return sub
+
+    def _after_split(self) -> None:  # noqa: B027 - optional hook
+        """A sub-communicator, named and in its family: ready it within init's deadline (``TorchDistComm``)."""
 
     def _split(self, groups: Sequence[Sequence[int]]) -> ReduceComm:
         raise NotImplementedError(f"{self.name}: this communicator cannot make sub-communicators (two-level flush)")
@@ -278,6 +319,7 @@ class _InFlight(NamedTuple):
     index: int  # its place in its group, for the error message
     calls: int
     flush: int | None
+    issued_at: float = 0.0  # time.monotonic() at its issue: the flush watchdog's deadline counts from it
 
 
 class TorchDistComm(ReduceComm):
@@ -331,6 +373,7 @@ class TorchDistComm(ReduceComm):
         self.aborted = False
 
     def _group_start(self) -> None:
+        self.watchdog.raise_if_failed()  # aborted by the flush watchdog: its error, never a call on an aborted group
         self._no_dispatcher = _no_python_dispatcher()
         self._no_dispatcher.__enter__()
 
@@ -354,7 +397,8 @@ class TorchDistComm(ReduceComm):
         self._p2p = []
         context, self._no_dispatcher = self._no_dispatcher, None
         try:
-            self._in_flight += [_InFlight(work, call, i, len(works), self.flush)
+            now = time.monotonic()
+            self._in_flight += [_InFlight(work, call, i, len(works), self.flush, now)
                                 for i, (work, call) in enumerate(works) if work is not None and call.on_device]
             del works  # gloo's works are released with the Python dispatcher still off (see Note (Python dispatcher))
         finally:
@@ -441,16 +485,33 @@ class TorchDistComm(ReduceComm):
             self._settle(self._issue_p2p([(op, call)]), flush=self.flush)
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """On the accelerator the backend needs (NCCL: CUDA) without a blocking copy (``nccl_comm`` Note (no blocking
+        copy)): the values go there by a non-blocking copy from pinned memory, the gather's work is polled within the
+        deadline (``wait_until``), and only then the result comes back, by a non-blocking copy waited for the same
+        way (issue 37, finding 6)."""
         from deepspeed.accelerator import get_accelerator
 
-        local = torch.tensor(values, dtype=torch.int64, device=get_accelerator().current_device_name())
+        self.watchdog.raise_if_failed()
+        device = torch.device(get_accelerator().current_device_name())
+        host = torch.tensor(values, dtype=torch.int64)
+        if device.type == "cuda":
+            local = torch.empty_like(host, device=device)
+            local.copy_(pinned(host), non_blocking=True)
+        else:
+            local = host
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
         with _no_python_dispatcher():
             work = self._tdist.all_gather(gathered, local, group=self._group, async_op=True)
             self._settle([(work, _Call("all_gather", None, local.numel(), local.dtype, local.is_cuda))], flush=None)
-        if local.is_cuda:  # the values are read on the host next: wait for them, within the deadline
-            self.wait_until(lambda: True, "all_gather_ints", flush=None)
-        return [g.tolist() for g in gathered]
+        if not local.is_cuda:
+            return [g.tolist() for g in gathered]
+        self.wait_until(lambda: True, "all_gather_ints", flush=None)  # the gather's work, in flight
+        out = pinned(torch.empty(self.world_size * local.numel(), dtype=torch.int64))
+        out.copy_(torch.cat(gathered), non_blocking=True)  # on the current stream, which waited for the work
+        copied = torch.cuda.Event()
+        copied.record()
+        self.wait_until(copied.query, "all_gather_ints: its copy to the host", flush=None)
+        return out.view(self.world_size, -1).tolist()
 
     def _split(self, groups: Sequence[Sequence[int]]) -> TorchDistComm:
         """This rank's group as a ``new_group`` with local synchronization: only its members create it, and torch names
@@ -470,9 +531,33 @@ class TorchDistComm(ReduceComm):
                                           use_local_synchronization=True)
         return TorchDistComm(group, self._tdist)
 
+    def _after_split(self) -> None:
+        """Note (warm-up): torch's NCCL backend creates a group's NCCL communicator lazily, on the host, inside the
+        group's first operation; without this that is the first overlapped flush (a wait no deadline bounds), and the
+        node hand-off group's first operation is ``batch_isend_irecv``, which torch documents as undefined unless every
+        rank of the group takes part in that first call. So every new group runs one tiny AllReduce here, at init,
+        every rank of it together, within init's deadline: the call itself under ``end_process_if_still_blocked``
+        (a creation nothing can interrupt: ``deadline`` Note (a blocking init)), its completion polled by
+        ``wait_until``. On gloo too (it connects at creation: the AllReduce only checks the group works)."""
+        device = torch.device("cpu")
+        if "nccl" in str(self._tdist.get_backend(self._group)).lower() and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        buf = torch.zeros(1, device=device)
+        call = _Call("warm-up all_reduce", None, 1, buf.dtype, buf.is_cuda)
+        what = (f"the warm-up all_reduce(count=1) of the new {self.role} group (torch creates its NCCL communicator "
+                f"there)")
+        with _no_python_dispatcher():
+            work = deadlines.end_process_if_still_blocked(
+                lambda: self._tdist.all_reduce(buf, op=self._sum, group=self._group, async_op=True),
+                deadline=self.deadline, rank=self.global_rank, what=what)
+            self._settle([(work, call)], flush=None)
+        if buf.is_cuda:
+            self.wait_until(lambda: True, f"warm-up of the {self.role} group", flush=None)
+
     def close(self) -> None:
         """The runtime's cleanup has waited for the reduce stream (and so for every work in flight) already."""
         self._in_flight.clear()
+        self.watchdog.forget(self)
 
     # ---- waiting --------------------------------------------------------------------------------------------
 
@@ -481,16 +566,20 @@ class TorchDistComm(ReduceComm):
         order them on the current stream and keep them in flight; see Note (bounded waits). The Python
         dispatcher is already off."""
         started = time.monotonic()
+        on_device = False
         for i, (work, call) in enumerate(works):
             if work is None:  # a rank outside the group (not ours: every rank of the group calls)
                 continue
             if call.on_device:
                 work.block_current_stream()  # returns at once: the stream waits, not the host
-                self._in_flight.append(_InFlight(work, call, i, len(works), flush))
+                self._in_flight.append(_InFlight(work, call, i, len(works), flush, started))
+                on_device = True
                 continue
             deadlines.wait_work(work, deadline=self.deadline, started=started, rank=self.global_rank,
                                 dp_rank=self.dp_rank, flush=flush,
                                 call=lambda call=call, i=i: _call_name(call, i, len(works), self) + self.where)
+        if on_device and not self.watchdog.armed:  # after the append: see ``FlushWatchdog._run``
+            self.watchdog.arm()
 
     def _works_done(self) -> bool:
         """Forget the works in flight that completed (in issue order); True when none is left. A work that failed
@@ -505,8 +594,9 @@ class TorchDistComm(ReduceComm):
         return not in_flight
 
     def _async_error(self) -> str | None:
-        """A device work in flight that completed with an error (NCCL's, as torch reports it), named."""
-        for entry in self._in_flight:
+        """A device work in flight that completed with an error (NCCL's, as torch reports it), named. Also read by the
+        flush watchdog's thread: over a snapshot."""
+        for entry in self._in_flight[:]:
             if entry.work.is_completed():
                 error = entry.work.exception()
                 if error is not None:
@@ -523,13 +613,30 @@ class TorchDistComm(ReduceComm):
 
     def _abort(self) -> None:
         """After a failed wait on device works: abort the process group (once), so that its NCCL kernels stop."""
-        self._in_flight.clear()
-        if self.aborted:
-            return
-        self.aborted = True
-        abort = getattr(self._group if self._group is not None else self._tdist.group.WORLD, "abort", None)
+        abort = self._take_for_abort()
         if abort is not None:
             abort()
+
+    def _take_for_abort(self) -> Callable[[], Any] | None:
+        """The process group's ``abort`` (once); torch's own watchdog aborts it from another thread too, so no guard
+        is needed around this communicator's calls."""
+        self._in_flight.clear()
+        if self.aborted:
+            return None
+        self.aborted = True
+        return getattr(self._group if self._group is not None else self._tdist.group.WORLD, "abort", None)
+
+    def _watched(self) -> Sequence[Any]:
+        return self._in_flight[:]
+
+    def _entry_done(self, entry: Any) -> bool:
+        return bool(entry.work.is_completed())
+
+    def _entry_watched(self, entry: Any) -> bool:
+        return any(e is entry for e in self._in_flight)
+
+    def _entry_name(self, entry: Any) -> tuple[int | None, str]:
+        return entry.flush, _call_name(entry.call, entry.index, entry.calls, self)
 
 
 def _in_flight_name(entry: _InFlight, reported_flush: int | None, comm: ReduceComm) -> str:
@@ -545,6 +652,16 @@ def _call_name(call: _Call, index: int, calls: int, comm: ReduceComm) -> str:
     who = "" if root is None else f"{'peer' if kind in ('send', 'recv') else 'root'}={comm.peer_name(root)}, "
     name = f"{kind}({who}count={count}, dtype={str(dtype).removeprefix('torch.')})"
     return name if calls == 1 else f"{name} (call {index + 1} of {calls})"
+
+
+def pinned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in pinned host memory, so that a copy between it and the device is asynchronous; ``tensor`` itself
+    where no pinned allocator is available (a copy may then be synchronous, which is why each is made only after the
+    collective it reads was waited for within the deadline: ``nccl_comm`` Note (no blocking copy))."""
+    try:
+        return tensor.pin_memory()
+    except RuntimeError:
+        return tensor
 
 
 def _no_python_dispatcher() -> Any:

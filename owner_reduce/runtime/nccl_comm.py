@@ -26,9 +26,15 @@ does; do not issue collectives of either from another thread while a flush is in
 Note (bounded waits): nothing here waits with a plain ``synchronize()``: ``all_gather_ints`` and ``close``
 poll the stream and ``ncclCommGetAsyncError`` within the deadline (``ReduceComm.wait_until``), and so do the
 runtime's end-of-backward, bucket-growth and cleanup waits. On a timeout, an asynchronous NCCL error, a
-failed NCCL call or a call that raises inside a group, this rank aborts the communicator
-(``ncclCommAbort``, at most once; never ``ncclCommDestroy``, which waits for work the peers never finish).
-Peers then see a connection error where NCCL's transport reports one (network), or reach their own deadline.
+failed NCCL call or a call that raises inside a group, this rank aborts every communicator of its family (the
+data-parallel one and its node, rail and node hand-off ones) at once, each in a thread of its own and bounded
+(``ncclCommAbort``, at most once each; never ``ncclCommDestroy``, which waits for work the peers never finish): an
+abort waits for its communicator's last kernel, which may sit behind another communicator's spinning kernel on the
+same stream, so no order one after another is safe (``watchdog`` Note (firing)). Where the host never reaches one of
+these waits (blocked in a CUDA launch behind a stalled stream), the flush watchdog's thread does it at the deadline
+counted from each group's issue (``watchdog``); every NCCL call and open group holds its guard, so no abort ever
+runs under one. Peers then see a connection error where NCCL's transport reports one (network), or reach their own
+deadline.
 
 Note (abort inside a group): never between ``ncclGroupStart`` and ``ncclGroupEnd``. A call enqueued in a group
 links the communicator into the thread's group; ``ncclCommAbort`` frees it (NCCL 2.21: at once; 2.28: as a job
@@ -68,7 +74,9 @@ never joins ends the waiting ranks' processes at the deadline (``deadline`` Note
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -77,7 +85,8 @@ import torch
 
 from ..planning.wording import ranks_phrase
 from . import deadline as deadlines
-from .comm import ReduceComm
+from . import watchdog as watchdogs
+from .comm import ReduceComm, pinned
 
 UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId)
 
@@ -185,15 +194,76 @@ def exchange_unique_id(process_group: Any) -> bytes:
             payload[0] = 1
         except Exception as error:  # noqa: BLE001 - reported to every rank through the status byte
             problem = f": {type(error).__name__}: {error}"
-    backend = str(dist.get_backend(group))
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
-    payload = payload.to(device)
-    with no_python_dispatcher():
-        dist.broadcast(payload, src=dist.get_global_rank(group, 0), group=group)
-    data = payload.cpu()
+    src = dist.get_global_rank(group, 0)
+    if "nccl" in str(dist.get_backend(group)):
+        data = _broadcast_on_device(payload, src, group, rank)
+    else:
+        with no_python_dispatcher():
+            dist.broadcast(payload, src=src, group=group)
+        data = payload
     if int(data[0]) != 1:
         raise RuntimeError(f"owner_reduce: group rank 0 could not create an NCCL unique id{problem}")
     return bytes(data[1:].tolist())
+
+
+def _broadcast_on_device(payload: torch.Tensor, src: int, group: Any, rank: int) -> torch.Tensor:
+    """``payload`` broadcast from ``src`` over an NCCL process group, without a blocking copy (Note (no blocking copy)
+    in ``CupyNcclComm.all_gather_ints``): to the device by a non-blocking copy, the broadcast's work polled within the
+    deadline (init's, inside its window), then back by a non-blocking copy, waited for the same way."""
+    import torch.distributed as dist
+    from torch._dispatch.python import no_python_dispatcher
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    on_device = torch.empty_like(payload, device=device)
+    on_device.copy_(pinned(payload), non_blocking=True)
+    with no_python_dispatcher():
+        work = dist.broadcast(on_device, src=src, group=group, async_op=True)
+    work.block_current_stream()  # the stream waits for it, the host does not
+    deadline = deadlines.from_environment()
+    what = "broadcast of the NCCL unique id (over the data-parallel process group)"
+
+    def failed() -> str | None:
+        error = work.exception() if work.is_completed() else None
+        return None if error is None else f"{type(error).__name__}: {deadlines.first_line(error)}"
+
+    deadlines.poll_until_done(lambda: bool(work.is_completed()), deadline=deadline, rank=_process_rank(rank),
+                              flush=None, call=what, check_error=failed)
+    back = pinned(torch.empty_like(payload))
+    back.copy_(on_device, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    deadlines.poll_until_done(copied.query, deadline=deadline, rank=_process_rank(rank), flush=None,
+                              call=f"{what}: its copy to the host")
+    return back
+
+
+_LEFT_OPEN: dict[int, Any] = {}  # id(handle) -> a cupy NcclCommunicator neither aborted nor destroyed yet
+_EXIT_HANDLER = False  # _abort_left_open is registered with atexit
+
+
+def _left_open(handle: Any) -> None:
+    """Note (left open at exit): cupy's ``NcclCommunicator.__dealloc__`` calls ``ncclCommDestroy``, which waits for the
+    communicator's kernels in flight, forever where a peer stalled. So every handle is kept here until it is aborted or
+    destroyed (its ``NcclCommunicator`` never deallocated before), and at exit whatever is left is aborted, all at
+    once, within the watchdog's abort bound: never destroyed. (A communicator dropped without ``close`` keeps its NCCL
+    resources until exit.)"""
+    global _EXIT_HANDLER  # registered once per process
+    if not _EXIT_HANDLER:
+        atexit.register(_abort_left_open)
+        _EXIT_HANDLER = True
+    _LEFT_OPEN[id(handle)] = handle
+
+
+def _abort_left_open() -> None:
+    watchdogs.stop_all()  # no watchdog claims a communicator meanwhile
+    handles = [h for h in (_LEFT_OPEN.pop(key, None) for key in list(_LEFT_OPEN)) if h is not None]
+    stuck, _ = watchdogs.abort_concurrently([(f"left-open #{i}", h.abort) for i, h in enumerate(handles)],
+                                            watchdogs.ABORT_BOUND_S)
+    if stuck:
+        import sys
+
+        sys.stderr.write(f"owner_reduce: at exit, {len(stuck)} of {len(handles)} NCCL communicators left open did not "
+                         f"finish their abort within {watchdogs.ABORT_BOUND_S:g} s\n")
 
 
 class _IssuedGroup(NamedTuple):
@@ -204,6 +274,7 @@ class _IssuedGroup(NamedTuple):
     flush: int | None
     first: tuple[str, str | None, int, int, torch.dtype]  # the first call: (name, root/peer label, value, count, dtype)
     calls: int
+    issued_at: float = 0.0  # time.monotonic() when its group opened: the flush watchdog's deadline counts from it
 
 
 class _BufferView(NamedTuple):
@@ -243,6 +314,7 @@ class CupyNcclComm(ReduceComm):
     """
 
     name = "cupy-nccl"
+    _issued_at = 0.0  # when the group's ncclGroupEnd launched it (``watchdog.calling``)
 
     def __init__(self, unique_id: bytes, rank: int, world_size: int, *, device: int | None = None,
                  stream: torch.cuda.Stream | None = None) -> None:
@@ -277,6 +349,7 @@ class CupyNcclComm(ReduceComm):
                     lambda: nccl.NcclCommunicator(world_size, unique_id, rank), deadline=self.deadline,
                     rank=self.global_rank,
                     what=f"ncclCommInitRank (world_size={world_size}, rank={rank}, device=cuda:{self.device})")
+            _left_open(self._comm)
         except Exception as error:  # noqa: BLE001 - every cause becomes one RuntimeError naming the call
             raise failure(what, self.global_rank, error) from error
 
@@ -344,18 +417,40 @@ class CupyNcclComm(ReduceComm):
                              f"0..{self.world_size - 1}")
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
-        """Through this communicator (ncclAllGather of int64), so it needs no torch process group."""
+        """Through this communicator (ncclAllGather of int64), so it needs no torch process group.
+
+        Note (no blocking copy): a blocking copy synchronizes the host with the stream, outside the deadline, behind
+        whatever the stream holds (issue 37, finding 6). So the values go to the device by a non-blocking copy from
+        pinned memory, the host waits for the gather within the deadline (an event after it, polled by
+        ``wait_until``), and only then copies the result back (non-blocking into pinned memory, that copy waited for
+        the same way): a pageable buffer (where pinning is unavailable) can make a copy synchronous, but never behind
+        an unfinished collective."""
         if self._in_group:
             raise RuntimeError(f"{self.name}: all_gather_ints inside a collective group on rank {self.rank}")
-        local = torch.tensor(values, dtype=torch.int64, device=torch.device("cuda", self.device))
-        out = torch.empty(self.world_size * local.numel(), dtype=torch.int64, device=local.device)
+        count = len(values)
+        device = torch.device("cuda", self.device)
+        host = pinned(torch.tensor(values, dtype=torch.int64))
         stream = self._stream()
         self._wait_current(stream)
-        what = f"all_gather(count={local.numel()}, dtype=int64)"
-        self._call(what, lambda: self._live(what).allGather(local.data_ptr(), out.data_ptr(), local.numel(),
+        with torch.cuda.stream(stream):
+            local = torch.empty(count, dtype=torch.int64, device=device)
+            out = torch.empty(self.world_size * count, dtype=torch.int64, device=device)
+            local.copy_(host, non_blocking=True)
+        what = f"all_gather(count={count}, dtype=int64)"
+        self._call(what, lambda: self._live(what).allGather(local.data_ptr(), out.data_ptr(), count,
                                                             nccl_dtype(torch.int64), stream.cuda_stream))
-        self.wait_until(stream.query, what, flush=None)
-        return [row.tolist() for row in out.view(self.world_size, -1).cpu()]
+        self._wait_for_event(stream, what)
+        back = pinned(torch.empty(self.world_size * count, dtype=torch.int64))
+        with torch.cuda.stream(stream):
+            back.copy_(out, non_blocking=True)
+        self._wait_for_event(stream, f"{what}: its copy to the host")
+        return back.view(self.world_size, -1).tolist()
+
+    def _wait_for_event(self, stream: torch.cuda.Stream, what: str) -> None:
+        """Wait, within the deadline, for what ``stream`` holds now (an event recorded after it)."""
+        done = self._make_event()
+        done.record(stream)
+        self.wait_until(done.query, what, flush=None)
 
     def _split(self, groups: Sequence[Sequence[int]]) -> CupyNcclComm:
         """A new NCCL communicator per group: each group's first rank creates its unique id, every rank gathers them
@@ -390,9 +485,14 @@ class CupyNcclComm(ReduceComm):
         (``ncclCommAbort`` already released it)."""
         self._views.clear()
         if self._comm is None:
+            self.watchdog.forget(self)
             return
         self.wait_until(lambda: True, "close (work still in flight on the communicator)")
+        self.watchdog.enter(self)
         comm, self._comm = self._comm, None
+        _LEFT_OPEN.pop(id(comm), None)
+        self.watchdog.leave()
+        self.watchdog.forget(self)
         if comm is not None:
             self._call("communicator destroy", comm.destroy)
 
@@ -419,41 +519,76 @@ class CupyNcclComm(ReduceComm):
         return None
 
     def _abort(self) -> None:
-        """ncclCommAbort, at most once; inside an open group only asked for, done when the group has ended."""
+        """ncclCommAbort of this communicator alone, at most once; inside an open group only asked for."""
+        abort = self._take_for_abort()
+        if abort is not None:
+            abort()
+
+    def _take_for_abort(self) -> Callable[[], Any] | None:
+        """Claim the handle (``ReduceComm._take_for_abort``): its ``ncclCommAbort`` (which returns without waiting for
+        peers, after this communicator's last kernel; cupy then forgets the handle), at most once. Inside an open group
+        nothing is taken: the abort is only asked for, and done when the group has ended (Note (abort inside a
+        group))."""
+        if self._group_open:
+            self._abort_pending = True
+            return None
+        comm, self._comm = self._comm, None
+        self._issued.clear()  # the wait that failed named them; nothing waits for an aborted communicator's work
+        if comm is None:
+            return None
+        _LEFT_OPEN.pop(id(comm), None)
+        self.aborted = True
+        return comm.abort
+
+    def _abort_noting(self, error: BaseException) -> None:
+        """Abort every communicator of the family on the way out of ``error`` (at once: ``watchdog``), or, inside an
+        open group, ask for it when the group ends (Note (abort inside a group)); if an abort fails too, that is a
+        note on ``error``, not the error."""
         if self._group_open:
             self._abort_pending = True
             return
-        comm, self._comm = self._comm, None
-        self._issued.clear()  # the wait that failed named them; nothing waits for an aborted communicator's work
-        if comm is not None:
-            self.aborted = True
-            comm.abort()  # ncclCommAbort: returns without waiting for peers; cupy forgets the handle
-
-    def _abort_noting(self, error: BaseException) -> None:
-        """Abort on the way out of ``error``; if the abort fails too, that is a note on ``error``, not the error."""
         try:
-            self._abort()
+            self._abort_all()
         except Exception as abort_error:  # noqa: BLE001 - the first error is the one to report
             deadlines.add_note(error, "aborting the NCCL communicator failed too", abort_error)
 
     # ---- group hooks ---------------------------------------------------------------------------------------
 
     def _group_start(self) -> None:
+        """The group holds the watchdog's guard from here to its end (``watchdog`` Note (guard)); once the watchdog has
+        aborted the communicators, its error is raised here instead."""
         self._calls_in_group = 0
         self._wait_current(self._stream())
-        self._call("groupStart", _nccl().groupStart)  # no group is open if it fails: that aborts at once
+        watchdog = self.watchdog
+        watchdog.enter(self)
+        try:
+            _nccl().groupStart()
+        except Exception as error:  # noqa: BLE001 - no group is open: the guard goes, then every communicator aborts
+            watchdog.leave()
+            raised = failure("groupStart" + self.where, self._failed_on(), error)
+            self._abort_noting(raised)
+            raise raised from error
         self._group_open = True
 
     def _group_end(self) -> None:
         calls, self._calls_in_group = self._calls_in_group, 0
-        self._group_open = False
         pending, self._abort_pending = self._abort_pending, False
-        self._call(f"groupEnd ({calls} calls)", _nccl().groupEnd)  # a failure aborts: the group is ended by then
+        self._group_open = False
+        watchdog = self.watchdog
+        self._issued_at = watchdog.calling("ncclGroupEnd")  # the group's kernels are launched here
+        try:
+            _nccl().groupEnd()
+        except Exception as error:  # noqa: BLE001 - the group is ended by then: the guard goes, then the aborts
+            watchdog.leave()
+            raised = failure(f"groupEnd ({calls} calls){self.where}", self._failed_on(), error)
+            self._abort_noting(raised)
+            raise raised from error
+        watchdog.leave()
         if pending:  # a call failed inside the group and its error was swallowed there: abort now
-            self._abort()
+            self._abort_now()
         stream = self._stream()
         if calls and self._first_call is not None:
-            self._issued_on(stream, self._first_call, calls)
+            self._issued_on(stream, self._first_call, calls, self._issued_at)
         self._first_call = None
         self._current_waits_for(stream)
 
@@ -464,8 +599,20 @@ class CupyNcclComm(ReduceComm):
         self._first_call = None
         self._abort_pending = False  # group() aborts anyway
         if self._group_open:
-            self._group_open = False
-            _nccl().groupEnd()
+            self.watchdog.calling("ncclGroupEnd")
+            try:
+                _nccl().groupEnd()
+            finally:
+                self._group_open = False
+                self.watchdog.leave()
+
+    def _abort_now(self) -> None:
+        """The abort a failure inside the group asked for, now that the guard is released: every communicator; a
+        failing abort is not the error (the call's is being raised)."""
+        try:
+            self._abort_all()
+        except Exception:  # noqa: BLE001, S110 - the call's error is the one to report
+            pass
 
     # ---- helpers -------------------------------------------------------------------------------------------
 
@@ -482,6 +629,7 @@ class CupyNcclComm(ReduceComm):
 
     def _live(self, what: str) -> Any:
         if self._comm is None:
+            self.watchdog.raise_if_failed()  # aborted by the flush watchdog: its error
             state = "was aborted after an earlier failure" if self.aborted else "is closed"
             raise RuntimeError(f"owner_reduce NCCL {what}{self.where} on {self.who()}: the communicator {state}")
         return self._comm
@@ -541,7 +689,7 @@ class CupyNcclComm(ReduceComm):
                 self._first_call = call
             self._calls_in_group += 1
         else:
-            self._issued_on(stream, call, 1)
+            self._issued_on(stream, call, 1, time.monotonic())
             self._current_waits_for(stream)
 
     def _call_text(self, call: tuple[str, str | None, int, int, torch.dtype]) -> str:
@@ -555,7 +703,10 @@ class CupyNcclComm(ReduceComm):
         return f"{self.who()}, {'outside a flush' if self.flush is None else f'flush #{self.flush}'}"
 
     def _call_lazy(self, call: tuple[str, str | None, int, int, torch.dtype], fn: Callable[[], Any]) -> Any:
-        """``_call`` whose description is formatted only when the call fails (the hot path formats nothing)."""
+        """``_call`` whose description is formatted only when the call fails (the hot path formats nothing, and inside
+        the open group, which holds the guard, adds nothing to the call)."""
+        if not self._group_open:
+            return self._guarded(lambda: self._call_text(call), fn)
         try:
             return fn()
         except Exception as error:  # noqa: BLE001 - NcclError, CUDARuntimeError: re-raised with rank and call
@@ -566,11 +717,28 @@ class CupyNcclComm(ReduceComm):
     # ---- in flight: Note (in flight) ------------------------------------------------------------------------
 
     def _issued_on(self, stream: torch.cuda.Stream, first: tuple[str, str | None, int, int, torch.dtype],
-                   calls: int) -> None:
-        """Record that a group (or one call) was issued on ``stream``: an event after it, reused once it completed."""
+                   calls: int, issued_at: float) -> None:
+        """Record that a group (or one call) was issued on ``stream``: an event after it, reused once it completed; the
+        flush watchdog watches it from then on."""
         event = self._free_events.pop() if self._free_events else self._make_event()
         event.record(stream)
-        self._issued.append(_IssuedGroup(event, self.flush, first, calls))
+        self._issued.append(_IssuedGroup(event, self.flush, first, calls, issued_at))
+        if not self.watchdog.armed:  # after the append: see ``FlushWatchdog._run``
+            self.watchdog.arm()
+
+    def _watched(self) -> Sequence[Any]:
+        return self._issued[:]
+
+    def _entry_done(self, entry: Any) -> bool:
+        return bool(entry.event.query())
+
+    def _entry_watched(self, entry: Any) -> bool:
+        """Note (firing): events are reused, but only after ``_works_done`` dropped their group from ``_issued``, so a
+        group still there after its event said "not done" was not done when it said so."""
+        return any(g is entry for g in self._issued)
+
+    def _entry_name(self, entry: Any) -> tuple[int | None, str]:
+        return entry.flush, self._call_text(entry.first) + ("" if entry.calls == 1 else f" (call 1 of {entry.calls})")
 
     def _works_done(self) -> bool:
         issued = self._issued
@@ -592,9 +760,24 @@ class CupyNcclComm(ReduceComm):
                                                                  f" (call 1 of {pending.calls})")
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        return self._guarded(lambda: what, fn)
+
+    def _guarded(self, what: Callable[[], str], fn: Callable[[], Any]) -> Any:
+        """Run the NCCL call ``fn`` holding the watchdog's guard (inside an open group the group holds it); on failure
+        raise its error naming it (``what()``), after aborting every communicator (or asking for it, in a group)."""
+        guarded = not self._group_open
+        if guarded:
+            self.watchdog.enter(self)
+            self.watchdog.calling("an NCCL call outside a group")
         try:
             return fn()
         except Exception as error:  # noqa: BLE001 - NcclError, CUDARuntimeError: re-raised with rank and call
-            raised = failure(what + self.where, self._failed_on(), error)
+            raised = failure(what() + self.where, self._failed_on(), error)
+            if guarded:
+                guarded = False
+                self.watchdog.leave()
             self._abort_noting(raised)  # peers wait in the failed call: stop this rank's side (after the group)
             raise raised from error
+        finally:
+            if guarded:
+                self.watchdog.leave()
