@@ -253,7 +253,7 @@ def test_the_probe_adds_no_host_wait_and_no_race():
     polls ``query``); per recorded step three timing events, their records and one ``current_stream`` (the compute
     mark), per step read two ``query`` calls of the probe's and three elapsed-time reads (plus one per flush read back
     for the model's saving: none here, the owner path is on); once, the gather (one NCCL AllGather with its
-    host-to-device and device-to-host copies: two launches). Nothing else: the communicator's own polls vary with
+    non-blocking host-to-device and device-to-host copies: two launches, each waited through an event). Nothing else: the communicator's own polls vary with
     the threads' timing, so ``query`` is counted at the probe's call."""
     counts, queries = {}, {}
     completed = CudaStreams.completed
@@ -274,9 +274,11 @@ def test_the_probe_adds_no_host_wait_and_no_race():
     recorded, read = PROBE_STEPS + 1, PROBE_STEPS  # steps 1-7 recorded, steps 2-7 read (at steps 3-8)
     assert queries == {False: 0, True: WS * 2 * read}, queries
     deterministic = {k: n for k, n in added.items() if n and "query" not in k}
-    assert deterministic == {"Event": WS * 3 * recorded, "Event.record": WS * 3 * recorded,
+    # The gather copies without blocking, on the communicator's stream, each copy waited for through an event of
+    # its own within the deadline (``nccl_comm`` Note (no blocking copy)): two events, two records, two switches.
+    assert deterministic == {"Event": WS * (3 * recorded + 2), "Event.record": WS * (3 * recorded + 2),
                              "current_stream": WS * (recorded + 1), "Event.elapsed_time": WS * 3 * read,
-                             "nccl allGather": WS, "nccl kernel": WS, "launch": 2 * WS, "blocking copy": WS,
+                             "nccl allGather": WS, "nccl kernel": WS, "launch": 2 * WS, "stream switch": 2 * WS,
                              "copy (device to host)": WS}, deterministic
 
 
