@@ -14,14 +14,12 @@ import torch
 from fakes import ExchangeComm, ExchangeWorld, exchange_backward, flat_map, mirror_runtime
 
 from owner_reduce.planning.measured import (
-    MEASURE_ENV_VAR,
     TRIAL_ROUNDS,
     TrialFlush,
     Verdict,
     format_measured_line,
     median,
     pack_samples,
-    parse_measure,
     verdicts,
 )
 from owner_reduce.runtime.handle import OwnerReduceMismatchError
@@ -33,14 +31,6 @@ SLOW_S = 0.03
 
 
 # ---- the arithmetic (pure) ----------------------------------------------------------------------------------
-
-
-def test_measure_setting_parses_or_names_the_variable():
-    assert parse_measure(None) and parse_measure(" ") and parse_measure("ON") and parse_measure("1")
-    assert not parse_measure("0") and not parse_measure("off") and not parse_measure("False")
-    with pytest.raises(ValueError, match=f"{MEASURE_ENV_VAR} must be one of 1, on, true, yes, 0, off, false, no, "
-                                         "got 'sometimes'"):
-        parse_measure("sometimes")
 
 
 def test_the_verdict_times_each_step_by_its_slowest_rank_and_overrules_only_beyond_the_noise():
@@ -186,9 +176,9 @@ def test_no_trial_when_turned_off_or_under_a_forced_algorithm(setting):
 
 
 @pytest.mark.timeout(30)
-def test_ranks_that_disagree_on_measuring_refuse_to_start_naming_the_variable():
-    with pytest.raises(OwnerReduceMismatchError, match=f"{MEASURE_ENV_VAR} differs across ranks: on on rank 0, "
-                                                      "off on rank 1"):
+def test_ranks_that_disagree_on_measuring_refuse_to_start_naming_the_key():
+    with pytest.raises(OwnerReduceMismatchError, match="compile.reduce_to_owner_algo differs across ranks: auto on "
+                                                      "rank 0, model on rank 1"):
         _world(measure=(True, False))
 
 

@@ -101,7 +101,8 @@ def test_combine_reasons():
     assert combine_reasons([None, None]) is None
     assert combine_reasons([]) is None
     assert combine_reasons(["no gpu", "no gpu"]) == "all ranks: no gpu"
-    assert combine_reasons([None, "no cupy", None, "no cupy"]) == "ranks 1,3: no cupy"
+    assert combine_reasons([None, "no cupy", None, "no cupy"]) == "ranks 1, 3: no cupy"
+    assert combine_reasons([None] + ["no cupy"] * 511) == "ranks 1-511: no cupy"  # folded at scale
     assert combine_reasons(["a", None, "b"]) == "rank 0: a; rank 2: b"
 
 

@@ -2,7 +2,7 @@
 
 Ranks are grouped as torchrun groups them on several nodes (``LOCAL_WORLD_SIZE``, ``LOCAL_RANK = rank % it``), so the
 runtime makes its node and rail communicators (torch.distributed groups over gloo) and, with
-``OWNER_REDUCE_FLUSH_ALGO=two_level``, runs every owner-ordered flush as a node ReduceScatter then rail Reduces,
+``compile.reduce_to_owner_algo: "two_level"``, runs every owner-ordered flush as a node ReduceScatter then rail Reduces,
 pipelined. Each run is compared bitwise with plain ZeRO on the same data, the two-level calls are counted on each
 communicator, and a region reduced on the wrong rail (negative control) must show as a difference.
 """

@@ -5,9 +5,9 @@ different orders (at three or more ranks the last bits differ). A verdict measur
 where two variants are close (``measured`` Note (beyond the noise)), so a run resumed from a checkpoint, or a second
 run of the same job, would not give the same bits. A ``VerdictBook`` holds every verdict a run decided, per
 schedule; the runtime saves it with each checkpoint (``CHECKPOINT_KEY`` in DeepSpeed's client state) and restores it
-at ``load_checkpoint``, and ``OWNER_REDUCE_VERDICTS=FILE`` replays a book written by an earlier run (or, where FILE
-does not exist yet, writes this run's verdicts there): a schedule whose key is in the book skips its trial and runs
-the recorded winners, every rank alike.
+at ``load_checkpoint``, and the config's ``compile.reduce_to_owner_verdicts: FILE`` replays a book written by an
+earlier run (or, where FILE does not exist yet, writes this run's verdicts there): a schedule whose key is in the
+book skips its trial and runs the recorded winners, every rank alike.
 
 Note (key): a schedule's key is the sha256 of its flushes as learned (dtype, gradient ids, sizes, in order) and the
 cost model's choice for each, with the world size. The same model, partitioning, bucket size and cost model give the
@@ -31,7 +31,6 @@ from .json_fields import FieldCheck, parse_json, read_text
 from .measured import TrialFlush, Verdict
 
 FORMAT = "owner_reduce.verdicts/1"
-ENV_VAR = "OWNER_REDUCE_VERDICTS"
 CHECKPOINT_KEY = "owner_reduce"  # in the checkpoint's client state (``engine.save_checkpoint``): ``checkpoint_payload``
 CHECKPOINT_FORMAT = "owner_reduce.checkpoint/1"
 KEY_CHARS = 16
