@@ -68,6 +68,9 @@ class TrainSpec:
     # Return every line DeepSpeed's logger emitted at INFO or above from compile on (owner_reduce's are INFO)
     capture_log: bool = False
     destroy: bool = False  # engine.destroy() at the end: another owner engine may follow in the same launch
+    # A DeepSpeed config file (JSON) in place of ``ds_config(spec)``: DeepSpeed reads it, as a user's job does (it must
+    # match the spec's model, batch and optimizer: write ``ds_config(spec)`` and edit what the run is about)
+    config_file: str | None = None
     # The two-level flush's rail steps the model may choose (``planning.two_level.RAIL_STEPS``; () all of them): tests
     # cover each one where the model would pick another at their sizes.
     rail_steps: tuple[str, ...] = ()
@@ -101,6 +104,38 @@ def _compile_schedule(spec: TrainSpec) -> list | None:
 
     reduce_pass = zero_1_and_2_compile.add_z2_reduce if spec.zero_stage == 2 else zero_1_and_2_compile.add_z1_reduce
     return [(step, [reduce_pass]) for step in spec.compile_steps]
+
+
+def ds_config(spec: TrainSpec) -> dict[str, Any]:
+    """The DeepSpeed config ``train`` runs ``spec`` with (what a test writes to a file for ``config_file``)."""
+    zero: dict[str, Any] = {"stage": spec.zero_stage}
+    if spec.reduce_bucket_size is not None:
+        zero["reduce_bucket_size"] = spec.reduce_bucket_size
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": spec.micro_batch,
+        "gradient_accumulation_steps": spec.grad_accum,
+        "optimizer": {"type": "Adam", "params": {"lr": spec.lr, "torch_adam": True}} if spec.optimizer == "Adam"
+        else {"type": spec.optimizer, "params": {"lr": spec.lr}},
+        "zero_optimization": zero,
+        "steps_per_print": 1_000_000,
+    }
+    if spec.optimizer != "Adam":
+        config["zero_allow_untested_optimizer"] = True  # a torch.optim class by name: ZeRO partitions it as any
+    if spec.bf16:
+        config["bf16"] = {"enabled": True}
+    if spec.log_level is not None:
+        config["log_level"] = spec.log_level
+    if spec.mode == "owner":
+        config["compile"] = {"deepcompile": True, "reduce_to_owner": spec.reduce_to_owner,
+                             "reduce_probe": spec.reduce_probe}
+        if spec.reduce_probe and spec.probe_all_ranks:
+            config["compile"]["reduce_probe_all_ranks"] = True
+        if spec.flush_algo is not None:
+            config["compile"]["reduce_to_owner_algo"] = spec.flush_algo
+        config["compile"].update(spec.compile_keys)  # last: what a run names explicitly
+    elif spec.mode == "native":
+        config["compile"] = {"deepcompile": True}
+    return config
 
 
 def _model_and_batches(spec: TrainSpec, rank: int) -> tuple[Any, Any]:
@@ -291,34 +326,9 @@ def train(rank: int, world_size: int, spec: TrainSpec,
         two_level.RAIL_STEPS = spec.rail_steps or two_level.RAIL_STEPS
         two_level.RAIL_LAYOUTS = spec.rail_layouts or two_level.RAIL_LAYOUTS
     model, batch = _model_and_batches(spec, rank)
-    zero: dict[str, Any] = {"stage": spec.zero_stage}
-    if spec.reduce_bucket_size is not None:
-        zero["reduce_bucket_size"] = spec.reduce_bucket_size
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": spec.micro_batch,
-        "gradient_accumulation_steps": spec.grad_accum,
-        "optimizer": {"type": "Adam", "params": {"lr": spec.lr, "torch_adam": True}} if spec.optimizer == "Adam"
-        else {"type": spec.optimizer, "params": {"lr": spec.lr}},
-        "zero_optimization": zero,
-        "steps_per_print": 1_000_000,
-    }
-    if spec.optimizer != "Adam":
-        config["zero_allow_untested_optimizer"] = True  # a torch.optim class by name: ZeRO partitions it as any
-    if spec.bf16:
-        config["bf16"] = {"enabled": True}
-    if spec.log_level is not None:
-        config["log_level"] = spec.log_level
     if spec.mode == "owner":
         owner_reduce.install()
-        config["compile"] = {"deepcompile": True, "reduce_to_owner": spec.reduce_to_owner,
-                             "reduce_probe": spec.reduce_probe}
-        if spec.reduce_probe and spec.probe_all_ranks:
-            config["compile"]["reduce_probe_all_ranks"] = True
-        if spec.flush_algo is not None:
-            config["compile"]["reduce_to_owner_algo"] = spec.flush_algo
-        config["compile"].update(spec.compile_keys)  # last: what a run names explicitly
-    elif spec.mode == "native":
-        config["compile"] = {"deepcompile": True}
+    config: Any = spec.config_file or ds_config(spec)
     parameters: Any = model.parameters()
     if spec.param_groups == 2:
         params = list(model.parameters())
