@@ -290,7 +290,7 @@ def test_unique_id_exchange_over_gloo(two_ranks):
     # Without a GPU the device cannot be resolved on either rank: the agreed step before ncclCommInitRank
     # stops every rank before any of them blocks in it, naming each rank's cause.
     ("creation_fails", "creating the cupy NCCL communicator failed: all ranks: RuntimeError: owner_reduce: not "
-                       "creating the NCCL communicator: rank 0: "),
+                       "creating the NCCL communicator: ranks 0, 1: "),
     ("peer_without_cupy", "cupy NCCL cannot be used: rank 1: cupy's NCCL binding is unavailable (ModuleNotFoundError"),
 ])
 def test_fallback_is_agreed_warned_once_and_results_unchanged(two_ranks, scenario, cause):

@@ -100,6 +100,7 @@ def test_a_probe_whose_lines_the_log_level_hides_is_said_once(monkeypatch):
     import logging
 
     from deepspeed.utils import logger
+    from deepspeed.utils import logging as deepspeed_logging
 
     from owner_reduce.runtime import stats
 
@@ -108,13 +109,18 @@ def test_a_probe_whose_lines_the_log_level_hides_is_said_once(monkeypatch):
     monkeypatch.setattr(stats, "_hidden_said", set())
     before = logger.level
     try:
-        logger.setLevel(logging.INFO)
+        deepspeed_logging.set_log_level_from_string("info")  # what the config's "log_level": "info" does
         assert not stats.say_if_hidden("compile.reduce_probe's lines") and warnings == []
-        logger.setLevel(logging.WARNING)
+        deepspeed_logging.set_log_level_from_string("warning")
+        logger.setLevel(logging.INFO)  # the logger alone: its handler still drops INFO
+        assert stats.say_if_hidden("compile.reduce_probe's lines") and "log level (WARNING) hides" in warnings[0]
+        monkeypatch.setattr(stats, "_hidden_said", set())
+        warnings.clear()
+        deepspeed_logging.set_log_level_from_string("warning")
         assert stats.say_if_hidden("compile.reduce_probe's lines")
         assert stats.say_if_hidden("compile.reduce_probe's lines")
     finally:
-        logger.setLevel(before)
+        deepspeed_logging.set_log_level_from_string(logging.getLevelName(before).lower())
     assert warnings == ["owner_reduce: compile.reduce_probe's lines are logged at INFO, which DeepSpeed's log level "
                         '(WARNING) hides: add "log_level": "info" to the DeepSpeed config to see them']
 

@@ -464,7 +464,7 @@ class OwnerReduceRuntime:
         line = format_measured_line(SCHEDULE_PREFIX, f"#{number}" if number else str(graph_id), report, rounds,
                                     source=source)
         if written is not None:
-            line += f"; verdicts written to {written} (a run with this {key_name(VERDICTS)} replays them)"
+            line += f"; verdicts written to {written}"  # the next run with this config replays them
         self.stats.measured_lines.append(line)
         emit(line)
 

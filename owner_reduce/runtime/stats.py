@@ -40,11 +40,14 @@ def say_if_hidden(what: str) -> bool:
     that silently does nothing."""
     from deepspeed.utils import logger
 
-    if logger.isEnabledFor(logging.INFO):
+    # The logger's level and its handlers' (DeepSpeed's own handler has a level too: ``logger.setLevel`` alone leaves it
+    # at WARNING; the config's ``log_level`` sets both).
+    if logger.isEnabledFor(logging.INFO) and any(h.level <= logging.INFO for h in logger.handlers):
         return False
     if what not in _hidden_said:
         _hidden_said.add(what)
-        level = logging.getLevelName(logger.getEffectiveLevel())
+        shown_from = max(logger.getEffectiveLevel(), min((h.level for h in logger.handlers), default=0))
+        level = logging.getLevelName(shown_from)
         logger.warning(f"owner_reduce: {what} are logged at INFO, which DeepSpeed's log level ({level}) hides: "
                        f"{LOG_LEVEL_HINT} to see them")
     return True
