@@ -288,7 +288,7 @@ def test_unique_id_exchange_over_gloo(two_ranks):
 @pytest.mark.parametrize(("scenario", "cause"), [
     ("cpu_accelerator", "cupy NCCL cannot be used: all ranks: the DeepSpeed accelerator is 'cpu', not 'cuda'"),
     # Without a GPU the device cannot be resolved on either rank: the agreed step before ncclCommInitRank
-    # stops every rank before any of them blocks in it, naming each rank's cause.
+    # stops every rank before any of them blocks in it, naming each rank's cause (one cause for both ranks: grouped).
     ("creation_fails", "creating the cupy NCCL communicator failed: all ranks: RuntimeError: owner_reduce: not "
                        "creating the NCCL communicator: ranks 0, 1: "),
     ("peer_without_cupy", "cupy NCCL cannot be used: rank 1: cupy's NCCL binding is unavailable (ModuleNotFoundError"),
@@ -301,8 +301,6 @@ def test_fallback_is_agreed_warned_once_and_results_unchanged(two_ranks, scenari
     assert r1["warnings"] == [] and len(r0["warnings"]) == 1, (r0["warnings"], r1["warnings"])
     assert r0["warnings"][0].startswith(f"{FALLBACK_PREFIX}: ")
     assert cause in r0["warnings"][0], r0["warnings"][0]
-    if scenario == "creation_fails":
-        assert "; rank 1: " in r0["warnings"][0]
     assert r0["sum"] == r1["sum"] == [3.0] * 5
     assert [r["create_calls"] for r in two_ranks] == [0, 0]
 
