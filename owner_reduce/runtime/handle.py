@@ -738,18 +738,17 @@ class OwnerReduceRuntime:
         self.flusher.levels = Levels(node, rail, handoff)
         seconds = time.monotonic() - started
         free_after = _device_free_bytes()
-        memory = ("no device memory" if free_before is None or free_after is None
-                  else f"{max(0, free_before - free_after) / 2**20:.0f} MiB of device memory")
-        if free_before is None:  # no CUDA streams (gloo on CPU): nothing overlaps
-            buffering = ("flushes over 2 buckets per dtype (double_buffer true); without CUDA streams they run one "
-                         "after another here" if double_buffer else
-                         "flushes on 1 bucket per dtype (double_buffer false)")
+        memory = ("" if free_before is None or free_after is None  # no CUDA device
+                  else f", {max(0, free_before - free_after) / 2**20:.0f} MiB of device memory")
+        if not double_buffer:
+            buffering = "flushes run in turn on 1 bucket per dtype (double_buffer false)"
+        elif free_before is None:  # no CUDA streams (gloo on CPU): nothing overlaps
+            buffering = "flushes run in turn over 2 buckets per dtype (double_buffer true; no CUDA streams here)"
         else:
-            buffering = ("flushes may overlap over 2 buckets per dtype (double_buffer true)" if double_buffer else
-                         "flushes run one after another on 1 bucket per dtype (double_buffer false)")
-        # About 30 words for rank 0's INFO line; which communicators of what size, and the overlap, at DEBUG.
+            buffering = "flushes may overlap over 2 buckets per dtype (double_buffer true)"
+        # Under 30 words for rank 0's INFO line; which communicators of what size, and the overlap, at DEBUG.
         line = (f"owner_reduce: two-level flush ready: {levels.nodes} nodes x {per_node} ranks ({self.comm.name}), "
-                f"made in {seconds:.2f} s, {memory}; {buffering}")
+                f"made in {seconds:.2f} s{memory}; {buffering}")
         detail = (f"owner_reduce: two-level flush: {levels.nodes} node communicators of {per_node} ranks, {per_node} "
                   f"rail communicators of {levels.nodes} ranks and {levels.nodes} node hand-off communicators of "
                   f"{per_node} ranks (balanced rails); with double_buffer true the node stage of one flush runs under "
