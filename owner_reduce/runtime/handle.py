@@ -23,7 +23,7 @@ import torch
 
 from ..planning.calibration import Calibration, format_fits
 from ..planning.collectives import NATIVE, NODE, RAIL, TWO_LEVEL
-from ..planning.flags import OwnerReduceFlags, describe_flag_disagreement, pack_flags
+from ..planning.flags import REDUCE_PROBE, OwnerReduceFlags, describe_flag_disagreement, pack_flags
 from ..planning.flush_choice import AUTO, FlushCost, agreed_topology
 from ..planning.measured import TRIAL_ROUNDS, format_measured_line, verdicts
 from ..planning.owner_map import OwnerMap, Placement
@@ -190,7 +190,7 @@ class OwnerReduceRuntime:
             if self.settings.verdicts_path is not None:
                 self._say_verdicts()
             if self.settings.flags.reduce_probe:
-                say_if_hidden(f"{key_name('reduce_probe')}'s lines")
+                say_if_hidden(f"{key_name(REDUCE_PROBE)}'s lines")
 
     def register_param(self, ds_id: int, ds_shape: Any, ds_tensor: torch.Tensor, grad_buffer: torch.Tensor,
                        offset: int) -> None:
