@@ -1,12 +1,15 @@
-"""owner_reduce: reduce each ZeRO-1 gradient only to the rank that keeps it, under DeepSpeed DeepCompile.
+"""owner_reduce: reduce each ZeRO-1/2 gradient only to the rank that keeps it, under DeepSpeed DeepCompile.
 
-Opt-in: ``owner_reduce.install()`` once, then ``compile.reduce_to_owner`` / ``compile.reduce_probe`` in the
-DeepSpeed config. Importing this package changes nothing in DeepSpeed.
+Opt-in: ``owner_reduce.install()`` once, then ``compile.reduce_to_owner`` (and the other keys of
+``planning.settings``) in the DeepSpeed config. Importing this package changes nothing in DeepSpeed and imports
+neither torch nor DeepSpeed.
 """
 
 from .planning.flags import FLAG_KEYS, OwnerReduceConfigError, OwnerReduceFlags, flags_of, parse_flags
 from .planning.owner_map import GroupTables, OwnerMap, OwnerMapError, ParamPlacement, ParamSlice, Placement
+from .planning.settings import SETTING_KEYS, OwnerReduceSettings, parse_settings, settings_of
 from .runtime.deadline import OwnerReduceCommError
+from .runtime.errors import OwnerReduceMismatchError
 from .wiring.install import OwnerReduceInstallError, OwnerReduceInUseError, install, is_installed, uninstall
 
 __version__ = "0.1.0"
@@ -21,6 +24,7 @@ def build_owner_map(engine):  # noqa: ANN001, ANN201 - thin lazy wrapper, see en
 
 __all__ = [
     "FLAG_KEYS",
+    "SETTING_KEYS",
     "GroupTables",
     "OwnerMap",
     "OwnerMapError",
@@ -29,6 +33,8 @@ __all__ = [
     "OwnerReduceFlags",
     "OwnerReduceInUseError",
     "OwnerReduceInstallError",
+    "OwnerReduceMismatchError",
+    "OwnerReduceSettings",
     "ParamPlacement",
     "ParamSlice",
     "Placement",
@@ -37,5 +43,7 @@ __all__ = [
     "install",
     "is_installed",
     "parse_flags",
+    "parse_settings",
+    "settings_of",
     "uninstall",
 ]

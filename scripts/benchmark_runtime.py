@@ -412,8 +412,8 @@ def main() -> int:
 
         base = TrainSpec(model="tiny_transformer", model_kwargs=(("dim", args.dim), ("layers", args.layers)),
                          steps=args.steps, backend=args.backend, micro_batch=8)
-        # Both DeepCompile runs keep the probe on (first 20 flushes print): with both flags off DeepSpeed would
-        # run its native runtime, which does not build on CPU.
+        # Both DeepCompile runs keep the probe on (rank 0 formats its first 20 flushes): with both flags off DeepSpeed
+        # would run its native runtime, which does not build on CPU.
         specs = (("plain", TrainSpec(**{**base.__dict__, "mode": "plain"})),
                  ("allreduce", TrainSpec(**{**base.__dict__, "reduce_to_owner": False})),
                  ("owner", base))

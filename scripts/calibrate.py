@@ -9,8 +9,9 @@ On this machine without a launcher, N gloo ranks on the CPU (as scripts/demo.py 
 
     python scripts/calibrate.py --local-gloo 4 --out out/calibration.json
 
-Rank 0 writes the file and prints the fits. Point OWNER_REDUCE_CALIBRATION at the file to have the flush choice cost
-every candidate on it instead of NCCL's tables (owner_reduce/planning/calibration.py describes the format and fits).
+Rank 0 writes the file and prints the fits. Name the file in the DeepSpeed config
+(``"compile": {"reduce_to_owner_calibration": "calibration.json"}``) to have the flush choice cost every candidate on
+it instead of NCCL's tables (owner_reduce/planning/calibration.py describes the format and fits).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _report(text: str, out: Path, started: float) -> None:
     for line in format_fits(cal):
         print(line)
     print(f"owner_reduce: wrote {out} (digest {cal.digest()}) in {time.monotonic() - started:.1f}s; use it with "
-          f"OWNER_REDUCE_CALIBRATION={out}")
+          f"\"compile\": {{\"reduce_to_owner_calibration\": \"{out}\"}} in the DeepSpeed config")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,7 @@ step ``--save-at`` of 8. Per ZeRO stage three launches of fresh ranks: the run t
 save, and the run resumed from the checkpoint (``load_checkpoint``, then ``engine.compile(schedule=[(global_steps,
 [reduce pass])])``). Prints, per stage, each run's verdicts (rank 0's measured lines) and where the runs' bits differ.
 
-    .venv/bin/python scripts/checkpoint_trial_repro.py [--stages 1 2] [--save-at 3] [--measure 0] [--fixed]
+    .venv/bin/python scripts/checkpoint_trial_repro.py [--stages 1 2] [--save-at 3] [--no-guard] [--fixed]
         [--drop-trial-state]
 
 The guard's samples are the host clock's (as in the product) unless ``--fixed``: then every rank's samples are fixed
@@ -80,13 +80,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--save-at", type=int, default=3)
-    parser.add_argument("--measure", default="1", help="OWNER_REDUCE_MEASURE for every run")
+    parser.add_argument("--no-guard", action="store_true",
+                        help='compile.reduce_to_owner_algo "model" for every run (the measured guard off)')
     parser.add_argument("--fixed", action="store_true", help="fixed, close guard samples instead of the host clock")
     parser.add_argument("--drop-trial-state", action="store_true",
                         help="the resumed run drops the checkpoint's trial under way (the behaviour before issue 40)")
     args = parser.parse_args()
     extra = {"trial_samples": fixed_samples()} if args.fixed else {}
-    env = {"OWNER_REDUCE_MEASURE": args.measure, "OWNER_REDUCE_TIMEOUT_S": "60"}
+    if args.no_guard:
+        extra["flush_algo"] = "model"
+    env = {"OWNER_REDUCE_TIMEOUT_S": "60"}
     failures = 0
     for stage in args.stages:
         directory = tempfile.mkdtemp(prefix=f"issue40-z{stage}-")
@@ -98,7 +101,7 @@ def main() -> int:
             by_rank = run_ranks(train_each, WS, args=((spec(stage, directory, args.save_at, **changes, **extra),),),
                                 timeout=600, env=env)
             runs[name] = tuple(r[0] for r in by_rank)
-        print(f"stage {stage}, save after step {args.save_at} of {STEPS}, OWNER_REDUCE_MEASURE={args.measure}, "
+        print(f"stage {stage}, save after step {args.save_at} of {STEPS}, guard {'off' if args.no_guard else 'on'}, "
               f"samples {'fixed' if args.fixed else 'of the host clock'}:")
         for name, run in runs.items():
             s = run[0]["stats"]

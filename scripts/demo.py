@@ -159,8 +159,9 @@ def main() -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     base = TrainSpec(model="tiny_transformer", model_kwargs=(("dim", args.dim), ("layers", args.layers)),
-                     steps=args.steps, same_data=False, reduce_probe=True, record_collectives=True, progress=True,
-                     reduce_bucket_size=args.bucket_size, micro_batch=4, lr=args.lr)
+                     steps=args.steps, same_data=False, reduce_probe=True, probe_all_ranks=False,
+                     record_collectives=True, progress=True, reduce_bucket_size=args.bucket_size, micro_batch=4,
+                     lr=args.lr)
     runs: dict[str, list[dict[str, Any]]] = {}
     for name, owner in (("allreduce", False), ("owner", True)):
         print(f"== DeepCompile ZeRO-1, {args.world_size} gloo ranks, {args.steps} steps, "
@@ -174,6 +175,7 @@ def main() -> int:
     pngs = plot(runs, summary, args.out)
     print()
     print(summary["init_line"])
+    print(runs["owner"][0]["stats"].settings_line)
     for line in runs["owner"][0]["stats"].schedule_lines + runs["owner"][0]["stats"].measured_lines:
         print(line)
     for line in runs["owner"][0]["stats"].probe_lines[:3]:

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 MODES = ("plain", "owner", "handoff", "native", "two_level")  # handoff, two_level: the owner path with
-# OWNER_REDUCE_FLUSH_ALGO set so (two_level needs --ranks-per-node: ranks grouped as nodes)
+# compile.reduce_to_owner_algo set so (two_level needs --ranks-per-node: ranks grouped as nodes)
 MODELS = ("tiny_transformer", "exact_linear")  # exact_linear: every sum exact, bitwise whatever the order
 
 

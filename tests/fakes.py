@@ -509,12 +509,12 @@ def exchange_backward(world: ExchangeWorld, runtimes: Sequence[Any], grads_of: C
                 check(buf, want, f"rank {rank}, param {pid}")
 
 
-def ws2_runtime(rank=0, owner=True, probe=True, bucket=64, problems=(), comm=None, algo="reduce"):
+def ws2_runtime(rank=0, owner=True, probe=True, bucket=64, problems=(), comm=None, algo="reduce", all_ranks=False):
     """A runtime of rank ``rank`` of 2 on ``TABLES``, grad buffers registered as DeepCompile does (rank 0: a whole,
     b's first 2 elements at offset 0, nothing of c), graph 11; ``algo`` forces the flush algorithm (these flushes
     are tiny: the cost model alone would AllReduce them)."""
     return mirror_runtime(OwnerMap.from_group_tables([TABLES], 2), rank=rank, bucket=bucket, algo=algo, probe=probe,
-                          owner=owner, problems=problems, comm=comm)
+                          owner=owner, problems=problems, comm=comm, all_ranks=all_ranks)
 
 
 def shared_gpu_env(world_size: int, torch_pg: bool = False) -> dict[str, str]:
@@ -572,7 +572,7 @@ def flat_map(numels, ws, other_comm_numels=()):
 
 def mirror_runtime(owner_map, rank=0, bucket=1 << 20, algo="auto", probe=False, stage=1, graph_id=11, owner=True,
                    problems=(), comm=None, measure=False, calibration=None, env_problems=(), verdicts=None,
-                   verdicts_path=None):
+                   verdicts_path=None, timeout_s=None, all_ranks=False):
     """A runtime of rank ``rank`` on ``owner_map`` with a ``MirrorComm`` (or ``comm``), every parameter registered as
     DeepCompile registers it (this rank's slice of each gradient as its grad buffer), one graph of every parameter.
 
@@ -582,9 +582,10 @@ def mirror_runtime(owner_map, rank=0, bucket=1 << 20, algo="auto", probe=False, 
     from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
 
     comm = comm or MirrorComm(rank=rank, world_size=owner_map.dp_world_size)
-    rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(owner, probe), owner_map, problems, flush_algo=algo,
-                                            measure=measure, calibration=calibration, env_problems=env_problems,
-                                            verdicts=verdicts, verdicts_path=verdicts_path),
+    rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(owner, probe, all_ranks), owner_map, problems,
+                                            flush_algo=algo, measure=measure, calibration=calibration,
+                                            env_problems=env_problems, verdicts=verdicts, verdicts_path=verdicts_path,
+                                            timeout_s=timeout_s),
                             comm_factory=lambda group: comm)
     rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
     for p in owner_map:

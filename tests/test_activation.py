@@ -127,26 +127,28 @@ def test_parameters_outside_zero_groups_reach_deepcompile_as_plain_inputs():
     assert isinstance(seen[1], tuple)
 
 
-def test_forced_flush_algorithm_is_read_checked_and_never_silent(monkeypatch):
-    """Read with every other variable (``planning.env_inputs``): a bad value is kept as this rank's reason, never
-    raised here on one rank alone (init's agreement refuses it on every rank); a value that cannot take effect is
-    named in a warning on rank 0."""
+def test_rank_0_names_the_developer_override_and_each_variable_no_longer_read_once(monkeypatch):
+    """The files the settings name and the override, read on this rank (``planning.rank_inputs``): a bad value is kept
+    as this rank's reason, never raised here on one rank alone (init's agreement refuses it on every rank); a set
+    override, and a variable that moved into the config, are named in a warning on rank 0, once per process."""
     from deepspeed.utils import logger
 
-    from owner_reduce.planning.flags import OwnerReduceFlags
+    from owner_reduce.planning.settings import parse_settings
 
     warnings = []
     monkeypatch.setattr(logger, "warning", warnings.append)
-    on, probe_only = OwnerReduceFlags(True, False), OwnerReduceFlags(False, True)
-    assert activation.environment_inputs(on, 0, {}).flush_algo == "auto"
-    assert activation.environment_inputs(on, 0, {"OWNER_REDUCE_FLUSH_ALGO": "handoff"}).flush_algo == "handoff"
-    assert warnings == []
-    bad = activation.environment_inputs(on, 0, {"OWNER_REDUCE_FLUSH_ALGO": "fast"})
-    assert bad.flush_algo == "auto" and bad.problems == (
-        ("OWNER_REDUCE_FLUSH_ALGO", "OWNER_REDUCE_FLUSH_ALGO must be one of auto, reduce, allreduce, handoff, native, "
-                                    "two_level, got 'fast'"),)
-    assert activation.environment_inputs(probe_only, 1, {"OWNER_REDUCE_FLUSH_ALGO": "reduce"}).flush_algo == "reduce"
-    assert warnings == []  # rank 1 does not warn
-    activation.environment_inputs(probe_only, 0, {"OWNER_REDUCE_FLUSH_ALGO": "reduce"})
-    assert warnings == ["owner_reduce: OWNER_REDUCE_FLUSH_ALGO=reduce has no effect: compile.reduce_to_owner is "
-                        "false, so every flush is one AllReduce, as DeepCompile does"]
+    monkeypatch.setattr(activation, "_warned", set())
+    on = parse_settings({"reduce_to_owner": True})
+    assert activation.rank_inputs(on, 0, {}).problems == () and warnings == []
+    env = {"OWNER_REDUCE_TIMEOUT_S": "45", "OWNER_REDUCE_FLUSH_ALGO": "handoff"}
+    assert activation.rank_inputs(on, 1, env).timeout_s == 45.0 and warnings == []  # rank 1 says nothing
+    for _ in range(2):  # a second engine in the same process: said once
+        activation.rank_inputs(on, 0, env)
+    assert warnings == [
+        "owner_reduce: OWNER_REDUCE_FLUSH_ALGO is set but no longer read (DeepSpeed's multi-node launcher does not "
+        "forward it to other nodes); set compile.reduce_to_owner_algo in the DeepSpeed config instead",
+        "owner_reduce: OWNER_REDUCE_TIMEOUT_S=45 (a developer override) sets the flushes' deadline to 45 s in place of "
+        "the default process group's timeout (deepspeed.init_distributed(timeout=...))"]
+    bad = activation.rank_inputs(on, 0, {"OWNER_REDUCE_TIMEOUT_S": "soon"})
+    assert bad.timeout_s is None and bad.problems == (
+        ("OWNER_REDUCE_TIMEOUT_S", "OWNER_REDUCE_TIMEOUT_S must be a positive number of seconds, got 'soon'"),)

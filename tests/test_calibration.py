@@ -1,5 +1,5 @@
 """The calibration: fits that recover known latencies and bandwidths, the file format (round trip, validation errors
-that name the key, the digest ranks compare), the environment variable, the flush choice moving with measured times,
+that name the key, the digest ranks compare), the config key, the flush choice moving with measured times,
 the measurement loop on an in-process communicator, and one run on two gloo ranks that must agree byte for byte."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import random
 from pathlib import Path
 
@@ -15,13 +16,11 @@ import torch
 from fakes import MirrorComm, flat_map
 
 from owner_reduce.planning.calibration import (
-    ENV_VAR,
     FORMAT,
     MAX_BANDWIDTH_GBS,
     Calibration,
     KindFit,
     P2pFit,
-    calibration_from_environment,
     fit,
     fit_kind,
     fit_p2p,
@@ -32,9 +31,17 @@ from owner_reduce.planning.calibration import (
 from owner_reduce.planning.collectives import ALLREDUCE, HANDOFF, REDUCE, REDUCE_SCATTER
 from owner_reduce.planning.flush_choice import FlushCost
 from owner_reduce.planning.owner_layout import default_cost, plan_owner_layout
+from owner_reduce.planning.rank_inputs import read_inputs
+from owner_reduce.planning.settings import parse_settings
 from owner_reduce.runtime.calibrate import CalibrationOptions, default_peers, measure, plan_measurements
 
 LADDER = tuple((4 << 10) << (2 * i) for i in range(8))  # 4 KiB .. 64 MiB
+KEY = "compile.reduce_to_owner_calibration"
+
+
+def _read(path) -> object:  # noqa: ANN001
+    """What a rank reads where its config names ``path`` (``planning.rank_inputs``)."""
+    return read_inputs(parse_settings({"reduce_to_owner": True, "reduce_to_owner_calibration": str(path)}), {})
 
 
 def _line(latency: float, gbs: float, sizes=LADDER) -> list[tuple[int, float]]:
@@ -197,19 +204,18 @@ def test_load_names_the_file(tmp_path):
         load_calibration(tmp_path / "none.json")
 
 
-def test_environment_variable(tmp_path):
-    assert calibration_from_environment({}) is None
-    assert calibration_from_environment({ENV_VAR: "  "}) is None
+def test_the_config_key_names_the_file_each_rank_reads(tmp_path):
+    assert read_inputs(parse_settings({"reduce_to_owner": True}), {}).calibration is None
     good = tmp_path / "c.json"
     good.write_text(_cal().to_json())
-    assert calibration_from_environment({ENV_VAR: str(good)}) == _cal()
+    assert _read(good).calibration == _cal()
     missing = tmp_path / "missing.json"
-    with pytest.raises(ValueError, match=f"{ENV_VAR}='{missing}': calibration {missing}: cannot be read"):
-        calibration_from_environment({ENV_VAR: str(missing)})
+    ((_, reason),) = _read(missing).problems
+    assert reason.startswith(f"{KEY}='{missing}': calibration {missing}: cannot be read"), reason
     invalid = tmp_path / "invalid.json"
     invalid.write_text(_mutated(lambda d: d["fits"]["reduce"].update(bandwidth_gbs=-1)))
-    with pytest.raises(ValueError, match=f"{ENV_VAR}=.*invalid.json.*key 'fits.reduce.bandwidth_gbs'"):
-        calibration_from_environment({ENV_VAR: str(invalid)})
+    ((_, reason),) = _read(invalid).problems
+    assert reason.startswith(f"{KEY}='{invalid}'") and "key 'fits.reduce.bandwidth_gbs'" in reason, reason
 
 
 def test_format_fits_names_every_fit():
@@ -266,7 +272,7 @@ def test_measure_issues_the_ladder_in_groups_and_fits_every_kind():
     assert {c[1] for c in strided.calls if c[0] == "send"} == {3, 0}  # +2 and +4 of rank 1
     assert {c[1] for c in strided.calls if c[0] == "recv"} == {4, 2}  # -2 and -4
     comm.gathered_rows = [[1, 0], [2, 0], [1, 0]]  # rank 1 runs another ladder
-    with pytest.raises(RuntimeError, match=r"ladders differ between ranks \(ranks \[1\]"):
+    with pytest.raises(RuntimeError, match=r"ladders differ between ranks \(rank 1 differs from rank 0\)"):
         measure(comm, options, torch.device("cpu"), "mirror", "cpu")
 
 
@@ -301,7 +307,7 @@ def test_two_gloo_ranks_write_the_same_calibration(tmp_path):
     assert cal.call_us(ALLREDUCE, 1 << 20) > 0 and cal.p2p_round_us(1, 4096) > 0
 
 
-# ---- the runtime uses it (OWNER_REDUCE_CALIBRATION, agreed at init) ------------------------------------------------
+# ---- the runtime uses it (compile.reduce_to_owner_calibration, agreed at init) ---------------------------------------
 
 
 def _exchange_runtimes(cals, numels=(50_000,) * 8):
@@ -325,33 +331,39 @@ def _one_backward(world, runtimes, m):
 
 
 @pytest.mark.timeout(60)
-def test_the_runtime_chooses_on_the_calibration_every_rank_loaded(capsys):
+def test_the_runtime_chooses_on_the_calibration_every_rank_loaded():
     """Four in-process ranks that really exchange: with a calibration whose ReduceScatter is slow the schedule
     leaves the ReduceScatter NCCL's tables pick, the same on every rank, and says what it was costed on."""
+    from ds_log import ds_log
+
     world, runtimes, m = _exchange_runtimes([None] * 4)
     _one_backward(world, runtimes, m)
     _one_backward(world, runtimes, m)
     assert "reduce_scatter x1" in runtimes[0].stats.schedule_lines[0]
     slow = _cal(reduce_scatter=10_000.0)
-    world, runtimes, m = _exchange_runtimes([slow] * 4)
-    _one_backward(world, runtimes, m)
-    before = [len(c.calls) for c in world.comms]
-    _one_backward(world, runtimes, m)
+    with ds_log(logging.DEBUG) as log:
+        world, runtimes, m = _exchange_runtimes([slow] * 4)
+        _one_backward(world, runtimes, m)
+        before = [len(c.calls) for c in world.comms]
+        _one_backward(world, runtimes, m)
     (line,) = runtimes[0].stats.schedule_lines
-    assert "reduce_scatter" not in line.split(";")[0] and f"call times of calibration {slow.digest()}" in line, line
+    assert "reduce_scatter" not in line.split(";")[0], line
+    assert f"calibration {slow.digest()}," in runtimes[0].stats.settings_line  # the settings line names it
     calls = [c.calls[n:] for c, n in zip(world.comms, before, strict=True)]
     assert all(not any(kind == "reduce_scatter" for kind, _, _ in c) for c in calls), calls
-    assert f"owner_reduce: calibration {slow.digest()}: 4 ranks" in capsys.readouterr().out
+    assert any(f.startswith(f"owner_reduce: calibration {slow.digest()}: 4 ranks") for f in log.at(logging.INFO))
+    # what the schedule line leaves out, at DEBUG: what it was costed on
+    assert any(f"modelled on the call times of calibration {slow.digest()}" in f for f in log.at(logging.DEBUG))
 
 
 @pytest.mark.timeout(30)
-def test_ranks_with_different_calibrations_refuse_naming_the_variable_and_a_wrong_world_size_is_refused():
+def test_ranks_with_different_calibrations_refuse_naming_the_key_and_a_wrong_world_size_is_refused():
     from owner_reduce.runtime.handle import OwnerReduceMismatchError
 
-    with pytest.raises(OwnerReduceMismatchError, match="OWNER_REDUCE_CALIBRATION names different calibrations "
+    with pytest.raises(OwnerReduceMismatchError, match=f"{KEY} names different calibrations "
                                                        "across ranks: .* on rank 0, none on rank 1"):
         _exchange_runtimes([_cal(world_size=2), None])
-    with pytest.raises(OwnerReduceMismatchError, match="refusing to start: ranks 0, 1: OWNER_REDUCE_CALIBRATION: the "
+    with pytest.raises(OwnerReduceMismatchError, match=f"refusing to start: ranks 0, 1: {KEY}: the "
                                                        "calibration was measured on 4 ranks, this run has 2"):
         _exchange_runtimes([_cal(world_size=4)] * 2)
 
@@ -360,20 +372,19 @@ def test_ranks_with_different_calibrations_refuse_naming_the_variable_and_a_wron
 
 
 def test_an_incomplete_calibration_is_refused_when_read_naming_what_it_lacks(tmp_path):
-    from owner_reduce.planning.env_inputs import read_environment
-
     full = _cal()
     assert full.missing_for_runtime() == []
     partial = dataclasses.replace(full, fits=full.fits[:2], p2p=None)  # written with --kinds allreduce,reduce
     path = tmp_path / "partial.json"
     path.write_text(partial.to_json())
-    inputs = read_environment({ENV_VAR: str(path)})
+    inputs = _read(path)
     assert inputs.calibration is None
-    ((variable, reason),) = inputs.problems
-    assert variable == ENV_VAR and reason == (
-        f"{ENV_VAR}='{path}': the calibration lacks reduce_scatter, the send/recv round (p2p) (written with --kinds, "
+    ((key, reason),) = inputs.problems
+    assert key == KEY and reason == (
+        f"{KEY}='{path}': the calibration lacks reduce_scatter, the send/recv round (p2p) (written with --kinds, "
         "or edited); the runtime costs every candidate on it: rerun scripts/calibrate.py without --kinds")
-    assert read_environment({ENV_VAR: str(path)}, reduce_to_owner=False).problems == ()  # not read: the path is off
+    off = parse_settings({"reduce_probe": True, "reduce_to_owner_calibration": str(path)})
+    assert read_inputs(off, {}).problems == ()  # not read: the owner path is off
 
 
 @pytest.mark.timeout(30)
@@ -381,34 +392,36 @@ def test_an_incomplete_calibration_on_every_rank_refuses_at_init_not_after_the_f
     """Before: the runtime started, and every rank failed inside the first backward that costed a ReduceScatter."""
     from fakes import ExchangeWorld, mirror_runtime
 
-    from owner_reduce.planning.env_inputs import read_environment
     from owner_reduce.runtime.handle import OwnerReduceMismatchError
 
     partial = dataclasses.replace(_cal(world_size=2), fits=_cal().fits[:2])
     path = tmp_path / "partial.json"
     path.write_text(partial.to_json())
-    inputs = read_environment({ENV_VAR: str(path)})
+    inputs = _read(path)
     world = ExchangeWorld(2, timeout_s=20)
-    with pytest.raises(OwnerReduceMismatchError, match=r"refusing to start: ranks 0, 1: OWNER_REDUCE_CALIBRATION=.* "
+    with pytest.raises(OwnerReduceMismatchError, match=rf"refusing to start: ranks 0, 1: {KEY}=.* "
                                                        r"lacks reduce_scatter"):
         world.run(lambda rank: mirror_runtime(flat_map([50_000] * 8, 2), rank=rank, comm=world.comm(rank),
                                               env_problems=inputs.problems))
 
 
 @pytest.mark.timeout(30)
-def test_under_a_calibration_no_node_or_rail_communicator_is_made(monkeypatch, capsys):
+def test_under_a_calibration_no_node_or_rail_communicator_is_made(monkeypatch):
     """Two nodes of two: without a calibration the node, rail and node hand-off communicators are made (two-level is a
     candidate); under one they are not (not a candidate: no creations, no device memory, no "two-level flush
     ready")."""
+    from ds_log import ds_log
     from fakes import ExchangeWorld, group_threads_as_nodes, mirror_runtime
 
     group_threads_as_nodes(monkeypatch, 2)
     m = flat_map([50_000] * 8, 4)
     for cal in (None, _cal(world_size=4)):
         world = ExchangeWorld(4, timeout_s=20)
-        runtimes = world.run(lambda rank, cal=cal, world=world: mirror_runtime(m, rank=rank, comm=world.comm(rank),
-                                                                               calibration=cal)[0])
-        out = capsys.readouterr().out
+        with ds_log() as log:
+            runtimes = world.run(lambda rank, cal=cal, world=world: mirror_runtime(m, rank=rank,
+                                                                                   comm=world.comm(rank),
+                                                                                   calibration=cal)[0])
+        out = log.text()
         made = [rt.comm.subs for rt in runtimes]
         if cal is None:
             assert all([sub.role for sub in subs] == ["node", "rail", "node hand-off"] for subs in made)
@@ -416,19 +429,20 @@ def test_under_a_calibration_no_node_or_rail_communicator_is_made(monkeypatch, c
         else:
             assert made == [[]] * 4 and all(rt.flusher.levels is None for rt in runtimes)
             assert "two-level flush ready" not in out and runtimes[0].stats.two_level_line is None
-            assert ("owner_reduce: the two-level flush is not a candidate under OWNER_REDUCE_CALIBRATION" in out
+            assert (f"owner_reduce: the two-level flush is not a candidate under {KEY}" in out
                     and "no node or rail communicator made" in out)
 
 
-def _refusing_rank(rank: int, world_size: int) -> dict:
-    """One owner run whose environment the launch set per rank; what init raised (or that it did not), and when."""
+def _refusing_rank(rank: int, world_size: int, paths: list[str]) -> dict:
+    """One owner run whose config names ``paths[rank]``; what init raised (or that it did not), and when."""
     import time
 
     from owner_reduce.harness.toy_training import TrainSpec, train
 
     start = time.monotonic()
     try:
-        train(rank, world_size, TrainSpec(mode="owner", steps=1, reduce_probe=False))
+        train(rank, world_size, TrainSpec(mode="owner", steps=1, reduce_probe=False,
+                                          compile_keys=(("reduce_to_owner_calibration", paths[rank]),)))
     except Exception as error:  # noqa: BLE001 - what each rank raised is the result
         return {"error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - start}
     return {"error": None, "seconds": time.monotonic() - start}
@@ -438,16 +452,16 @@ def _refusing_rank(rank: int, world_size: int) -> dict:
 def test_a_calibration_path_missing_on_one_rank_makes_every_rank_refuse_naming_it(tmp_path):
     """The guide's multi-node recipe gone wrong: the file exists on rank 0's node only. Before: rank 1 raised alone and
     rank 0 waited in the first collective of init on DeepSpeed's group (30 minutes), never learning why. Now both reach
-    the agreement and refuse at once, naming rank 1, the variable and the reason."""
+    the agreement and refuse at once, naming rank 1, the key and the reason."""
     path = tmp_path / "cal.json"
     path.write_text(_cal(world_size=2).to_json())
     missing = tmp_path / "elsewhere" / "cal.json"
     from owner_reduce.harness.launch import run_ranks
 
-    r0, r1 = run_ranks(_refusing_rank, 2, timeout=150, rank_env=[{ENV_VAR: str(path)}, {ENV_VAR: str(missing)}])
+    r0, r1 = run_ranks(_refusing_rank, 2, args=([str(path), str(missing)],), timeout=150)
     for r in (r0, r1):
         assert r["error"] is not None and r["error"].startswith("OwnerReduceMismatchError: owner_reduce on rank "), r
-        assert (f"refusing to start: rank 1: OWNER_REDUCE_CALIBRATION='{missing}': calibration {missing}: cannot be "
+        assert (f"refusing to start: rank 1: {KEY}='{missing}': calibration {missing}: cannot be "
                 "read (No such file or directory)") in r["error"], r["error"]
-        assert "OWNER_REDUCE_CALIBRATION names different calibrations across ranks" in r["error"]
+        assert f"{KEY} names different calibrations across ranks" in r["error"]
         assert r["seconds"] < 60, r  # no rank waited for a deadline: both refused at the agreement

@@ -143,7 +143,7 @@ def _saving(stage: int, workdir: Path) -> tuple:
                          "noise, the model's choice kept: flush 2 (reduce)"), line
     (close,) = saving[0]["stats"].close_lines  # once, rank 0, naming the close flushes and the pin
     assert "verdict on flush 1 (reduce), flush 2 (reduce) was within the noise" in close, close
-    assert "OWNER_REDUCE_VERDICTS=FILE pins the verdicts" in close, close
+    assert "set compile.reduce_to_owner_verdicts to pin the verdicts" in close, close
     assert all(not r["stats"].close_lines for r in saving[1:])
     assert saving[0]["grad_norms"][1] == float("inf")  # step 2 overflowed (the inf), and was skipped
     clipped = [n for n in saving[0]["grad_norms"] if n is not None and n != float("inf")]

@@ -84,16 +84,17 @@ def test_install_is_idempotent_and_uninstall_restores_exactly():
 @pytest.mark.parametrize("section", [None, {}, {"deepcompile": True, "free_activation": True},
                                      {"deepcompile": True, "reduce_to_owner": False, "reduce_probe": False}])
 def test_flags_off_leaves_config_values_unchanged(section):
-    without_flags = None if section is None else {k: v for k, v in section.items() if k not in owner_reduce.FLAG_KEYS}
+    without_flags = None if section is None else {k: v for k, v in section.items()
+                                                  if k not in owner_reduce.SETTING_KEYS}
     plain = _ds(without_flags).compile_config.model_dump()
     owner_reduce.install()
     try:
         dumped = _ds(section).compile_config.model_dump()
     finally:
         owner_reduce.uninstall()
-    for key in owner_reduce.FLAG_KEYS:  # explicit false flags appear, and only they
-        if section and key in section:
-            assert dumped.pop(key) is False
+    if section and any(key in section for key in owner_reduce.SETTING_KEYS):  # owner_reduce's class: its keys appear
+        defaults = owner_reduce.OwnerReduceSettings().config_values()
+        assert {key: dumped.pop(key) for key in owner_reduce.SETTING_KEYS} == defaults
     assert dumped == plain
 
 

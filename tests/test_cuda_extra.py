@@ -16,6 +16,9 @@ import owner_reduce
 from owner_reduce.wiring import cuda_extra, install
 from owner_reduce.wiring.cuda_extra import CupyDist, cupy_dists, cupy_problem
 
+CU13_COMMAND = ("pip install 'cupy-cuda13x>=14,<15' nvidia-nccl-cu13 (owner_reduce's cu13 extra: from a checkout, pip "
+                "install '.[cu13]')")
+CU12_COMMAND = CU13_COMMAND.replace("13", "12")
 CU12 = CupyDist("cupy-cuda12x", "14.2.0", 12)
 CU13 = CupyDist("cupy-cuda13x", "14.2.0", 13)
 
@@ -61,16 +64,19 @@ def test_a_cupy_of_another_cuda_major_names_both_and_the_extra():
     assert message == ("owner_reduce: installation: cupy-cuda12x 14.2.0 is built for CUDA 12, but torch 2.14.1+cu130 "
                        "is a CUDA 13 build: two CUDA runtimes in one process, and cupy NCCL may fail to load (then the "
                        "owner path reduces through torch.distributed (NCCL) instead of cupy NCCL); pip uninstall -y "
-                       "cupy-cuda12x && pip install 'owner_reduce[cu13]'")
-    assert "pip install 'owner_reduce[cu12]'" in cupy_problem("2.13.0+cu128", "12.8", (CU13,), True)
+                       "cupy-cuda12x && " + CU13_COMMAND)
+    assert cupy_problem("2.13.0+cu128", "12.8", (CU13,), True).endswith(CU12_COMMAND)
 
 
-@pytest.mark.parametrize(("cuda", "extra"), [("13.0", "owner_reduce[cu13]"), ("12.8", "owner_reduce[cu12]")])
+@pytest.mark.parametrize(("cuda", "extra"), [("13.0", "cu13"), ("12.8", "cu12")])
 def test_no_cupy_with_a_cuda_torch_names_the_extra(cuda, extra):
     message = cupy_problem("2.14.1+cuXX", cuda, (), cupy_module_found=False)
     assert message.startswith(f"owner_reduce: installation: torch 2.14.1+cuXX is a CUDA {cuda[:2]} build and no cupy "
                               "is installed, so the owner path reduces through torch.distributed (NCCL)")
-    assert message.endswith(f"for cupy NCCL: pip install '{extra}'")
+    major = extra[2:]
+    assert message.endswith(f"for cupy NCCL: pip install 'cupy-cuda{major}x>=14,<15' nvidia-nccl-cu{major} "
+                            f"(owner_reduce's {extra} extra: from a checkout, pip install '.[{extra}]')")
+    assert "owner_reduce[" not in message  # owner_reduce is not on the package index: a name pip cannot find
     # a cupy module without any distribution (a source tree on the path): its CUDA is unknown, nothing is said
     assert cupy_problem("2.14.1+cuXX", cuda, (), cupy_module_found=True) is None
 
@@ -84,7 +90,7 @@ def test_two_cupy_distributions_are_named_as_broken():
     assert message == ("owner_reduce: installation: 2 cupy distributions are installed at once (cupy-cuda12x 14.2.0, "
                        "cupy-cuda13x 14.2.0): they write the same 'cupy' package over each other, so neither is intact "
                        "(cupy may fail to import, or load libraries of both); torch 2.14.1+cu130 is a CUDA 13 build: "
-                       "pip uninstall -y cupy-cuda12x cupy-cuda13x && pip install 'owner_reduce[cu13]'")
+                       "pip uninstall -y cupy-cuda12x cupy-cuda13x && " + CU13_COMMAND)
 
 
 # ---- at install(): DeepSpeed's logger, faked versions ---------------------------------------------------------------
@@ -133,7 +139,7 @@ def test_install_warns_through_deepspeeds_logger(monkeypatch, fresh_install, dis
     owner_reduce.install()
     owner_reduce.install()  # idempotent: nothing new is installed, nothing is said again
     lines = logged.close()
-    assert len(lines) == 1 and expected in lines[0] and lines[0].endswith("pip install 'owner_reduce[cu13]'")
+    assert len(lines) == 1 and expected in lines[0] and lines[0].endswith(CU13_COMMAND)
 
 
 def test_install_with_a_matching_cupy_says_nothing(monkeypatch, fresh_install):
@@ -176,6 +182,7 @@ def test_pyproject_brings_cupy_only_through_one_extra_per_cuda_major():
     extras = project["optional-dependencies"]
     for major, extra in cuda_extra.EXTRAS.items():
         assert names(extras[extra]) == {f"cupy-cuda{major}x", f"nvidia-nccl-cu{major}"}
+        assert tuple(extras[extra]) == cuda_extra.EXTRA_PACKAGES[major]  # the message's command installs the extra
     for name, requirements in extras.items():
         if name not in cuda_extra.EXTRAS.values():
             assert not {n for n in names(requirements) if n.startswith(("cupy", "nvidia-nccl"))}, name
@@ -183,7 +190,7 @@ def test_pyproject_brings_cupy_only_through_one_extra_per_cuda_major():
 
 def test_describe_names_torchs_cuda_the_extra_the_cupy_and_a_problem():
     assert cuda_extra.describe("2.14.1+cu130", "13.0", (CU13,), True) == (
-        "CUDA extra: torch 2.14.1+cu130 is a CUDA 13 build: pip install 'owner_reduce[cu13]'; cupy installed: "
+        "CUDA extra: torch 2.14.1+cu130 is a CUDA 13 build: " + CU13_COMMAND + "; cupy installed: "
         "cupy-cuda13x 14.2.0")
     assert cuda_extra.describe("2.13.0+cpu", None, (CU12,), True) == (
         "CUDA extra: torch 2.13.0+cpu is not a CUDA build: no cupy NCCL; cupy installed: cupy-cuda12x 14.2.0")

@@ -253,8 +253,8 @@ def test_the_probe_adds_no_host_wait_and_no_race():
     polls ``query``); per recorded step three timing events, their records and one ``current_stream`` (the compute
     mark), per step read two ``query`` calls of the probe's and three elapsed-time reads (plus one per flush read back
     for the model's saving: none here, the owner path is on); once, the gather (one NCCL AllGather with its
-    non-blocking host-to-device and device-to-host copies: two launches, each waited through an event). Nothing else: the communicator's own polls vary with
-    the threads' timing, so ``query`` is counted at the probe's call."""
+    non-blocking host-to-device and device-to-host copies: two launches, each waited through an event). Nothing else:
+    the communicator's own polls vary with the threads' timing, so ``query`` is counted at the probe's call."""
     counts, queries = {}, {}
     completed = CudaStreams.completed
     for probe in (False, True):

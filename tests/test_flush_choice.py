@@ -9,13 +9,10 @@ from fakes import flat_map
 from owner_reduce.planning import collective_time as ct
 from owner_reduce.planning.collectives import ALLREDUCE, HANDOFF, NATIVE, REDUCE, REDUCE_SCATTER
 from owner_reduce.planning.flush_choice import (
-    AUTO,
-    FORCE_ENV_VAR,
     FlushCost,
     agreed_topology,
     choose,
     choose_arrival,
-    parse_force,
 )
 from owner_reduce.planning.flush_plan import BucketEntry, FlushRange, plan_flush
 from owner_reduce.planning.owner_layout import map_order, plan_owner_layout, plan_placed
@@ -138,11 +135,8 @@ def test_choose_takes_the_cheapest_then_the_fewest_calls_or_the_forced_one():
     assert choose({ALLREDUCE: 1.0}, HANDOFF) == ALLREDUCE  # not a candidate here (nothing owned): the model decides
 
 
-def test_forced_algorithm_parses_or_names_the_variable():
-    assert parse_force(None) == AUTO and parse_force("  ") == AUTO and parse_force("HandOff") == HANDOFF
-    with pytest.raises(ValueError, match=f"{FORCE_ENV_VAR} must be one of auto, reduce, allreduce, handoff, "
-                                         "native, two_level, got 'reduce_scatter'"):
-        parse_force("reduce_scatter")
+def test_a_forced_algorithm_the_cost_model_does_not_know_is_refused():
+    # (compile.reduce_to_owner_algo's values are checked at config time: tests/test_settings.py)
     with pytest.raises(ValueError, match="flush algorithm must be one of"):
         FlushCost(None, force="fast")
 

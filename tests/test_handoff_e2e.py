@@ -1,7 +1,7 @@
 """ReduceScatter + owner hand-off end to end: DeepCompile + owner_reduce vs plain ZeRO on identical data, real gloo
 ranks at ws 3 and 4, ZeRO stages 1 and 2, gradient accumulation 1 and 2.
 
-Forced (``OWNER_REDUCE_FLUSH_ALGO=handoff``): every owner-ordered flush is a ReduceScatter over equal chunks, then
+Forced (``reduce_to_owner_algo: "handoff"``): every owner-ordered flush is a ReduceScatter over equal chunks, then
 one send/recv round. (The model itself no longer picks the hand-off on these small worlds: its Reduces, cut so that
 NCCL aggregates them, are cheaper; ``tests/test_owner_layout_e2e.py`` runs that choice.) On gloo a ReduceScatter is
 one Reduce per block (``TorchDistComm.reduce_scatter``) and a hand-off moves reduced values unchanged, so the sums

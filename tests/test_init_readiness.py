@@ -18,7 +18,9 @@ import torch
 from fakes import ExchangeWorld, flat_map, mirror_runtime
 
 from owner_reduce import OwnerReduceCommError
-from owner_reduce.planning.env_inputs import NCCL_BLOCKING_ENV_VAR, check_nccl_blocking, read_environment
+from owner_reduce.planning.flags import OwnerReduceFlags
+from owner_reduce.planning.rank_inputs import NCCL_BLOCKING_ENV_VAR, check_nccl_blocking, read_inputs
+from owner_reduce.planning.settings import OwnerReduceSettings
 from owner_reduce.runtime.comm import TorchDistComm
 from owner_reduce.runtime.deadline import ENV_VAR, Deadline
 from owner_reduce.runtime.handle import OwnerReduceMismatchError
@@ -159,6 +161,12 @@ def test_a_warm_up_blocked_in_its_call_ends_the_process_at_the_deadline():
 
 
 # ---- finding 5: NCCL_COMM_BLOCKING -----------------------------------------------------------------------------------
+
+OWNER_PATH = OwnerReduceSettings(OwnerReduceFlags(reduce_to_owner=True))
+
+
+def read_environment(env, reduce_to_owner=True):
+    return read_inputs(OWNER_PATH if reduce_to_owner else OwnerReduceSettings(), env)
 
 
 @pytest.mark.parametrize("value", [None, "", " 1 ", "1"])

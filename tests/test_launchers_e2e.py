@@ -12,7 +12,8 @@ owner path (a Reduce or ReduceScatter to the keeper) and ZeRO's own reduction ag
 is dropped, sent to the wrong rank or not pre-divided changes the parameters (the comparison's own negative control is
 ``test_the_comparison_fails_on_one_ulp_or_a_runtime_that_did_not_run``). That the runtime really ran is read from
 DeepCompile's handle (``deepspeed.compile.util.dc_handle``, owner_reduce's runtime and its counters) and from the
-init and probe lines on stdout.
+init and probe lines on stdout (logged at INFO through DeepSpeed's logger: the config sets ``log_level``; every
+rank's probe lines: ``reduce_probe_all_ranks``).
 """
 
 from __future__ import annotations
@@ -36,13 +37,14 @@ RUNTIME = "owner_reduce.runtime.handle.OwnerReduceRuntime"
 N_PARAMS = 21  # the tiny Llama: embeddings, 2 x (4 attention + 3 MLP + 2 norm weights), final norm, lm_head
 STEPS = 3
 LAUNCH_TIMEOUT_S = 360
-INIT_RE = re.compile(r"^DeepCompile reduce_to_owner: 20/21 gradients reduce to one rank; 1 straddling gradient "
+# After DeepSpeed's logger prefix ("[time] [INFO] [file:line:function] "): the line itself, unchanged
+INIT_RE = re.compile(r"\] DeepCompile reduce_to_owner: 20/21 gradients reduce to one rank; 1 straddling gradient "
                      r"reduces in slices to its owners \(100\.0% of elements on the owner path\)$", re.M)
-OWNER_PROBE_RE = re.compile(r"^\[dc-probe\]\[r(\d)\] flushReduceBucket #\d+ dtype=Float tasks=21 .* owner_tasks=21 "
+OWNER_PROBE_RE = re.compile(r"\] \[dc-probe\]\[r(\d)\] flushReduceBucket #\d+ dtype=Float tasks=21 .* owner_tasks=21 "
                             r"owner_elems=[1-9]\d* \(100\.0%\)", re.M)
+COMPILE = {"deepcompile": True, "reduce_to_owner": True, "reduce_probe": True, "reduce_probe_all_ranks": True}
 DS_CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 1},
-             "compile": {"deepcompile": True, "reduce_to_owner": True, "reduce_probe": True},
-             "steps_per_print": 1_000_000}
+             "compile": COMPILE, "steps_per_print": 1_000_000, "log_level": "info"}
 
 
 def _launch(cmd: list[str], out: Path) -> tuple[str, list[dict]]:
@@ -135,8 +137,7 @@ def test_torchrun_with_the_transformers_trainer(tmp_path):
     out, stage, grad_accum = tmp_path / "out", 2, 2
     ds = _write(tmp_path / "ds_config.json", {
         "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto", "zero_optimization": {"stage": stage},
-        "compile": {"deepcompile": True, "reduce_to_owner": True, "reduce_probe": True}})
+        "gradient_clipping": "auto", "zero_optimization": {"stage": stage}, "compile": COMPILE, "log_level": "info"})
     log, results = _launch([
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
         "-m", "owner_reduce.run", "--accelerate-backend", "gloo", str(TESTS / "launched_trainer.py"),

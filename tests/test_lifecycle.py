@@ -97,10 +97,10 @@ def test_cleanup_hands_the_handle_back_when_the_close_wait_times_out(monkeypatch
 
     comms = []
 
-    def build_runtime(engine, flags):
+    def build_runtime(engine, settings):  # settings: planning.settings.OwnerReduceSettings, from the compile config
         comms.append(StuckComm(rank=0, world_size=2))
         comms[-1].deadline = Deadline(0.05, "test")
-        return OwnerReduceRuntime(RuntimeSettings(flags, OwnerMap.from_group_tables([], 2)),
+        return OwnerReduceRuntime(RuntimeSettings(settings.flags, OwnerMap.from_group_tables([], 2)),
                                   comm_factory=lambda group: comms[-1])
 
     released = []

@@ -24,7 +24,6 @@ from fakes import ExchangeComm, ExchangeWorld, exchange_backward, flat_map, mirr
 from owner_reduce.harness.fixed_samples import FixedSamples
 from owner_reduce.planning import measured
 from owner_reduce.planning.measured import (
-    MEASURE_ENV_VAR,
     TRIAL_ROUNDS,
     TrialFlush,
     Verdict,
@@ -33,7 +32,6 @@ from owner_reduce.planning.measured import (
     median,
     pack_progress,
     pack_samples,
-    parse_measure,
     slowest_progress,
     verdicts,
 )
@@ -96,14 +94,6 @@ def fixed_clocks(runtimes, samples) -> list[FixedSamples]:
 
 
 # ---- the arithmetic (pure) ----------------------------------------------------------------------------------
-
-
-def test_measure_setting_parses_or_names_the_variable():
-    assert parse_measure(None) and parse_measure(" ") and parse_measure("ON") and parse_measure("1")
-    assert not parse_measure("0") and not parse_measure("off") and not parse_measure("False")
-    with pytest.raises(ValueError, match=f"{MEASURE_ENV_VAR} must be one of 1, on, true, yes, 0, off, false, no, "
-                                         "got 'sometimes'"):
-        parse_measure("sometimes")
 
 
 def test_the_verdict_times_each_step_by_its_slowest_rank_and_overrules_only_beyond_the_noise():
@@ -295,8 +285,8 @@ def test_the_runtime_decides_ties_noise_and_outliers_as_the_rule_says(case, rule
         if close:
             assert warned[0].startswith("owner_reduce: graph #1: the measured guard's verdict on flush 1 "
                                         "(reduce_scatter) was within the noise"), warned
-            assert warned[0].endswith("OWNER_REDUCE_VERDICTS=FILE pins the verdicts (a run writes them to FILE, the "
-                                      "runs after it replay them)"), warned
+            assert warned[0].endswith("another run may decide otherwise and differ in the last bits; set "
+                                      "compile.reduce_to_owner_verdicts to pin the verdicts"), warned
 
 
 @pytest.mark.timeout(60)
@@ -322,9 +312,9 @@ def test_no_trial_when_turned_off_or_under_a_forced_algorithm(setting):
 
 
 @pytest.mark.timeout(30)
-def test_ranks_that_disagree_on_measuring_refuse_to_start_naming_the_variable():
-    with pytest.raises(OwnerReduceMismatchError, match=f"{MEASURE_ENV_VAR} differs across ranks: on on rank 0, "
-                                                      "off on rank 1"):
+def test_ranks_that_disagree_on_measuring_refuse_to_start_naming_the_key():
+    with pytest.raises(OwnerReduceMismatchError, match="compile.reduce_to_owner_algo differs across ranks: auto on "
+                                                      "rank 0, model on rank 1"):
         _world(measure=(True, False))
 
 

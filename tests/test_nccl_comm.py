@@ -101,7 +101,8 @@ def test_combine_reasons():
     assert combine_reasons([None, None]) is None
     assert combine_reasons([]) is None
     assert combine_reasons(["no gpu", "no gpu"]) == "all ranks: no gpu"
-    assert combine_reasons([None, "no cupy", None, "no cupy"]) == "ranks 1,3: no cupy"
+    assert combine_reasons([None, "no cupy", None, "no cupy"]) == "ranks 1, 3: no cupy"
+    assert combine_reasons([None] + ["no cupy"] * 511) == "ranks 1-511: no cupy"  # folded at scale
     assert combine_reasons(["a", None, "b"]) == "rank 0: a; rank 2: b"
 
 
@@ -287,9 +288,9 @@ def test_unique_id_exchange_over_gloo(two_ranks):
 @pytest.mark.parametrize(("scenario", "cause"), [
     ("cpu_accelerator", "cupy NCCL cannot be used: all ranks: the DeepSpeed accelerator is 'cpu', not 'cuda'"),
     # Without a GPU the device cannot be resolved on either rank: the agreed step before ncclCommInitRank
-    # stops every rank before any of them blocks in it, naming each rank's cause.
+    # stops every rank before any of them blocks in it, naming each rank's cause (one cause for both ranks: grouped).
     ("creation_fails", "creating the cupy NCCL communicator failed: all ranks: RuntimeError: owner_reduce: not "
-                       "creating the NCCL communicator: rank 0: "),
+                       "creating the NCCL communicator: ranks 0, 1: "),
     ("peer_without_cupy", "cupy NCCL cannot be used: rank 1: cupy's NCCL binding is unavailable (ModuleNotFoundError"),
 ])
 def test_fallback_is_agreed_warned_once_and_results_unchanged(two_ranks, scenario, cause):
@@ -300,8 +301,6 @@ def test_fallback_is_agreed_warned_once_and_results_unchanged(two_ranks, scenari
     assert r1["warnings"] == [] and len(r0["warnings"]) == 1, (r0["warnings"], r1["warnings"])
     assert r0["warnings"][0].startswith(f"{FALLBACK_PREFIX}: ")
     assert cause in r0["warnings"][0], r0["warnings"][0]
-    if scenario == "creation_fails":
-        assert "; rank 1: " in r0["warnings"][0]
     assert r0["sum"] == r1["sum"] == [3.0] * 5
     assert [r["create_calls"] for r in two_ranks] == [0, 0]
 

@@ -79,9 +79,9 @@ def test_reduces_cut_so_that_nccl_aggregates_them_train_bitwise_equal_to_plain_z
     1 and 2 with regions of 680,625, 983,125 and 151,250 elements. One Reduce each would be two aggregates in NCCL's
     planner (983,125 is not under 4x 151,250), two latencies; the model cuts the larger regions into 2 and 3
     consecutive Reduces (``planning.aggregation``) and the six run as one aggregate. The guard is off
-    (``OWNER_REDUCE_MEASURE=0``) so that every scheduled flush is the model's."""
+    (``compile.reduce_to_owner_algo: "model"``) so that every scheduled flush is the model's."""
     spec = TrainSpec(mode="owner", backend="eager", model="few_big_tensors", model_kwargs=BIG, steps=2,
-                     reduce_bucket_size=1_900_000, record_collectives=True, env=(("OWNER_REDUCE_MEASURE", "0"),))
+                     reduce_bucket_size=1_900_000, record_collectives=True, flush_algo="model")
     owner = _scheduled_run_matching_plain(4, spec)
     for rank, r in enumerate(owner):
         calls = [(name, root, count) for name, root, count, _ in r["collective_log"]]

@@ -35,33 +35,94 @@ def test_counts_take_the_right_form():
     assert count_noun(1, "straddling gradient") == "1 straddling gradient"
 
 
-def test_probe_line_is_written_whole(monkeypatch):
-    """One write per line, newline included, so ranks sharing a terminal never interleave inside a line."""
+def test_lines_go_through_deepspeeds_logger_at_info_in_one_write_each(monkeypatch):
+    """Through DeepSpeed's logger, never around it: hidden at its default level (WARNING), one write per line with
+    its newline at INFO, so ranks sharing a terminal never interleave inside a line."""
     import io
     import logging
-    import sys
 
     from deepspeed.utils import logger
 
     from owner_reduce.runtime.handle import emit
 
     class Recorder(io.StringIO):
-        writes: list = []
+        def __init__(self):
+            super().__init__()
+            self.writes = []
 
         def write(self, text):
             self.writes.append(text)
             return super().write(text)
 
     recorder = Recorder()
-    monkeypatch.setattr(sys, "stdout", recorder)
-    monkeypatch.setattr(logger, "level", logging.WARNING)  # DeepSpeed's default: stdout, not the logger
+    handler = logging.StreamHandler(recorder)  # the class of DeepSpeed's own handler, with its format
+    handler.setFormatter(logger.handlers[0].formatter)
+    logger.addHandler(handler)
+    before = logger.level
+    logger.setLevel(logging.WARNING)  # DeepSpeed's default (setLevel: the logger caches what it lets through)
     line = format_probe_line(FlushReport(rank=1, flush_index=1, dtype="float32", plan=FlushPlan(
         ranges=(FlushRange(0, 8, 0),), tasks=1, reduced_elems=8, owner_tasks=1, owner_elems=8, eligible_tasks=1,
         eligible_elems=8), kept_elems=0, pre_div=True, calls=1))
     emit(line)
-    emit("second")
-    assert recorder.writes == [line + "\n", "second\n"]  # print() would write "\n" on its own
+    assert recorder.writes == []  # the log level is the user's: nothing bypasses it
+    logger.setLevel(logging.INFO)
+    try:
+        emit(line)
+        emit("second")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(before)
+    assert len(recorder.writes) == 2 and recorder.writes[0].endswith("] " + line + "\n"), recorder.writes
+    assert "[INFO]" in recorder.writes[0] and recorder.writes[1].endswith("] second\n")
     assert "\n" not in line
+
+
+def test_probe_lines_come_from_rank_0_unless_every_rank_is_asked_for(monkeypatch):
+    import torch
+    from fakes import flat_map, mirror_runtime
+
+    m = flat_map([8, 8], 2)
+
+    def lines(rank, all_ranks):
+        rt, _ = mirror_runtime(m, rank=rank, probe=True, all_ranks=all_ranks)
+        rt.start_backward(True)
+        for p in reversed(list(m)):
+            rt.reduce_grad(torch.ones(p.numel), 11, p.param_id)
+        rt.end_backward(11, False)
+        assert rt.stats.flushes == 1
+        return rt.stats.probe_lines
+
+    assert [len(lines(r, False)) for r in (0, 1)] == [1, 0]  # 20 lines a run, not 20 per rank
+    assert [lines(r, True)[0].split()[0] for r in (0, 1)] == ["[dc-probe][r0]", "[dc-probe][r1]"]
+
+
+def test_a_probe_whose_lines_the_log_level_hides_is_said_once(monkeypatch):
+    import logging
+
+    from deepspeed.utils import logger
+    from deepspeed.utils import logging as deepspeed_logging
+
+    from owner_reduce.runtime import stats
+
+    warnings = []
+    monkeypatch.setattr(logger, "warning", warnings.append)
+    monkeypatch.setattr(stats, "_hidden_said", set())
+    before = logger.level
+    try:
+        deepspeed_logging.set_log_level_from_string("info")  # what the config's "log_level": "info" does
+        assert not stats.say_if_hidden("compile.reduce_probe's lines") and warnings == []
+        deepspeed_logging.set_log_level_from_string("warning")
+        logger.setLevel(logging.INFO)  # the logger alone: its handler still drops INFO
+        assert stats.say_if_hidden("compile.reduce_probe's lines") and "log level (WARNING) hides" in warnings[0]
+        monkeypatch.setattr(stats, "_hidden_said", set())
+        warnings.clear()
+        deepspeed_logging.set_log_level_from_string("warning")
+        assert stats.say_if_hidden("compile.reduce_probe's lines")
+        assert stats.say_if_hidden("compile.reduce_probe's lines")
+    finally:
+        deepspeed_logging.set_log_level_from_string(logging.getLevelName(before).lower())
+    assert warnings == ["owner_reduce: compile.reduce_probe's lines are logged at INFO, which DeepSpeed's log level "
+                        '(WARNING) hides: add "log_level": "info" to the DeepSpeed config to see them']
 
 
 def test_algo_is_appended_last():

@@ -2,9 +2,10 @@
 real DeepSpeed and DeepCompile, the guard's samples the streams' real clock.
 
 At three ranks different algorithms add the ranks' terms in different orders, so a verdict that changes changes the
-last bits. What must hold: two runs replaying one verdict file (``OWNER_REDUCE_VERDICTS``) give the same bits, whatever
-the verdicts the first run measured. Negative control: a run replaying a file whose verdicts say otherwise gives other
-bits, so the comparison can fail (the algorithms do differ here) and the file's verdicts are what runs. A checkpoint
+last bits. What must hold: two runs replaying one verdict file (``compile.reduce_to_owner_verdicts``) give the same
+bits, whatever the verdicts the first run measured. Negative control: a run replaying a file whose verdicts say
+otherwise gives other bits, so the comparison can fail (the algorithms do differ here) and the file's verdicts are what
+runs. A checkpoint
 saved at any step (before, in and after the trial) and a run that saves against one that does not:
 ``test_checkpoint_trial_e2e.py`` (issue 40), on fixed samples.
 
@@ -22,8 +23,8 @@ import torch
 from owner_reduce.harness.launch import run_ranks
 from owner_reduce.harness.toy_training import TrainSpec, train_each
 from owner_reduce.planning.measured import TRIAL_ROUNDS
-from owner_reduce.planning.verdict_book import ENV_VAR as VERDICTS_ENV_VAR
 
+VERDICTS_KEY = "reduce_to_owner_verdicts"
 WS = 3
 LEARNED = 1  # the first backward learns the schedule (arrival order)
 DECIDED_AFTER = LEARNED + 2 * TRIAL_ROUNDS  # steps until the trial's verdict
@@ -60,10 +61,11 @@ def _run(stage: int, name: str, workdir: Path) -> tuple:
     if key not in _RUNS:
         verdicts = _verdict_file(workdir)
         if name == "saving":  # also writes the verdict file (it does not exist yet): recording changes nothing
-            spec = _spec(stage, workdir, save_at=SAVE_AT, env=((VERDICTS_ENV_VAR, verdicts),) if stage == 1 else ())
+            spec = _spec(stage, workdir, save_at=SAVE_AT,
+                         compile_keys=((VERDICTS_KEY, verdicts),) if stage == 1 else ())
         elif name in ("replaying", "replaying again"):
             _run(stage, "saving", workdir)
-            spec = _spec(stage, workdir, env=((VERDICTS_ENV_VAR, verdicts),))
+            spec = _spec(stage, workdir, compile_keys=((VERDICTS_KEY, verdicts),))
         else:
             assert name == "replaying flipped verdicts"
             _run(stage, "saving", workdir)
@@ -73,7 +75,7 @@ def _run(stage: int, name: str, workdir: Path) -> tuple:
                 for flush in schedule["flushes"]:
                     flush["native_wins"] = not flush["native_wins"]
             flipped.write_text(json.dumps(book))
-            spec = _spec(stage, workdir, env=((VERDICTS_ENV_VAR, str(flipped)),))
+            spec = _spec(stage, workdir, compile_keys=((VERDICTS_KEY, str(flipped)),))
         by_rank = run_ranks(train_each, WS, args=((spec,),), timeout=240)
         _RUNS[key] = tuple(r[0] for r in by_rank)
     return _RUNS[key]
@@ -102,7 +104,7 @@ def test_two_runs_replaying_one_verdict_file_are_bitwise_equal_and_the_files_ver
     for run in (first, second):
         _assert_ran(run, decided=0, replayed=1)
         assert all(r["stats"].trial_steps == 0 for r in run)
-        assert f"verdicts replayed from {VERDICTS_ENV_VAR}={_verdict_file(workdir)}" in \
+        assert f"verdicts replayed from compile.{VERDICTS_KEY}={_verdict_file(workdir)}" in \
             run[0]["stats"].measured_lines[0]
     _assert_same_bits(first, second)
     # Negative control: the flipped verdicts run other algorithms, and that shows in the bits.

@@ -189,9 +189,9 @@ def test_a_verdict_file_written_after_the_save_pins_the_resumed_trial(uninterrup
     s = fresh[0].stats
     assert (s.trials_resumed, s.trials_replayed, s.trials_decided) == (1, 1, 0), s
     assert f"the trial saved in ckpt/x goes on for its remaining 4 steps, then the verdicts replayed from " \
-           f"OWNER_REDUCE_VERDICTS={path}" in s.schedule_lines[0], s.schedule_lines
+           f"compile.reduce_to_owner_verdicts={path}" in s.schedule_lines[0], s.schedule_lines
     assert s.measured_lines[0].startswith(f"[dc-schedule][r0] graph #1: verdicts replayed from "
-                                          f"OWNER_REDUCE_VERDICTS={path}, as measured"), s.measured_lines
+                                          f"compile.reduce_to_owner_verdicts={path}, as measured"), s.measured_lines
 
 
 @pytest.mark.timeout(90)

@@ -157,23 +157,27 @@ def test_probe_lines_stop_after_twenty_flushes():
     assert rt.stats.probe_lines[-1].startswith("[dc-probe][r0] flushReduceBucket #20 dtype=Float tasks=3 ")
 
 
-@pytest.mark.parametrize("column,name", [(1, "flags"), (2, "reduce_bucket_size"), (3, "owner map digest"),
+@pytest.mark.parametrize("column,name", [(1, "flags differ across ranks: 3 on rank 0, 11 on rank 1"),
+                                         (2, "reduce_bucket_size differs across ranks: 64 on rank 0, 65 on rank 1"),
+                                         (3, "the owner map differs across ranks"),
                                          (1, "compile.reduce_to_owner differs across ranks: true on rank 0, "
                                              "false on rank 1"),
-                                         (4, "OWNER_REDUCE_FLUSH_ALGO differs across ranks: auto on rank 0, "
-                                             "reduce on rank 1")])
+                                         (4, "compile.reduce_to_owner_algo differs across ranks: auto on rank 0, "
+                                             "model on rank 1"),
+                                         (8, "OWNER_REDUCE_TIMEOUT_S differs across ranks: unset on rank 0, 0.001 s "
+                                             "on rank 1")])
 def test_agreement_mismatch_is_refused(column, name):
     comm = MirrorComm()
     settings = RuntimeSettings(OwnerReduceFlags(True, True), OwnerMap.from_group_tables([TABLES], 2))
     rt = OwnerReduceRuntime(settings, comm_factory=lambda group: comm)
     from owner_reduce.runtime.handle import _AGREEMENT_PROTOCOL
 
-    # protocol, flags, bucket, map digest, algo, map problems, ranks per node, sm, measure, calibration, local rank,
-    # host, nvlinks, verdicts, reasons' length
-    good = [_AGREEMENT_PROTOCOL, 3, 64, int(settings.owner_map.digest()[:15], 16), 0, 0, 2, 0, 1, 0, 0, 0, 0, 0, 0]
+    # protocol, flags, bucket, map digest, algo (compile.reduce_to_owner_algo), map problems, ranks per node, sm,
+    # OWNER_REDUCE_TIMEOUT_S (ms), calibration, local rank, host, nvlinks, verdicts, reasons' length
+    good = [_AGREEMENT_PROTOCOL, 3, 64, int(settings.owner_map.digest()[:15], 16), 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0]
     bad = list(good)
-    bad[column] += 1 if name != "flags" else 4  # an unknown flag bit: the generic sentence
-    if name.startswith("compile."):
+    bad[column] += 1 if not name.startswith("flags") else 8  # an unknown flag bit: the generic sentence
+    if name.startswith("compile.reduce_to_owner differs"):
         bad[column] = 2  # reduce_to_owner off on rank 1
     comm.gathered_rows = [good, bad]
     with pytest.raises(OwnerReduceMismatchError, match=name):
@@ -354,8 +358,11 @@ def test_nvlinks_from_the_device_name(monkeypatch):
 
 @pytest.mark.timeout(60)
 def test_a800_ranks_are_modelled_with_their_eight_nvlinks(monkeypatch):
-    """Every rank's GPU an A800 (sm_80, 8 NVLinks): the agreed topology is Ampere's with 8 links, and the schedule line
-    names it; the same ranks without the name fact are modelled as A100s (12 links)."""
+    """Every rank's GPU an A800 (sm_80, 8 NVLinks): the agreed topology is Ampere's with 8 links, and the schedule's
+    DEBUG line names it; the same ranks without the name fact are modelled as A100s (12 links)."""
+    import logging
+
+    from ds_log import ds_log
     from fakes import flat_map, mirror_runtime
 
     from owner_reduce.runtime import handle
@@ -365,14 +372,16 @@ def test_a800_ranks_are_modelled_with_their_eight_nvlinks(monkeypatch):
     for links in (8, 0):
         monkeypatch.setattr(handle, "nvlinks", lambda device=None, links=links: links)
         m = flat_map([50_000] * 8, 4)
-        rt, _ = mirror_runtime(m, rank=0)
-        names[links] = rt.flusher.cost.topology.name
-        for _ in range(2):
-            rt.start_backward(True)
-            for p in reversed(list(m)):
-                rt.reduce_grad(torch.ones(p.numel), 11, p.param_id)
-            rt.end_backward(11, False)
-        assert names[links] in rt.stats.schedule_lines[0], rt.stats.schedule_lines
+        with ds_log(logging.DEBUG) as log:
+            rt, _ = mirror_runtime(m, rank=0)
+            names[links] = rt.flusher.cost.topology.name
+            for _ in range(2):
+                rt.start_backward(True)
+                for p in reversed(list(m)):
+                    rt.reduce_grad(torch.ones(p.numel), 11, p.param_id)
+                rt.end_backward(11, False)
+        (detail,) = [line for line in log.at(logging.DEBUG) if line.startswith("[dc-schedule][r0] graph #1: ")]
+        assert f"modelled on the alpha-beta model of {names[links]}" in detail, detail
     assert names == {8: "4-GPU NVLink node (ampere, 8 links x 20 GB/s)",
                      0: "4-GPU NVLink node (ampere, 12 links x 20 GB/s)"}
 

@@ -9,7 +9,8 @@ from fakes import NUMELS, ws2_runtime
 
 
 def _runtime(rank=0, bucket=64, probe=True, algo="reduce"):
-    return ws2_runtime(rank, owner=True, probe=probe, bucket=bucket, algo=algo)
+    # every rank's probe lines (compile.reduce_probe_all_ranks): the tests read rank 1's too
+    return ws2_runtime(rank, owner=True, probe=probe, bucket=bucket, algo=algo, all_ranks=True)
 
 
 def _grads(scale=1.0):

@@ -181,9 +181,10 @@ def test_nccl_comm_blocking_0_is_refused_at_init_by_every_rank_naming_the_variab
     on the sim's cupy; before the fix the communicator's creation fails with ``KeyError: 7`` and every rank falls
     back to torch.distributed with a warning: nothing refuses the variable."""
     from owner_reduce.planning.flags import OwnerReduceFlags
+    from owner_reduce.planning.settings import OwnerReduceSettings
     from owner_reduce.runtime.comm_select import SelectSteps, local_readiness, select_comm
     from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
-    from owner_reduce.wiring.activation import environment_inputs
+    from owner_reduce.wiring.activation import rank_inputs
 
     monkeypatch.setenv("NCCL_COMM_BLOCKING", "0")
     ws = 2
@@ -194,12 +195,13 @@ def test_nccl_comm_blocking_0_is_refused_at_init_by_every_rank_naming_the_variab
 
         def init(rank):
             flags = OwnerReduceFlags(True, False)
-            inputs = environment_inputs(flags, rank)
+            settings = OwnerReduceSettings(flags)
+            inputs = rank_inputs(settings, rank)
             steps = SelectSteps(readiness=lambda: local_readiness("cuda"),
                                 create=lambda group: CupyNcclComm(uid, rank, ws), gather=gather,
                                 fallback=lambda group: MirrorComm(rank, ws))
-            rt = OwnerReduceRuntime(RuntimeSettings(flags=flags, owner_map=owner_map, flush_algo=inputs.flush_algo,
-                                                    measure=inputs.measure, env_problems=inputs.problems),
+            rt = OwnerReduceRuntime(RuntimeSettings(flags=flags, owner_map=owner_map, flush_algo=settings.flush_algo,
+                                                    measure=settings.measure, env_problems=inputs.problems),
                                     lambda group: select_comm(group, steps))
             try:
                 rt.init(None, types.SimpleNamespace(double_buffer=True), 64)

@@ -14,8 +14,9 @@ from owner_reduce.harness.faults import wrong_rail
 from owner_reduce.planning import two_level
 from owner_reduce.planning.collective_time import rail, topology_of
 from owner_reduce.planning.collectives import NODE, NODE_HANDOFF, RAIL, TWO_LEVEL, WORLD
-from owner_reduce.planning.flush_choice import FlushCost, parse_force
+from owner_reduce.planning.flush_choice import FlushCost
 from owner_reduce.planning.owner_layout import map_order, plan_owner_layout
+from owner_reduce.planning.settings import parse_settings
 from owner_reduce.planning.sizing import issued_groups
 from owner_reduce.planning.step_plan import FlushTimes, plan_step
 from owner_reduce.planning.two_level import (
@@ -151,7 +152,7 @@ def test_the_model_prefers_two_level_at_scale_and_never_where_it_cannot_apply():
     # sameChannels only lets NCCL's table pick the protocol the chain favours, never a dearer time.
     other = dataclasses.replace(levels, rail=rail(128, same_channels=False))
     assert other.time_us(sizes, 2)[0] <= t
-    assert parse_force("two_level") == TWO_LEVEL
+    assert parse_settings({"reduce_to_owner_algo": "two_level"}).flush_algo == TWO_LEVEL
 
 
 def test_the_json_plan_lists_node_and_rail_calls_on_their_communicators():

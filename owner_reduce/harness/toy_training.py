@@ -28,6 +28,8 @@ class TrainSpec:
     same_data: bool = True  # identical batches on every rank (bitwise comparisons) or one stream per rank
     reduce_to_owner: bool = True
     reduce_probe: bool = True
+    # Every rank's probe lines, as the tests read them (compile.reduce_probe_all_ranks; a user's default is rank 0's)
+    probe_all_ranks: bool = True
     reduce_bucket_size: int | None = None
     model: str = "odd_mlp"  # or "tiny_transformer", "few_big_tensors", "tied_lm", "exact_linear"
     model_kwargs: tuple[tuple[str, Any], ...] = ()  # (name, value) pairs: specs stay hashable
@@ -41,7 +43,7 @@ class TrainSpec:
     progress: bool = False  # rank 0 draws a progress bar on stderr
     inject_fault: str | None = None  # negative controls only: see owner_reduce.harness.faults
     time_runtime: bool = False  # host time of each reduce_grad (without flushes) and each flush, in ns
-    flush_algo: str | None = None  # OWNER_REDUCE_FLUSH_ALGO for this run (None: as the environment says)
+    flush_algo: str | None = None  # compile.reduce_to_owner_algo for this run (None: the key is left out: auto)
     # "SGD" for negative controls: Adam's update is nearly invariant to a gradient scaled by a constant, which is
     # what an element that missed its reduction holds with identical data on every rank (its own share).
     optimizer: str = "Adam"
@@ -63,7 +65,16 @@ class TrainSpec:
     # Ranks grouped as nodes of this many (LOCAL_WORLD_SIZE, and LOCAL_RANK = rank % it, as torchrun sets them on
     # several nodes): the two-level flush's node and rail communicators; 0 keeps the launch's (one node).
     ranks_per_node: int = 0
-    env: tuple[tuple[str, str], ...] = ()  # environment variables for this run only (e.g. OWNER_REDUCE_VERDICTS)
+    env: tuple[tuple[str, str], ...] = ()  # environment variables for this run only (e.g. OWNER_REDUCE_TIMEOUT_S)
+    # More keys of the compile section (planning.settings), e.g. (("reduce_to_owner_verdicts", path),)
+    compile_keys: tuple[tuple[str, Any], ...] = ()
+    log_level: str | None = None  # the DeepSpeed config's log_level ("info": owner_reduce's lines are shown)
+    # Return every line DeepSpeed's logger emitted at INFO or above from compile on (owner_reduce's are INFO)
+    capture_log: bool = False
+    destroy: bool = False  # engine.destroy() at the end: another owner engine may follow in the same launch
+    # A DeepSpeed config file (JSON) in place of ``ds_config(spec)``: DeepSpeed reads it, as a user's job does (it must
+    # match the spec's model, batch and optimizer: write ``ds_config(spec)`` and edit what the run is about)
+    config_file: str | None = None
     # The two-level flush's rail steps the model may choose (``planning.two_level.RAIL_STEPS``; () all of them): tests
     # cover each one where the model would pick another at their sizes.
     rail_steps: tuple[str, ...] = ()
@@ -87,7 +98,7 @@ class TrainSpec:
 
 def train_each(rank: int, world_size: int, specs: tuple[TrainSpec, ...]) -> list[dict]:
     """Several runs, one after the other, in these ranks (``run_ranks``' function); each starts from the environment
-    the launch gave (a run's ``flush_algo``, ``env`` or ``ranks_per_node`` sets variables for itself only)."""
+    the launch gave (a run's ``env`` or ``ranks_per_node`` sets variables for itself only)."""
     environ = dict(os.environ)
     results = []
     for spec in specs:
@@ -106,6 +117,40 @@ def _compile_schedule(spec: TrainSpec) -> list | None:
 
     reduce_pass = zero_1_and_2_compile.add_z2_reduce if spec.zero_stage == 2 else zero_1_and_2_compile.add_z1_reduce
     return [(step, [reduce_pass]) for step in spec.compile_steps]
+
+
+def ds_config(spec: TrainSpec) -> dict[str, Any]:
+    """The DeepSpeed config ``train`` runs ``spec`` with (what a test writes to a file for ``config_file``)."""
+    zero: dict[str, Any] = {"stage": spec.zero_stage}
+    if spec.reduce_bucket_size is not None:
+        zero["reduce_bucket_size"] = spec.reduce_bucket_size
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": spec.micro_batch,
+        "gradient_accumulation_steps": spec.grad_accum,
+        "optimizer": {"type": "Adam", "params": {"lr": spec.lr, "torch_adam": True}} if spec.optimizer == "Adam"
+        else {"type": spec.optimizer, "params": {"lr": spec.lr}},
+        "zero_optimization": zero,
+        "steps_per_print": 1_000_000,
+    }
+    if spec.optimizer != "Adam":
+        config["zero_allow_untested_optimizer"] = True  # a torch.optim class by name: ZeRO partitions it as any
+    if spec.bf16:
+        config["bf16"] = {"enabled": True, **({"check_grad_overflow": True} if spec.check_grad_overflow else {})}
+    if spec.gradient_clipping:
+        config["gradient_clipping"] = spec.gradient_clipping
+    if spec.log_level is not None:
+        config["log_level"] = spec.log_level
+    if spec.mode == "owner":
+        config["compile"] = {"deepcompile": True, "reduce_to_owner": spec.reduce_to_owner,
+                             "reduce_probe": spec.reduce_probe}
+        if spec.reduce_probe and spec.probe_all_ranks:
+            config["compile"]["reduce_probe_all_ranks"] = True
+        if spec.flush_algo is not None:
+            config["compile"]["reduce_to_owner_algo"] = spec.flush_algo
+        config["compile"].update(spec.compile_keys)  # last: what a run names explicitly
+    elif spec.mode == "native":
+        config["compile"] = {"deepcompile": True}
+    return config
 
 
 def _model_and_batches(spec: TrainSpec, rank: int) -> tuple[Any, Any]:
@@ -221,6 +266,31 @@ def _first_flush_phases(runtime: Any, on_phase: Callable[[str], None]) -> None:
     flusher.flush = flush_with_phases
 
 
+class _CapturedLog:
+    """Every record DeepSpeed's logger emits at INFO or above while attached, as its message (what the user sees,
+    without the logger's time and place prefix). Only what the logger's own level lets through is recorded: the
+    handler sees what the user's terminal would."""
+
+    def __init__(self) -> None:
+        import logging
+
+        from deepspeed.utils import logger
+
+        self.lines: list[str] = []
+        self._logger = logger
+        self._handler = logging.Handler(level=logging.INFO)
+        self._handler.emit = lambda record: self.lines.append(record.getMessage())  # type: ignore[method-assign]
+        logger.addHandler(self._handler)
+
+    def close(self) -> list[str]:
+        self._logger.removeHandler(self._handler)
+        return self.lines
+
+
+def _capture_log() -> _CapturedLog:
+    return _CapturedLog()
+
+
 def _group_as_nodes(rank: int, ranks_per_node: int) -> None:
     """Make this rank look like local rank ``rank % ranks_per_node`` of a node of ``ranks_per_node`` (what torchrun
     sets on several nodes). On the CPU through ``LOCAL_RANK`` itself. Where ranks share a GPU (the launchers here
@@ -262,8 +332,6 @@ def train(rank: int, world_size: int, spec: TrainSpec,
         from .graph_ids import reuse_graph_ids
 
         reuse_graph_ids(rank)
-    if spec.flush_algo is not None:
-        os.environ["OWNER_REDUCE_FLUSH_ALGO"] = spec.flush_algo
     os.environ.update(dict(spec.env))
     if spec.ranks_per_node:
         _group_as_nodes(rank, spec.ranks_per_node)
@@ -273,34 +341,15 @@ def train(rank: int, world_size: int, spec: TrainSpec,
         two_level.RAIL_STEPS = spec.rail_steps or two_level.RAIL_STEPS
         two_level.RAIL_LAYOUTS = spec.rail_layouts or two_level.RAIL_LAYOUTS
     model, batch = _model_and_batches(spec, rank)
-    zero: dict[str, Any] = {"stage": spec.zero_stage}
-    if spec.reduce_bucket_size is not None:
-        zero["reduce_bucket_size"] = spec.reduce_bucket_size
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": spec.micro_batch,
-        "gradient_accumulation_steps": spec.grad_accum,
-        "optimizer": {"type": "Adam", "params": {"lr": spec.lr, "torch_adam": True}} if spec.optimizer == "Adam"
-        else {"type": spec.optimizer, "params": {"lr": spec.lr}},
-        "zero_optimization": zero,
-        "steps_per_print": 1_000_000,
-    }
-    if spec.optimizer != "Adam":
-        config["zero_allow_untested_optimizer"] = True  # a torch.optim class by name: ZeRO partitions it as any
-    if spec.bf16:
-        config["bf16"] = {"enabled": True, **({"check_grad_overflow": True} if spec.check_grad_overflow else {})}
-    if spec.gradient_clipping:
-        config["gradient_clipping"] = spec.gradient_clipping
     if spec.mode == "owner":
         owner_reduce.install()
-        config["compile"] = {"deepcompile": True, "reduce_to_owner": spec.reduce_to_owner,
-                             "reduce_probe": spec.reduce_probe}
-    elif spec.mode == "native":
-        config["compile"] = {"deepcompile": True}
+    config: Any = spec.config_file or ds_config(spec)
     parameters: Any = model.parameters()
     if spec.param_groups == 2:
         params = list(model.parameters())
         parameters = [{"params": [p for p in params if p.dim() > 1]}, {"params": [p for p in params if p.dim() <= 1]}]
     phase("engine: deepspeed.initialize")
+    captured = _capture_log() if spec.capture_log else None
     engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters, config=config)
     accelerator = get_accelerator()
     compile_start = time.perf_counter()
@@ -378,6 +427,9 @@ def train(rank: int, world_size: int, spec: TrainSpec,
             engine.save_checkpoint(spec.checkpoint_dir)
     phase("final barrier")
     dist.barrier()
+    if spec.destroy:
+        phase("engine.destroy()")
+        engine.destroy()
     phase("done")
     return {
         "losses": losses,
@@ -397,4 +449,5 @@ def train(rank: int, world_size: int, spec: TrainSpec,
         "summary": None if runtime is None else runtime.settings.owner_map.summary(),
         "timings": timings,
         "full_grads": full_grads,
+        "log": None if captured is None else captured.close(),
     }

@@ -1,8 +1,9 @@
-"""A cluster's measured call times, in place of NCCL's tuning tables: fits, the file format, the environment variable.
+"""A cluster's measured call times, in place of NCCL's tuning tables: fits, the file format.
 
 Why: ``collective_time`` reproduces NCCL 2.30's own model on a named topology (H100/H200 HGX, one 400 Gb/s NIC per
 GPU). A cluster that differs (another fabric, no NVLS, PCIe GPUs, gloo on CPU) makes different choices worth it;
-``scripts/calibrate.py`` times the calls a flush issues on the cluster itself and writes this file, and
+``scripts/calibrate.py`` times the calls a flush issues on the cluster itself and writes this file; the DeepSpeed
+config's ``compile.reduce_to_owner_calibration`` names it (read on every rank: ``rank_inputs``), and
 ``FlushCost(..., calibration=...)`` then costs every candidate on it (``flush_choice.CallTimes``).
 
 The model per call kind is alpha-beta: ``latency_us + nbytes / (1000 * bandwidth_gbs)`` (1 GB/s moves 1000 bytes per
@@ -30,7 +31,7 @@ JSON's sha256, 12 hex digits) is what ranks compare. Pure: no torch, no communic
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,6 @@ from .json_digest import canonical_digest
 from .json_fields import FieldCheck, parse_json, read_text
 
 FORMAT = "owner_reduce.calibration/1"
-ENV_VAR = "OWNER_REDUCE_CALIBRATION"
 CALL_KINDS = ("allreduce", "reduce", "reduce_scatter")  # collective_time.KINDS' call kinds, as FlushCost asks them
 MAX_BANDWIDTH_GBS = 10_000.0  # the bandwidth of a fit whose time does not grow with the bytes (10 TB/s: "free")
 
@@ -308,18 +308,6 @@ def load_calibration(path: str | Path) -> Calibration:
     """Read and validate a calibration file; errors name the file (and the key)."""
     p = Path(path)
     return Calibration.from_json(read_text(p, "calibration"), source=str(p))
-
-
-def calibration_from_environment(environ: Mapping[str, str]) -> Calibration | None:
-    """The calibration ``OWNER_REDUCE_CALIBRATION`` names (unset or empty: None, NCCL's tables are used); a missing
-    or invalid file is a ValueError naming the variable and the path."""
-    value = environ.get(ENV_VAR, "").strip()
-    if not value:
-        return None
-    try:
-        return load_calibration(value)
-    except ValueError as error:
-        raise ValueError(f"owner_reduce: {ENV_VAR}={value!r}: {str(error).removeprefix('owner_reduce: ')}") from error
 
 
 def _size(nbytes: int) -> str:

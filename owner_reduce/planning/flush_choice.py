@@ -22,7 +22,8 @@ so no flush is modelled slower than native.
 
 Identical on every rank: the inputs are the flush's layout, the world size, the topology the ranks agreed on at
 init and the dtype; the arithmetic is the same Python on every rank, so the same candidate wins everywhere.
-``OWNER_REDUCE_FLUSH_ALGO`` forces a candidate where it applies (tests, measurements); ``auto`` is the default.
+The config's ``compile.reduce_to_owner_algo`` forces a candidate where it applies (``planning.settings``); ``auto``
+is the default.
 Pure: numbers in, a name out.
 """
 
@@ -49,19 +50,8 @@ from .two_level import TwoLevel, TwoLevelOption
 
 AUTO = "auto"
 CANDIDATES = (REDUCE_SCATTER, REDUCE, ALLREDUCE, HANDOFF, NATIVE, TWO_LEVEL)  # the order ties go (fewest calls first)
-FORCE_ENV_VAR = "OWNER_REDUCE_FLUSH_ALGO"
 # reduce_scatter cannot be forced: it needs every owner present
 FORCE_VALUES = (AUTO, REDUCE, ALLREDUCE, HANDOFF, NATIVE, TWO_LEVEL)
-
-
-def parse_force(value: str | None) -> str:
-    """``OWNER_REDUCE_FLUSH_ALGO``'s value (unset or empty: ``auto``); ValueError naming the variable otherwise."""
-    if value is None or not value.strip():
-        return AUTO
-    text = value.strip().lower()
-    if text not in FORCE_VALUES:
-        raise ValueError(f"owner_reduce: {FORCE_ENV_VAR} must be one of {', '.join(FORCE_VALUES)}, got {value!r}")
-    return text
 
 
 class CallTimes(Protocol):

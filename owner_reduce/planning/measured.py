@@ -20,8 +20,8 @@ verdict is kept with the checkpoint and can be pinned (``verdict_book``). The ru
 ``slowest_rank`` and ``native_beyond_noise``; ``is_close`` says where another run could decide otherwise (rank 0 then
 names the flush and the pin).
 
-On by default; ``OWNER_REDUCE_MEASURE=0`` turns it off (agreed at init like the other settings); never under a
-forced algorithm (``OWNER_REDUCE_FLUSH_ALGO``): a forced choice is what the user asked to run.
+On by default (``compile.reduce_to_owner_algo: "auto"``); ``"model"`` turns it off (agreed at init like the other
+settings); never under a forced algorithm (any other value): a forced choice is what the user asked to run.
 Pure: numbers in, verdicts and text out.
 """
 
@@ -33,23 +33,8 @@ from dataclasses import dataclass, field
 from .wording import count_noun
 
 TRIAL_ROUNDS = 3  # steady steps of each variant per trial: a median of three survives one outlier
-MEASURE_ENV_VAR = "OWNER_REDUCE_MEASURE"
 MODEL, NATIVE_VARIANT = 0, 1  # the two variants a trial alternates, in that order (step k runs k % 2)
 STEP = "the step"  # a trial of a schedule whose flushes overlap: the step's reduction timed as a whole
-_OFF = ("0", "off", "false", "no")
-_ON = ("1", "on", "true", "yes")
-
-
-def parse_measure(value: str | None) -> bool:
-    """``OWNER_REDUCE_MEASURE``: unset or empty means on; ValueError naming the variable for anything unknown."""
-    if value is None or not value.strip():
-        return True
-    text = value.strip().lower()
-    if text in _OFF:
-        return False
-    if text in _ON:
-        return True
-    raise ValueError(f"owner_reduce: {MEASURE_ENV_VAR} must be one of {', '.join(_ON + _OFF)}, got {value!r}")
 
 
 def median(values: Sequence[float]) -> float:

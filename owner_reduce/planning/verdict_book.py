@@ -5,10 +5,11 @@ different orders (at three or more ranks the last bits differ). A verdict measur
 where two variants are close (``measured`` Note (beyond the noise)), so a run resumed from a checkpoint, or a second
 run of the same job, would not give the same bits. A ``VerdictBook`` holds every verdict a run decided, per
 schedule; the runtime saves it with each checkpoint (``CHECKPOINT_KEY`` in DeepSpeed's client state) and restores it
-at ``load_checkpoint``, and ``OWNER_REDUCE_VERDICTS=FILE`` replays a book written by an earlier run (or, where FILE
-does not exist yet, writes this run's verdicts there): a schedule whose key is in the book skips its trial and runs
-the recorded winners, every rank alike. A checkpoint saved during a trial also keeps that trial under way
-(``TrialProgress``: ``runtime.trial`` Note (resumed trials)), so that the resumed run goes on with it.
+at ``load_checkpoint``, and the config's ``compile.reduce_to_owner_verdicts: FILE`` replays a book written by an
+earlier run (or, where FILE does not exist yet, writes this run's verdicts there): a schedule whose key is in the
+book skips its trial and runs the recorded winners, every rank alike. A checkpoint saved during a trial also keeps
+that trial under way (``TrialProgress``: ``runtime.trial`` Note (resumed trials)), so that the resumed run goes on
+with it.
 
 Note (checkpoint format): ``CHECKPOINT_FORMAT`` (``/2``) holds the verdicts, the schedules as learned and the trials
 under way; the previous release's ``/1`` (verdicts and schedules) is read as one with no trial under way. A release
@@ -37,7 +38,6 @@ from .json_fields import FieldCheck, parse_json, read_text
 from .measured import TrialFlush, Verdict
 
 FORMAT = "owner_reduce.verdicts/1"
-ENV_VAR = "OWNER_REDUCE_VERDICTS"
 CHECKPOINT_KEY = "owner_reduce"  # in the checkpoint's client state (``engine.save_checkpoint``): ``checkpoint_payload``
 CHECKPOINT_FORMAT = "owner_reduce.checkpoint/2"  # /1 (no trials under way) is read too: ``parse_checkpoint_payload``
 CHECKPOINT_FORMAT_1 = "owner_reduce.checkpoint/1"

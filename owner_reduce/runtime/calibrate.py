@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ..planning.calibration import Calibration, KindFit, P2pFit, fit_kind, fit_p2p
+from ..planning.wording import ranks_phrase
 from .comm import ReduceComm
 
 ALLREDUCE, REDUCE, REDUCE_SCATTER, P2P = "allreduce", "reduce", "reduce_scatter", "p2p"
@@ -193,8 +194,9 @@ def measure(comm: ReduceComm, options: CalibrationOptions, device: torch.device,
     facts = comm.all_gather_ints([_fingerprint(measurements, options, element_size), int(time.time())])
     differing = [r for r, f in enumerate(facts) if f[0] != facts[0][0]]
     if differing:
-        raise RuntimeError(f"owner_reduce: calibration ladders differ between ranks (ranks {differing} differ from "
-                           "rank 0): run every rank with the same options")
+        verb = "differs" if len(differing) == 1 else "differ"
+        raise RuntimeError(f"owner_reduce: calibration ladders differ between ranks ({ranks_phrase(differing)} {verb} "
+                           "from rank 0): run every rank with the same options")
     measured_at = datetime.datetime.fromtimestamp(facts[0][1], datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
     largest = max(m.nbytes for m in measurements) // element_size

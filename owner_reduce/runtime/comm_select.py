@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..planning.wording import ranks_phrase
 from .comm import ReduceComm, TorchDistComm
 
 FALLBACK_PREFIX = "owner_reduce: reducing through torch.distributed instead of cupy NCCL"
@@ -41,7 +42,8 @@ def local_readiness(accelerator: str) -> str | None:
 
 
 def combine_reasons(reasons: Sequence[str | None]) -> str | None:
-    """One line naming every failing rank and its reason (ranks grouped by reason); None if all succeeded.
+    """One line naming every failing rank and its reason (ranks grouped by reason, folded into ranges and capped:
+    ``planning.wording``); None if all succeeded.
 
     Pure and deterministic: every rank holds the same list, so every rank takes the same branch.
     """
@@ -56,7 +58,7 @@ def combine_reasons(reasons: Sequence[str | None]) -> str | None:
         if len(ranks) == len(reasons):
             who = "all ranks"
         else:
-            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
+            who = ranks_phrase(ranks)
         parts.append(f"{who}: {reason}")
     return "; ".join(parts)
 

@@ -4,7 +4,9 @@ Why: torch's ProcessGroupNCCL watchdog never sees NCCL kernels launched through 
 its data-parallel group with torch's default timeout (30 minutes), not the one the user gave
 ``deepspeed.init_distributed(timeout=...)``. A stalled or dead peer would hang every survivor for that long,
 or forever on the cupy path. So each wait here is bounded by the user's timeout: the default process
-group's, read once at communicator creation; ``OWNER_REDUCE_TIMEOUT_S`` overrides it.
+group's, read once at communicator creation (there is no config key: the timeout is DeepSpeed's own). The developer
+override ``OWNER_REDUCE_TIMEOUT_S`` replaces it for the flushes (fault tests, stall diagnosis); rank 0 warns when it
+is set, and the ranks agree on it at init (``planning.rank_inputs``).
 
 The core (``resolve``, ``poll_until_done``, ``wait_work``) takes its clock, sleep, completion and error
 checks as arguments, so it is tested with fakes and no process group. What happens on failure is the
@@ -25,13 +27,15 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..planning.env_inputs import TIMEOUT_ENV_VAR, parse_timeout_s
+from ..planning.rank_inputs import TIMEOUT_ENV_VAR, parse_timeout_s
 
 T = TypeVar("T")
 
 ENV_VAR = TIMEOUT_ENV_VAR
 BLOCKED_EXIT_CODE = 1  # the exit status of a process ended by ``end_process_if_still_blocked``
 TORCH_DEFAULT_S = 1800.0  # torch's default_pg_timeout, used only when the default group's cannot be read
+GROUP_SOURCE = "the default process group (init_distributed timeout)"
+TORCH_SOURCE = "torch's default (no process group timeout found)"
 
 _INIT_DEADLINE: contextvars.ContextVar[Deadline | None] = contextvars.ContextVar("owner_reduce_init_deadline",
                                                                                default=None)
@@ -72,6 +76,14 @@ class Deadline:
     def describe(self) -> str:
         return f"{self.seconds:g} s from {self.source}" + ("" if self.until is None else ", shared by all of init")
 
+    @property
+    def short_source(self) -> str:
+        """Where the seconds came from, in a word or two (the settings line): ``init_distributed``,
+        ``torch default`` or the override's variable."""
+        if self.source.startswith(ENV_VAR):
+            return ENV_VAR
+        return "init_distributed" if self.source.startswith(GROUP_SOURCE) else "torch default"
+
     def allowed_s(self, start: float) -> float:
         """How long a wait that starts at ``start`` (``time.monotonic()``) may last."""
         return self.seconds if self.until is None else max(0.0, min(self.seconds, self.until - start))
@@ -83,8 +95,8 @@ def resolve(env_value: str | None, group_timeout_s: float | None) -> Deadline:
     if seconds is not None:
         return Deadline(seconds, ENV_VAR)
     if group_timeout_s is not None and group_timeout_s > 0:
-        return Deadline(float(group_timeout_s), "the default process group (init_distributed timeout)")
-    return Deadline(TORCH_DEFAULT_S, "torch's default (no process group timeout found)")
+        return Deadline(float(group_timeout_s), GROUP_SOURCE)
+    return Deadline(TORCH_DEFAULT_S, TORCH_SOURCE)
 
 
 def default_group_timeout_s() -> float | None:
@@ -122,7 +134,7 @@ def from_environment(environ: Mapping[str, str] | None = None) -> Deadline:
 
 def lenient_from_environment(environ: Mapping[str, str] | None = None) -> Deadline:
     """``from_environment`` outside any init window, with a bad ``OWNER_REDUCE_TIMEOUT_S`` taken as unset: the
-    runtime's init refuses it on every rank together (``planning.env_inputs``) instead of one rank raising here."""
+    runtime's init refuses it on every rank together (``planning.rank_inputs``) instead of one rank raising here."""
     env = os.environ if environ is None else environ
     try:
         value = parse_timeout_s(env.get(ENV_VAR))
@@ -137,8 +149,7 @@ def for_init(flush: Deadline, group_timeout_s: float | None, now: float) -> Dead
     group = float(group_timeout_s) if group_timeout_s is not None and group_timeout_s > 0 else TORCH_DEFAULT_S
     if flush.seconds >= group:
         return Deadline(flush.seconds, f"{flush.source}, counted from the start of init", until=now + flush.seconds)
-    source = ("the default process group (init_distributed timeout)" if group_timeout_s else
-              "torch's default (no process group timeout found)")
+    source = GROUP_SOURCE if group_timeout_s else TORCH_SOURCE
     return Deadline(group, f"{source}, counted from the start of init", until=now + group)
 
 

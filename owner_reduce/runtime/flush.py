@@ -156,6 +156,7 @@ class Flusher:
         self._owner_map = owner_map
         self._owner = flags.reduce_to_owner
         self._probe = flags.reduce_probe
+        self._probe_all_ranks = flags.reduce_probe_all_ranks  # else rank 0's lines only: 20 lines, not 20 per rank
         self._params = params  # the handle's registry (read only here)
         self._stats = stats
         self.cost = cost
@@ -540,7 +541,7 @@ class Flusher:
                                               plan.received_elems(comm.rank), cached.kept, plan.owner_elems,
                                               len(cached.collectives), cached.algo))
         index = next(self._flush_counter)
-        if self._probe and index <= PROBE_FLUSH_LIMIT:
+        if self._probe and index <= PROBE_FLUSH_LIMIT and (self._probe_all_ranks or comm.rank == 0):
             line = format_probe_line(FlushReport(rank=comm.rank, flush_index=index, dtype=dtype, plan=plan,
                                                  kept_elems=cached.kept, pre_div=self.pre_div,
                                                  calls=len(cached.collectives), algo=cached.algo))

@@ -7,9 +7,10 @@ that interface and nothing more: it checks, counts and hands each call to the la
 it is complete) -> ``flush`` (the plan, the collectives, the copy-out). Semantics follow ``z1.cpp`` / ``z2.cpp`` /
 ``deepcompile.h``; nothing communicates while DeepCompile profiles.
 
-At ``init`` the ranks agree, in one all_gather, on everything the flushes depend on: flags, bucket size, owner
-map, the forced flush algorithm (``OWNER_REDUCE_FLUSH_ALGO``), and the facts of the topology that the cost model
-uses to choose each flush's algorithm (ranks per node, GPU generation).
+At ``init`` the ranks agree, in one all_gather, on everything the flushes depend on: the settings (the config's
+``compile`` keys, ``planning.settings``, and the files they name), bucket size, owner map, the developer override of
+the deadline, and the facts of the topology that the cost model uses to choose each flush's algorithm (ranks per
+node, GPU generation). Rank 0 then logs the init line and the settings line.
 """
 
 from __future__ import annotations
@@ -20,22 +21,24 @@ from typing import Any
 
 import torch
 
-from ..planning.calibration import ENV_VAR as CALIBRATION_ENV_VAR
 from ..planning.calibration import Calibration, format_fits
 from ..planning.collectives import NATIVE, NODE, RAIL, TWO_LEVEL
-from ..planning.flags import OwnerReduceFlags, describe_flag_disagreement, pack_flags
-from ..planning.flush_choice import AUTO, FORCE_ENV_VAR, FORCE_VALUES, FlushCost, agreed_topology
-from ..planning.measured import (
-    MEASURE_ENV_VAR,
-    STEP,
-    TRIAL_ROUNDS,
-    format_measured_line,
-    slowest_progress,
-    verdicts,
-)
+from ..planning.flags import REDUCE_PROBE, OwnerReduceFlags, describe_flag_disagreement, pack_flags
+from ..planning.flush_choice import AUTO, FlushCost, agreed_topology
+from ..planning.measured import STEP, TRIAL_ROUNDS, format_measured_line, slowest_progress, verdicts
 from ..planning.owner_map import OwnerMap, Placement
+from ..planning.rank_inputs import TIMEOUT_ENV_VAR
+from ..planning.settings import (
+    ALGO,
+    ALGO_VALUES,
+    CALIBRATION,
+    MODEL,
+    VERDICTS,
+    OwnerReduceSettings,
+    key_name,
+    settings_line,
+)
 from ..planning.two_level import TwoLevel, two_level_of
-from ..planning.verdict_book import ENV_VAR as VERDICTS_ENV_VAR
 from ..planning.verdict_book import (
     ScheduleVerdicts,
     TrialProgress,
@@ -45,17 +48,18 @@ from ..planning.verdict_book import (
     payload_digest,
     write_verdicts,
 )
-from ..planning.wording import count_noun, ranks_phrase
+from ..planning.wording import by_reason, by_value, count_noun, ranks_phrase
 from . import deadline as deadlines
 from .accumulate import Accumulator
 from .buckets import DoubleBufferedBuckets
 from .comm import ReduceComm
 from .deadline import add_note
+from .errors import OwnerReduceMismatchError
 from .exposure import ExposureProbe, OwnerPathModel
 from .flush import Flusher, Levels, Param
 from .placement import GradPlacer
 from .schedule import Schedule
-from .stats import FlushRecord, RuntimeStats, emit
+from .stats import FlushRecord, RuntimeStats, emit, emit_detail, say_if_hidden
 from .topology import host_digest, local_rank, nvlinks, ranks_per_node, sm_major
 from .trial import Trial, key_of, trial_flushes
 from .trial_clock import StreamClock, TrialClock
@@ -65,14 +69,9 @@ NODE_HANDOFF_ROLE = "node hand-off"  # the communicator's name in messages (``co
 __all__ = ["FlushRecord", "OwnerReduceMismatchError", "OwnerReduceRuntime", "RuntimeSettings", "RuntimeStats",
            "emit"]
 
-_AGREEMENT_PROTOCOL = 6
+_AGREEMENT_PROTOCOL = 7
 _PROBLEM_TEXT_LIMIT = 600  # bytes of a rank's reasons that reach the other ranks (``_gather_texts``)
 SCHEDULE_PREFIX = "[dc-schedule][r0]"  # rank 0's line when a graph's owner-ordered schedule is learned
-
-
-class OwnerReduceMismatchError(RuntimeError):
-    """Ranks disagree on flags, bucket size, owner map or flush algorithm; raised on every rank before any
-    training collective."""
 
 
 @dataclass(frozen=True)
@@ -80,14 +79,23 @@ class RuntimeSettings:
     flags: OwnerReduceFlags
     owner_map: OwnerMap
     map_problems: tuple[str, ...] = ()  # where this rank's optimizer contradicts the map (should be empty)
-    flush_algo: str = AUTO  # OWNER_REDUCE_FLUSH_ALGO: a forced candidate, or the cost model's choice
-    measure: bool = True  # OWNER_REDUCE_MEASURE: the measured guard (``planning.measured``)
-    calibration: Calibration | None = None  # OWNER_REDUCE_CALIBRATION: measured call times in place of NCCL's tables
-    verdicts: VerdictBook | None = None  # OWNER_REDUCE_VERDICTS's file, replayed (``planning.verdict_book``)
-    verdicts_path: str | None = None  # OWNER_REDUCE_VERDICTS: replayed, or written where it does not exist yet
-    # (variable, reason) for every environment input this rank could not use (``planning.env_inputs``): refused at
-    # init on every rank together, by the agreement
+    # compile.reduce_to_owner_algo (``planning.settings``): flush_algo a forced candidate or the cost model's choice
+    # (auto), measure the measured guard (``planning.measured``): "auto" is (auto, True), "model" (auto, False)
+    flush_algo: str = AUTO
+    measure: bool = True
+    # compile.reduce_to_owner_calibration's file: measured call times in place of NCCL's tables
+    calibration: Calibration | None = None
+    verdicts: VerdictBook | None = None  # compile.reduce_to_owner_verdicts's file, replayed (``planning.verdict_book``)
+    verdicts_path: str | None = None  # compile.reduce_to_owner_verdicts: replayed, or written where it does not exist
+    # (key or variable, reason) for every input this rank could not use (``planning.rank_inputs``): refused at init on
+    # every rank together, by the agreement
     env_problems: tuple[tuple[str, str], ...] = ()
+    timeout_s: float | None = None  # OWNER_REDUCE_TIMEOUT_S as this rank read it (the developer override; agreed)
+
+    @property
+    def algo(self) -> str:
+        """The value of ``compile.reduce_to_owner_algo`` these settings mean."""
+        return self.flush_algo if self.flush_algo != AUTO else AUTO if self.measure else MODEL
 
 
 class OwnerReduceRuntime:
@@ -117,7 +125,7 @@ class OwnerReduceRuntime:
         self._book: VerdictBook | None = settings.verdicts
         replayed = settings.verdicts.schedules if settings.verdicts is not None else ()
         # schedule key -> where its verdicts came from (the replay line)
-        self._book_sources = {s.key: f"{VERDICTS_ENV_VAR}={settings.verdicts_path}" for s in replayed}
+        self._book_sources = {s.key: f"{key_name(VERDICTS)}={settings.verdicts_path}" for s in replayed}
         # schedule key -> a checkpoint's trial under way, until its schedule is learned (``trial`` Note (resumed
         # trials))
         self._resumed_trials: dict[str, tuple[TrialProgress, str]] = {}
@@ -199,8 +207,12 @@ class OwnerReduceRuntime:
         if self.comm.rank == 0:
             self.stats.init_line = self.settings.owner_map.init_line(sliced=self.settings.flags.reduce_to_owner)
             emit(self.stats.init_line)
+            self.stats.settings_line = self._settings_line(flush_deadline)
+            emit(self.stats.settings_line)
             if self.settings.verdicts_path is not None:
                 self._say_verdicts()
+            if self.settings.flags.reduce_probe:
+                say_if_hidden(f"{key_name(REDUCE_PROBE)}'s lines")
 
     def register_param(self, ds_id: int, ds_shape: Any, ds_tensor: torch.Tensor, grad_buffer: torch.Tensor,
                        offset: int) -> None:
@@ -383,9 +395,11 @@ class OwnerReduceRuntime:
 
     def _learned(self, schedule: Schedule) -> None:
         """Rank 0, the first time a graph learns its schedule: what each flush will run, and what the cost model
-        says it saves against the native runtime's one AllReduce per gradient; e.g. ``[dc-schedule][r0] graph #1:
-        3 flushes per backward: reduce_scatter+handoff x2, allreduce x1; modelled 0.41x the native reduction
-        (...)``. Graphs are numbered in the order they first learn a schedule, from 1 again after a reset."""
+        says it saves against the native runtime's one AllReduce per gradient, in about 30 words; e.g.
+        ``[dc-schedule][r0] graph #1: 3 flushes per backward: reduce_scatter+handoff x2, allreduce x1; modelled 0.41x
+        native (1.234 vs 3.010 ms); measuring 2 flushes against native's calls over the next 6 steps``; what the model
+        was (NCCL's tables of a named topology, or a calibration) in a DEBUG line after it. Graphs are numbered in
+        the order they first learn a schedule, from 1 again after a reset."""
         if self.comm is None or self.comm.rank != 0 or schedule.graph_id in self._learned_graphs:
             return
         self._graph_numbers += 1
@@ -398,6 +412,7 @@ class OwnerReduceRuntime:
             choices[algo] = choices.get(algo, 0) + 1
         line = (f"{SCHEDULE_PREFIX} graph #{number}: {count_noun(len(flushes), 'flush', 'flushes')} per backward: "
                 + ", ".join(f"{a} x{n}" for a, n in choices.items()))
+        detail = None
         if cost.topology is not None:
             chosen = schedule.modelled_us or sum(f.layout.modelled_us for f in flushes)
             native = sum(cost.for_dtype_bytes(f.dtype.itemsize).native_us(f.numels) for f in flushes)
@@ -405,15 +420,16 @@ class OwnerReduceRuntime:
             calibrated = isinstance(cost.calibration, Calibration)
             basis = (f"call times of calibration {cost.calibration.digest()}" if calibrated
                      else f"alpha-beta model of {cost.topology.name}")
-            line += (f"; modelled {ratio:.2f}x the native reduction ({chosen / 1000:.3f} vs {native / 1000:.3f} ms, "
-                     f"{basis}"
-                     + ("" if cost.force == AUTO else f", {FORCE_ENV_VAR}={cost.force}") + ")")
+            line += f"; modelled {ratio:.2f}x native ({chosen / 1000:.3f} vs {native / 1000:.3f} ms)"
+            # What the settings line says already (the calibration, a forced algorithm), and the model's name: DEBUG.
+            detail = (f"{SCHEDULE_PREFIX} graph #{number}: modelled on the {basis}, "
+                      f"{key_name(ALGO)}={self.settings.algo}; native is one AllReduce per gradient in one group")
             trial = sum(f.layout.choice != NATIVE for f in flushes)
             known = self._known_verdicts(schedule)
             saved = self._resumed_trials.get(key_of(schedule, self.comm.world_size)) if trial else None
             remaining = count_noun(2 * TRIAL_ROUNDS - (saved[0].steps if saved is not None else 0), "step", "steps")
             if schedule.overlapped:
-                line += "; flushes overlap on the node and rail streams"
+                line += "; flushes overlap"
             if self._measuring and trial and known is not None and saved is not None:
                 line += (f"; the trial saved in {saved[1]} goes on for its remaining {remaining}, then the verdicts "
                          f"replayed from {self._book_sources.get(known.key)}")
@@ -430,6 +446,8 @@ class OwnerReduceRuntime:
                          f"{2 * TRIAL_ROUNDS} steps")
         self.stats.schedule_lines.append(line)
         emit(line)
+        if detail is not None:
+            emit_detail(detail)
 
     # ---- the probe's step summary (``exposure``) -----------------------------------------------------------
 
@@ -554,11 +572,10 @@ class OwnerReduceRuntime:
         number = self._learned_graphs.get(graph_id)
         names = ", ".join("the step's reduction" if f.algo == STEP else f"flush {f.number} ({f.algo})"
                           for f in close)
+        # Why "within the noise": the two variants' step times overlap, or lie closer than they vary (``measured``).
         line = (f"owner_reduce: graph {f'#{number}' if number else graph_id}: the measured guard's verdict on {names} "
-                f"was within the noise (the two variants' step times overlap, or lie closer than they vary): another "
-                f"run of this job, or one resumed from a checkpoint saved before this verdict, may decide otherwise "
-                f"and differ in the last bits; {VERDICTS_ENV_VAR}=FILE pins the verdicts (a run writes them to FILE, "
-                f"the runs after it replay them)")
+                f"was within the noise, so another run may decide otherwise and differ in the last bits; set "
+                f"{key_name(VERDICTS)} to pin the verdicts")
         self.stats.close_lines.append(line)
         logger.warning(line)
 
@@ -568,13 +585,13 @@ class OwnerReduceRuntime:
         line = format_measured_line(SCHEDULE_PREFIX, f"#{number}" if number else str(graph_id), report, rounds,
                                     source=source)
         if written is not None:
-            line += f"; verdicts written to {written} ({VERDICTS_ENV_VAR}={written} replays them)"
+            line += f"; verdicts written to {written}"  # the next run with this config replays them
         self.stats.measured_lines.append(line)
         emit(line)
 
     def _write_verdicts(self) -> str | None:
-        """Rank 0, after a trial: the book to ``OWNER_REDUCE_VERDICTS``'s file when this run writes it (it did not
-        exist at init); the path written, or None. A failure to write is said, never raised: training is not at
+        """Rank 0, after a trial: the book to ``compile.reduce_to_owner_verdicts``'s file when this run writes it (it
+        did not exist at init); the path written, or None. A failure to write is said, never raised: training is not at
         fault, only the pinning is lost."""
         path = self.settings.verdicts_path
         if path is None or self.settings.verdicts is not None or self._book is None:
@@ -584,28 +601,34 @@ class OwnerReduceRuntime:
         except OSError as error:
             from deepspeed.utils import logger
 
-            logger.warning(f"owner_reduce: {VERDICTS_ENV_VAR}={path}: writing the verdicts failed ({error}); this "
+            logger.warning(f"owner_reduce: {key_name(VERDICTS)}={path!r}: writing the verdicts failed ({error}); this "
                            f"run's verdicts are not pinned")
             return None
         return path
 
     def _say_verdicts(self) -> None:
-        """Rank 0 at init, where ``OWNER_REDUCE_VERDICTS`` is set: replayed or written, and where; or, without the
-        measured guard, that it has no effect."""
-        path = self.settings.verdicts_path
-        book = self.settings.verdicts
-        if not self._measuring:
+        """Rank 0 at init, where ``compile.reduce_to_owner_verdicts`` is set but the measured guard does not run for a
+        reason the config could not show (one rank: nothing to measure): that it has no effect. (Replayed or written:
+        the settings line says which; the owner path off or another algorithm than auto: warned at config time.)"""
+        settings = self.settings
+        if not self._measuring and settings.flags.reduce_to_owner and settings.algo == AUTO:
             from deepspeed.utils import logger
 
-            logger.warning(f"owner_reduce: {VERDICTS_ENV_VAR}={path} has no effect: the measured guard is off "
-                           f"({MEASURE_ENV_VAR}=0, a forced {FORCE_ENV_VAR}, or the owner path off)")
-        elif book is None:
-            emit(f"owner_reduce: {VERDICTS_ENV_VAR}={path} does not exist yet: this run measures and writes its "
-                 f"verdicts there after each trial")
+            logger.warning(f"owner_reduce: {key_name(VERDICTS)} has no effect: the measured guard does not run with "
+                           f"{count_noun(self.comm.world_size, 'rank')}")
+
+    def _settings_line(self, deadline: Any) -> str:
+        """The settings line (``planning.settings.settings_line``) of what this runtime runs with."""
+        s = self.settings
+        if s.verdicts_path is None:
+            verdicts = "none"
+        elif s.verdicts is not None:
+            verdicts = f"replay {s.verdicts.digest()} ({count_noun(len(s.verdicts.schedules), 'schedule')})"
         else:
-            emit(f"owner_reduce: {VERDICTS_ENV_VAR}={path}: replaying verdicts {book.digest()} "
-                 f"({count_noun(len(book.schedules), 'schedule', 'schedules')} at {book.world_size} ranks); a "
-                 f"schedule not among them is measured")
+            verdicts = f"write {s.verdicts_path}"
+        return settings_line(OwnerReduceSettings(flags=s.flags, algo=s.algo),
+                             calibration_digest=s.calibration.digest() if s.calibration is not None else None,
+                             verdicts=verdicts, timeout_s=deadline.seconds, timeout_source=deadline.short_source)
 
     # ---- the verdicts and checkpoints (``wiring.checkpoint``) ------------------------------------------------
 
@@ -670,7 +693,7 @@ class OwnerReduceRuntime:
         if len(set(values)) > 1:
             raise OwnerReduceMismatchError(
                 f"owner_reduce on rank {self.comm.rank}: the ranks read different owner_reduce state from {source}: "
-                + ", ".join(f"{f'{v:012x}' if v else 'unusable'} on rank {r}" for r, v in enumerate(values))
+                + by_value(values, lambda v: f"{v:012x}" if v else "unusable")
                 + (f" (this rank: {reason})" if reason else ""))
         if not usable:
             if self.comm.rank == 0:
@@ -740,86 +763,81 @@ class OwnerReduceRuntime:
         rank has one; every rank raises on any mismatch or reason, so no rank is left hanging. Returns the flush
         cost model every rank derives from the same gathered facts.
 
-        Note (every rank refuses together): whatever this rank could not use (an environment variable, a file it
-        cannot read, one of another world size: ``planning.env_inputs``) is not raised here but gathered: every rank
-        then raises the same ``OwnerReduceMismatchError`` naming each failing rank, its variable and its reason,
-        within init's deadline (the gathers are the communicator's, bounded), instead of one rank raising alone while
-        the others wait for it."""
-        flags = self.settings.flags
-        calibration = self.settings.calibration
-        verdict_file = self.settings.verdicts
-        reasons = [reason for _, reason in self.settings.env_problems]
-        for variable, checked in ((CALIBRATION_ENV_VAR, calibration), (VERDICTS_ENV_VAR, verdict_file)):
+        Note (every rank refuses together): whatever this rank could not use (a file its config names that it cannot
+        read, one of another world size, a bad override: ``planning.rank_inputs``) is not raised here but gathered:
+        every rank then raises the same ``OwnerReduceMismatchError`` naming each failing rank, its key or variable and
+        its reason, within init's deadline (the gathers are the communicator's, bounded), instead of one rank raising
+        alone while the others wait for it. Ranks in messages are folded and capped (``planning.wording``)."""
+        settings = self.settings
+        flags = settings.flags
+        calibration = settings.calibration
+        verdict_file = settings.verdicts
+        reasons = [reason for _, reason in settings.env_problems]
+        for key, checked in ((CALIBRATION, calibration), (VERDICTS, verdict_file)):
             try:
                 if checked is not None:
                     checked.check_world_size(self.comm.world_size)
             except ValueError as error:
-                reasons.append(f"{variable}: {str(error).removeprefix('owner_reduce: ')}")
+                reasons.append(f"{key_name(key)}: {str(error).removeprefix('owner_reduce: ')}")
         reason_bytes = "; ".join(reasons).encode()[:_PROBLEM_TEXT_LIMIT]
         verdict_state = (int(verdict_file.digest(), 16) if verdict_file is not None
-                         else -1 if self.settings.verdicts_path is not None else 0)
+                         else -1 if settings.verdicts_path is not None else 0)
+        timeout_ms = round(settings.timeout_s * 1000) if settings.timeout_s is not None else 0
         mine = [_AGREEMENT_PROTOCOL, pack_flags(flags), bucket_size,
-                int(self.settings.owner_map.digest()[:15], 16), FORCE_VALUES.index(self.settings.flush_algo),
-                len(self.settings.map_problems), ranks_per_node(), sm_major(), int(self.settings.measure),
+                int(settings.owner_map.digest()[:15], 16), ALGO_VALUES.index(settings.algo),
+                len(settings.map_problems), ranks_per_node(), sm_major(), timeout_ms,
                 int(calibration.digest(), 16) if calibration is not None else 0, local_rank(), host_digest(), nvlinks(),
                 verdict_state, len(reason_bytes)]
         rows = self.comm.all_gather_ints(mine)
-        problems = []
         if len({row[0] for row in rows}) > 1 or len({len(row) for row in rows}) > 1:
             raise OwnerReduceMismatchError(f"owner_reduce on rank {self.comm.rank}: refusing to start: ranks run "
                                            f"different owner_reduce versions (agreement protocols "
                                            f"{sorted({row[0] for row in rows})})")
         texts = self._gather_texts(reason_bytes, [row[14] for row in rows])
-        by_reason: dict[str, list[int]] = {}
-        for r, text in enumerate(texts):
-            if text:
-                by_reason.setdefault(text, []).append(r)
-        problems += [f"{ranks_phrase(rs)}: {text}" for text, rs in by_reason.items()]
-        names = ("protocol", "flags", "reduce_bucket_size", "owner map digest", FORCE_ENV_VAR)
-        for i, name in enumerate(names):
-            values = [row[i] for row in rows]
-            if name == "flags" and describe_flag_disagreement(values):
-                problems += describe_flag_disagreement(values)
-            elif name == FORCE_ENV_VAR and len(set(values)) > 1:
-                problems.append(f"{FORCE_ENV_VAR} differs across ranks: "
-                                + ", ".join(f"{FORCE_VALUES[v] if 0 <= v < len(FORCE_VALUES) else v} on rank {r}"
-                                            for r, v in enumerate(values)))
-            elif len(set(values)) > 1:
-                problems.append(f"{name} differs across ranks: {values}")
-        measure = [row[8] for row in rows]
-        if len(set(measure)) > 1:
-            problems.append(f"{MEASURE_ENV_VAR} differs across ranks: "
-                            + ", ".join(f"{'on' if v else 'off'} on rank {r}" for r, v in enumerate(measure)))
-        digests = [row[9] for row in rows]
-        if len(set(digests)) > 1:
-            problems.append(f"{CALIBRATION_ENV_VAR} names different calibrations across ranks: "
-                            + ", ".join(f"{f'{d:012x}' if d else 'none'} on rank {r}" for r, d in enumerate(digests)))
-        states = [row[13] for row in rows]
-        if len(set(states)) > 1:
-            problems.append(f"{VERDICTS_ENV_VAR} differs across ranks: "
-                            + ", ".join(f"{_verdict_state(v)} on rank {r}" for r, v in enumerate(states)))
-        known = {row[6] for row in rows if row[6] > 0}
-        if len(known) > 1:
-            by_value: dict[int, list[int]] = {}
-            for r, row in enumerate(rows):
-                by_value.setdefault(row[6], []).append(r)
+        problems = by_reason(texts)
+
+        def column(i: int) -> list[int]:
+            return [row[i] for row in rows]
+
+        def differs(i: int) -> bool:
+            return len(set(column(i))) > 1
+
+        problems += describe_flag_disagreement(column(1))
+        if differs(1) and not describe_flag_disagreement(column(1)):  # an unknown flag bit
+            problems.append(f"flags differ across ranks: {by_value(column(1))}")
+        if differs(2):
+            problems.append(f"reduce_bucket_size differs across ranks: {by_value(column(2))}")
+        if differs(3):
+            problems.append(f"the owner map differs across ranks: {by_value(column(3), lambda d: f'{d:015x}')}")
+        if differs(4):
+            problems.append(f"{key_name(ALGO)} differs across ranks: "
+                            + by_value(column(4), lambda v: ALGO_VALUES[v] if 0 <= v < len(ALGO_VALUES) else str(v)))
+        if differs(8):
+            problems.append(f"{TIMEOUT_ENV_VAR} differs across ranks: "
+                            + by_value(column(8), lambda ms: f"{ms / 1000:g} s" if ms else "unset"))
+        if differs(9):
+            problems.append(f"{key_name(CALIBRATION)} names different calibrations across ranks: "
+                            + by_value(column(9), lambda d: f"{d:012x}" if d else "none"))
+        if differs(13):
+            problems.append(f"{key_name(VERDICTS)} differs across ranks: " + by_value(column(13), _verdict_state))
+        if len({v for v in column(6) if v > 0}) > 1:
             problems.append("ranks per node (LOCAL_WORLD_SIZE) differ across ranks: "
-                            + "; ".join(f"{v if v > 0 else 'unknown'} on {ranks_phrase(rs)}"
-                                        for v, rs in sorted(by_value.items())))
+                            + by_value(column(6), lambda v: str(v) if v > 0 else "unknown"))
         bad_ranks = [r for r, row in enumerate(rows) if row[5]]
         if bad_ranks:
             problems.append(f"the owner map contradicts the optimizer on {ranks_phrase(bad_ranks)}"
-                            + (f": {list(self.settings.map_problems)[:3]}" if self.settings.map_problems else ""))
+                            + (f": {list(settings.map_problems)[:3]}" if settings.map_problems else ""))
         if problems:
             raise OwnerReduceMismatchError(f"owner_reduce on rank {self.comm.rank}: refusing to start: "
                                            + "; ".join(problems))
-        topology = agreed_topology(self.comm.world_size, [row[6] for row in rows], [row[7] for row in rows],
-                                   [row[12] for row in rows])
+        topology = agreed_topology(self.comm.world_size, column(6), column(7), column(12))
         if calibration is not None and topology is not None and self.comm.rank == 0:
-            for line in format_fits(calibration):
-                emit(line)
+            lines = format_fits(calibration)
+            emit(lines[0])
+            for line in lines[1:]:
+                emit_detail(line)
         facts = [(row[10], row[11]) for row in rows]
-        return FlushCost(topology, force=self.settings.flush_algo, calibration=calibration), facts
+        return FlushCost(topology, force=settings.flush_algo, calibration=calibration), facts
 
     def _gather_texts(self, mine: bytes, lengths: list[int]) -> list[str]:
         """Every rank's text (its reasons), gathered only where some rank has one: every rank knows ``lengths`` from
@@ -846,9 +864,9 @@ class OwnerReduceRuntime:
             # Not a candidate (``FlushCost``: a calibration times the data-parallel communicator only): no
             # communicator that no flush can use (their creations, their device memory).
             if self.comm.rank == 0:
-                emit(f"owner_reduce: the two-level flush is not a candidate under {CALIBRATION_ENV_VAR} (a calibration "
-                     f"times the data-parallel communicator only; {FORCE_ENV_VAR}=two_level forces it): no node or "
-                     f"rail communicator made")
+                emit(f"owner_reduce: the two-level flush is not a candidate under {key_name(CALIBRATION)} (a "
+                     f"calibration times the data-parallel communicator only; {key_name(ALGO)} \"two_level\" forces "
+                     f"it): no node or rail communicator made")
             return cost
         per_node = cost.topology.gpus_per_node
         levels = two_level_of(cost.topology, per_node)
@@ -861,8 +879,8 @@ class OwnerReduceRuntime:
             from deepspeed.utils import logger
 
             if force == TWO_LEVEL and self.comm.rank == 0:
-                logger.warning(f"owner_reduce: {FORCE_ENV_VAR}=two_level cannot take effect: {why}; each flush takes "
-                               f"the cost model's choice among the other algorithms")
+                logger.warning(f"owner_reduce: {key_name(ALGO)} \"two_level\" cannot take effect: {why}; each flush "
+                               f"takes the cost model's choice among the other algorithms")
             elif levels is not None and self.comm.rank == 0:
                 logger.warning(f"owner_reduce: the two-level flush is off: {why}")
             return cost
@@ -874,19 +892,25 @@ class OwnerReduceRuntime:
         self.flusher.levels = Levels(node, rail, handoff)
         seconds = time.monotonic() - started
         free_after = _device_free_bytes()
-        memory = ("no device memory (no CUDA device)" if free_before is None or free_after is None
-                  else f"{max(0, free_before - free_after) / 2**20:.0f} MiB of device memory")
-        line = (f"owner_reduce: two-level flush ready: {levels.nodes} nodes x {per_node} ranks; {levels.nodes} node "
-                f"communicators of {per_node} ranks, {per_node} rail communicators of {levels.nodes} ranks and "
-                f"{levels.nodes} node hand-off communicators of {per_node} ranks (balanced rails) "
-                f"({self.comm.name}), made in {seconds:.2f} s, {memory}; "
-                + ("a step's flushes may overlap (the node stage of one under the rail stage of the one before) over 2 "
-                   "buckets per dtype (double_buffer true)" if double_buffer else
-                   "a step's flushes run one after another on 1 bucket per dtype (double_buffer false)")
-                + ("" if free_before is not None else "; without CUDA streams they run one after another here"))
+        memory = ("" if free_before is None or free_after is None  # no CUDA device
+                  else f", {max(0, free_before - free_after) / 2**20:.0f} MiB of device memory")
+        if not double_buffer:
+            buffering = "flushes run in turn on 1 bucket per dtype (double_buffer false)"
+        elif free_before is None:  # no CUDA streams (gloo on CPU): nothing overlaps
+            buffering = "flushes run in turn over 2 buckets per dtype (double_buffer true; no CUDA streams here)"
+        else:
+            buffering = "flushes may overlap over 2 buckets per dtype (double_buffer true)"
+        # Under 30 words for rank 0's INFO line; which communicators of what size, and the overlap, at DEBUG.
+        line = (f"owner_reduce: two-level flush ready: {levels.nodes} nodes x {per_node} ranks ({self.comm.name}), "
+                f"made in {seconds:.2f} s{memory}; {buffering}")
+        detail = (f"owner_reduce: two-level flush: {levels.nodes} node communicators of {per_node} ranks, {per_node} "
+                  f"rail communicators of {levels.nodes} ranks and {levels.nodes} node hand-off communicators of "
+                  f"{per_node} ranks (balanced rails); with double_buffer true the node stage of one flush runs under "
+                  f"the rail stage of the one before")
         self.stats.two_level_line = line
         if self.comm.rank == 0:
             emit(line)
+            emit_detail(detail)
         return replace(cost, two_level=levels)
 
     def _close_levels(self) -> None:
@@ -921,5 +945,6 @@ def _device_free_bytes() -> int | None:
 
 
 def _verdict_state(state: int) -> str:
-    """An agreement row's ``OWNER_REDUCE_VERDICTS``: unset, a file to write, or the digest of the file replayed."""
+    """An agreement row's ``compile.reduce_to_owner_verdicts``: unset, a file to write, or the digest of the file
+    replayed."""
     return "unset" if state == 0 else "a file to write" if state == -1 else f"verdicts {state:012x}"

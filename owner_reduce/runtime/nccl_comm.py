@@ -83,7 +83,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..planning.wording import ranks_phrase
+from ..planning.wording import by_reason, ranks_phrase
 from . import deadline as deadlines
 from . import watchdog as watchdogs
 from .comm import ReduceComm, pinned
@@ -377,8 +377,7 @@ class CupyNcclComm(ReduceComm):
             dist.all_gather_object(problems, problem, group=group)
         failed = {r: p for r, p in enumerate(problems) if p is not None}
         if failed:
-            raise RuntimeError("owner_reduce: not creating the NCCL communicator: "
-                               + "; ".join(f"rank {r}: {p}" for r, p in sorted(failed.items())))
+            raise RuntimeError("owner_reduce: not creating the NCCL communicator: " + "; ".join(by_reason(problems)))
         return cls(unique_id, dist.get_rank(group), dist.get_world_size(group), device=device, stream=stream)
 
     # ---- the seam ------------------------------------------------------------------------------------------

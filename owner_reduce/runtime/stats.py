@@ -6,30 +6,51 @@ should reach into another to do it.
 
 from __future__ import annotations
 
-import sys
+import logging
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+LOG_LEVEL_HINT = 'add "log_level": "info" to the DeepSpeed config'
+_hidden_said: set[str] = set()
+
 
 def emit(line: str) -> None:
-    """Print a line the user asked for: through DeepSpeed's logger when it shows INFO (its default level is
-    WARNING), otherwise on stdout, as DeepCompile prints its own reports.
+    """Log a line of owner_reduce's own (the init, settings, schedule and probe lines) through DeepSpeed's logger at
+    INFO, as DeepSpeed logs what a feature does (``log_dist(..., ranks=[0])``); the callers choose the ranks (rank 0,
+    the probe's every rank on request). DeepSpeed's default level is WARNING, which hides them: ``say_if_hidden``.
 
-    Note (whole lines): every rank writes to the same terminal or pipe; ``print`` writes the text and the newline
-    separately, so another rank's line could land in between. The line goes out in one write with its newline
-    (the logger's handler does the same), after anything this process had buffered.
+    Note (whole lines): every rank writes to the same terminal or pipe; the logger's handler writes a record and its
+    newline in one write, so another rank's line cannot land inside it.
     """
-    import logging
-
     from deepspeed.utils import logger
 
-    if logger.isEnabledFor(logging.INFO):
-        logger.info(line)
-    else:
-        stream = sys.stdout
-        stream.flush()
-        stream.write(line + "\n")
-        stream.flush()
+    logger.info(line)
+
+
+def emit_detail(line: str) -> None:
+    """What a line leaves out to stay short (the model behind a schedule, every communicator made), at DEBUG."""
+    from deepspeed.utils import logger
+
+    logger.debug(line)
+
+
+def say_if_hidden(what: str) -> bool:
+    """Where DeepSpeed's logger hides INFO, one warning (once per process) that ``what`` (lines the user asked for) is
+    logged at INFO and how to show it; whether it is hidden. Why: a flag whose only output nobody sees would be a flag
+    that silently does nothing."""
+    from deepspeed.utils import logger
+
+    # The logger's level and its handlers' (DeepSpeed's own handler has a level too: ``logger.setLevel`` alone leaves it
+    # at WARNING; the config's ``log_level`` sets both).
+    if logger.isEnabledFor(logging.INFO) and any(h.level <= logging.INFO for h in logger.handlers):
+        return False
+    if what not in _hidden_said:
+        _hidden_said.add(what)
+        shown_from = max(logger.getEffectiveLevel(), min((h.level for h in logger.handlers), default=0))
+        level = logging.getLevelName(shown_from)
+        logger.warning(f"owner_reduce: {what} are logged at INFO, which DeepSpeed's log level ({level}) hides: "
+                       f"{LOG_LEVEL_HINT} to see them")
+    return True
 
 
 @dataclass
@@ -76,10 +97,11 @@ class RuntimeStats:
     exposure_samples: list = field(default_factory=list)
     exposure_lines: list[str] = field(default_factory=list)
     init_line: str | None = None  # what rank 0 printed at init
+    settings_line: str | None = None  # what rank 0 printed after it: the settings in effect (``planning.settings``)
     schedule_lines: list[str] = field(default_factory=list)  # what rank 0 printed when schedules were learned
     measured_lines: list[str] = field(default_factory=list)  # what rank 0 printed when a trial was decided
     close_lines: list[str] = field(default_factory=list)  # rank 0's warnings: verdicts within the noise, unpinned
-    probe_lines: list[str] = field(default_factory=list)
+    probe_lines: list[str] = field(default_factory=list)  # what this rank logged (rank 0's, or every rank's on request)
 
 
 class FlushRecord(NamedTuple):

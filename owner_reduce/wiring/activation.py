@@ -2,7 +2,7 @@
 
 Why at ``init_z1_and_2`` (DeepCompile's entry for ZeRO stages 1 and 2; stage 3 has its own, left untouched): it
 is the one call that sees the engine (for the owner map and the process group), the compile config (for the
-flags) and the pass schedule, and it runs before DeepCompile asks for its handle.
+settings, ``planning.settings``) and the pass schedule, and it runs before DeepCompile asks for its handle.
 With both flags off this module does nothing at all and DeepCompile's own function runs.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..planning.env_inputs import EnvInputs, read_environment
 from ..planning.flags import flags_of
-from ..planning.flush_choice import AUTO, FORCE_ENV_VAR
+from ..planning.rank_inputs import TIMEOUT_ENV_VAR, RankInputs, read_inputs, removed_variables_set
+from ..planning.settings import OwnerReduceSettings, settings_of
 from ..runtime.comm import ReduceComm
 from ..runtime.handle import OwnerReduceRuntime, RuntimeSettings
 from . import cpu_compat
@@ -32,29 +32,44 @@ def make_comm(process_group: Any) -> ReduceComm:
     return select_comm(process_group)
 
 
-def environment_inputs(flags: Any, global_rank: int, environ: Any = None) -> EnvInputs:
-    """Every ``OWNER_REDUCE_*`` variable the runtime reads (``planning.env_inputs``): a bad value never raises here, on
-    this rank alone; init's agreement refuses it on every rank together. A forced algorithm that cannot take effect
-    (the owner path is off) is named in a warning on rank 0."""
-    inputs = read_environment(os.environ if environ is None else environ, reduce_to_owner=flags.reduce_to_owner)
-    if inputs.flush_algo != AUTO and not flags.reduce_to_owner and global_rank == 0:
+_warned: set[str] = set()  # each environment warning once per process (a process may compile several engines)
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
         from deepspeed.utils import logger
 
-        logger.warning(f"owner_reduce: {FORCE_ENV_VAR}={inputs.flush_algo} has no effect: compile.reduce_to_owner is "
-                       "false, so every flush is one AllReduce, as DeepCompile does")
+        _warned.add(message)
+        logger.warning(message)
+
+
+def rank_inputs(settings: OwnerReduceSettings, global_rank: int, environ: Any = None) -> RankInputs:
+    """The files the settings name and the developer override, read on this rank (``planning.rank_inputs``): a bad
+    value never raises here, on this rank alone; init's agreement refuses it on every rank together. On rank 0, a
+    warning for the override when it is set, and for each variable that is set but no longer read."""
+    env = os.environ if environ is None else environ
+    inputs = read_inputs(settings, env)
+    if global_rank == 0:
+        for message in removed_variables_set(env):
+            _warn_once(message)
+        if inputs.timeout_s is not None:
+            _warn_once(f"owner_reduce: {TIMEOUT_ENV_VAR}={env.get(TIMEOUT_ENV_VAR, '').strip()} (a developer "
+                       f"override) sets the flushes' deadline to {inputs.timeout_s:g} s in place of the default "
+                       "process group's timeout (deepspeed.init_distributed(timeout=...))")
     return inputs
 
 
-def build_runtime(engine: Any, flags: Any) -> OwnerReduceRuntime:
+def build_runtime(engine: Any, settings: OwnerReduceSettings) -> OwnerReduceRuntime:
     from .engine_tables import build_owner_map, disagreements_with_optimizer
 
-    inputs = environment_inputs(flags, int(getattr(engine, "global_rank", 0)))
+    inputs = rank_inputs(settings, int(getattr(engine, "global_rank", 0)))
     owner_map = build_owner_map(engine)
     problems = tuple(disagreements_with_optimizer(owner_map, engine))
-    return OwnerReduceRuntime(RuntimeSettings(flags=flags, owner_map=owner_map, map_problems=problems,
-                                              flush_algo=inputs.flush_algo, measure=inputs.measure,
+    return OwnerReduceRuntime(RuntimeSettings(flags=settings.flags, owner_map=owner_map, map_problems=problems,
+                                              flush_algo=settings.flush_algo, measure=settings.measure,
                                               calibration=inputs.calibration, verdicts=inputs.verdicts,
-                                              verdicts_path=inputs.verdicts_path, env_problems=inputs.problems),
+                                              verdicts_path=inputs.verdicts_path, env_problems=inputs.problems,
+                                              timeout_s=inputs.timeout_s),
                               make_comm)
 
 
@@ -80,7 +95,7 @@ def wrap_init_z1_and_2(original: Any) -> Any:
             cpu_compat.apply()
         defined_schemas = ensure_dc_schemas()
         register_inductor_lowerings()
-        runtime = build_runtime(engine, flags)
+        runtime = build_runtime(engine, settings_of(compile_config))
         previous_handle = dc_util.dc_handle
         hooks_before = list(dc_util.pre_backward_hooks)
 

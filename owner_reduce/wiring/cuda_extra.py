@@ -24,6 +24,9 @@ from dataclasses import dataclass
 
 PREFIX = "owner_reduce: installation"
 EXTRAS = {12: "cu12", 13: "cu13"}  # CUDA major -> the extra in pyproject.toml that brings cupy and NCCL for it
+# The extras' packages, exactly as pyproject.toml lists them (a test compares): owner_reduce is not on the package
+# index, so "pip install 'owner_reduce[cu13]'" installs nothing; these names are what a user can run.
+EXTRA_PACKAGES = {12: ("cupy-cuda12x>=14,<15", "nvidia-nccl-cu12"), 13: ("cupy-cuda13x>=14,<15", "nvidia-nccl-cu13")}
 _CUPY_NAME = re.compile(r"^cupy(?:-cuda(?P<major>\d+)x|-rocm-[\w-]+)?$")
 _distributions = importlib.metadata.distributions  # this module's own name for it: tests replace it here only
 
@@ -63,9 +66,14 @@ def installed_cupy_dists() -> tuple[CupyDist, ...]:
 
 
 def extra_for(major: int) -> str:
-    """How to install cupy and NCCL for CUDA ``major``: the extra, or the cupy wheel where no extra exists."""
-    extra = EXTRAS.get(major)
-    return f"pip install 'owner_reduce[{extra}]'" if extra else f"pip install cupy-cuda{major}x"
+    """How to install cupy and NCCL for CUDA ``major``, as a command a user can run: the extra's packages (and how to
+    get them with owner_reduce from a checkout or a wheel), or the cupy wheel where no extra exists."""
+    packages = EXTRA_PACKAGES.get(major)
+    if packages is None:
+        return f"pip install cupy-cuda{major}x"
+    named = " ".join(f"'{p}'" if any(c in p for c in "<>=") else p for p in packages)
+    return (f"pip install {named} (owner_reduce's {EXTRAS[major]} extra: from a checkout, "
+            f"pip install '.[{EXTRAS[major]}]')")
 
 
 def _named(dists: Sequence[CupyDist]) -> str:

@@ -1,10 +1,13 @@
-"""``install()`` / ``uninstall()``: teach DeepSpeed the two flags and the runtime, and take them back exactly.
+"""``install()`` / ``uninstall()``: teach DeepSpeed owner_reduce's config keys and the runtime, and take them back
+exactly.
 
 Why a factory in place of ``CompileConfig``: DeepSpeed builds its compile config with
 ``CompileConfig(**param_dict.get('compile', {}))`` inside ``deepspeed.runtime.config`` and the model forbids
-unknown keys. Swapping that one module-level name lets the flags through while a config that does not
-mention them still gets DeepSpeed's own class, built by DeepSpeed's own code: flags absent, nothing changes.
-A flag that cannot take effect is named in a warning when DeepSpeed reads the config (see ``unused_flags``).
+unknown keys. Swapping that one module-level name lets owner_reduce's keys (``planning.settings``) through, validated
+strictly, into a subclass whose fields carry them (so they appear in DeepSpeed's config dump at init and reach the
+runtime), while a config that does not mention them still gets DeepSpeed's own class, built by DeepSpeed's own code:
+keys absent, nothing changes. A key that cannot take effect is named in a warning when DeepSpeed reads the config
+(see ``unused_flags``).
 The runtime is wired in through ``deepspeed.compile.init_z1_and_2.init_z1_and_2`` (see ``activation``), which
 likewise calls straight through when both flags are off.
 """
@@ -15,7 +18,7 @@ import os
 import threading
 from typing import Any
 
-from ..planning.flags import FLAG_KEYS, parse_flags
+from ..planning.settings import SETTING_KEYS, parse_settings
 
 _lock = threading.Lock()
 _installed: dict[str, Any] = {}
@@ -47,20 +50,32 @@ def _check_surface() -> None:
 
 def _make_compile_config_factory(original: type) -> tuple[type, Any]:
     class OwnerReduceCompileConfig(original):  # type: ignore[misc, valid-type]
-        """DeepSpeed's CompileConfig plus the two owner_reduce flags."""
+        """DeepSpeed's CompileConfig plus owner_reduce's keys (``planning.settings``)."""
 
         reduce_to_owner: bool = False
         """Reduce each single-owner gradient to the rank that keeps it (ncclReduce) instead of AllReduce."""
 
         reduce_probe: bool = False
-        """Log one line per reduce-bucket flush (first 20, per rank) with what it delivered and dropped."""
+        """Log one line per reduce-bucket flush (the first 20) with what it delivered and dropped; rank 0's."""
+
+        reduce_probe_all_ranks: bool = False
+        """The probe's lines from every rank, not rank 0's only."""
+
+        reduce_to_owner_algo: str = "auto"
+        """auto (the cost model's choice, then the measured guard), model (no guard), or a forced algorithm."""
+
+        reduce_to_owner_calibration: str | None = None
+        """A calibration file (scripts/calibrate.py): the cluster's call times in place of NCCL's tables."""
+
+        reduce_to_owner_verdicts: str | None = None
+        """The measured guard's verdicts: replayed where the file exists, written there where it does not."""
 
     def compile_config(**data: Any) -> Any:
-        if not any(key in data for key in FLAG_KEYS):
+        if not any(key in data for key in SETTING_KEYS):
             return original(**data)
-        flags = parse_flags(data)  # strict: raises OwnerReduceConfigError naming compile.<key>
-        rest = {key: value for key, value in data.items() if key not in FLAG_KEYS}
-        return OwnerReduceCompileConfig(**rest, **flags.as_dict())
+        parse_settings(data)  # strict: raises OwnerReduceConfigError naming compile.<key>
+        # The values as written (parse_settings accepts only exact JSON types, so they are already what they mean).
+        return OwnerReduceCompileConfig(**data)
 
     compile_config.owner_reduce_original = original  # type: ignore[attr-defined]
     return OwnerReduceCompileConfig, compile_config
@@ -87,7 +102,7 @@ def is_installed() -> bool:
 
 
 def install() -> None:
-    """Make ``deepspeed.initialize`` accept ``compile.reduce_to_owner`` and ``compile.reduce_probe``. Idempotent.
+    """Make ``deepspeed.initialize`` accept owner_reduce's keys under ``compile`` (``planning.settings``). Idempotent.
 
     Also says, as a warning, when cupy does not fit torch's CUDA (missing, another CUDA major, two cupy wheels):
     ``warn_about_cupy``."""

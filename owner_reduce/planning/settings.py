@@ -1,0 +1,194 @@
+"""Every owner_reduce setting, from the DeepSpeed config's ``compile`` section, validated strictly; and the line that
+says at init which of them are in effect.
+
+Why the config and not the environment: DeepSpeed's multi-node launcher forwards almost no environment variables
+(``launcher/runner.py``: only those starting with NCCL, PYTHON, UCX, MV2 or MLFLOW, and ``.deepspeed_env``), so a
+setting there reaches no rank on another node, silently. The config travels with the job to every rank, is printed
+in DeepSpeed's config dump at init and is kept in the ``ds_config`` of each checkpoint.
+
+The keys, beside ``deepcompile`` (every error names ``compile.<key>``, with the value and its JSON type):
+
+- ``reduce_to_owner`` (bool, false), ``reduce_probe`` (bool, false), ``reduce_probe_all_ranks`` (bool, false):
+  ``planning.flags``.
+- ``reduce_to_owner_algo`` (string, ``"auto"``): ``auto``, the cost model's choice per flush, then the measured guard
+  (``planning.measured``); ``model``, the model's choice without the guard; ``reduce``, ``allreduce``, ``handoff``,
+  ``native`` or ``two_level``: that algorithm forced wherever it applies, no guard.
+- ``reduce_to_owner_calibration`` (string path or null): a cluster's measured call times (``planning.calibration``,
+  written by ``scripts/calibrate.py``) in place of NCCL's tables.
+- ``reduce_to_owner_verdicts`` (string path or null): the measured guard's verdicts (``planning.verdict_book``):
+  replayed where the file exists, written there after each trial where it does not yet.
+
+The files are read later, on every rank, when the runtime starts (``planning.rank_inputs``), and agreed there: a file
+one rank cannot read must make every rank refuse together, not one rank raise alone at ``deepspeed.initialize``.
+Pure: no torch.distributed, no DeepSpeed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .collectives import ALLREDUCE, HANDOFF, NATIVE, REDUCE, TWO_LEVEL
+from .flags import (
+    BOOL_KEYS,
+    FLAG_KEYS,
+    PROBE_ALL_RANKS,
+    REDUCE_PROBE,
+    REDUCE_TO_OWNER,
+    SECTION,
+    OwnerReduceConfigError,
+    OwnerReduceFlags,
+    flags_of,
+    parse_flags,
+)
+from .flush_choice import AUTO
+
+ALGO = "reduce_to_owner_algo"
+CALIBRATION = "reduce_to_owner_calibration"
+VERDICTS = "reduce_to_owner_verdicts"
+SETTING_KEYS: tuple[str, ...] = (*BOOL_KEYS, ALGO, CALIBRATION, VERDICTS)  # every key owner_reduce adds to compile
+PATH_KEYS: tuple[str, ...] = (CALIBRATION, VERDICTS)
+
+MODEL = "model"  # the model's choice without the measured guard
+ALGO_VALUES: tuple[str, ...] = (AUTO, MODEL, REDUCE, ALLREDUCE, HANDOFF, NATIVE, TWO_LEVEL)
+
+
+def key_name(key: str) -> str:
+    """``compile.<key>``: how every message names a key."""
+    return f"{SECTION}.{key}"
+
+
+@dataclass(frozen=True)
+class OwnerReduceSettings:
+    """Every setting of the ``compile`` section; the defaults are what a config without the key means."""
+
+    flags: OwnerReduceFlags = OwnerReduceFlags()
+    algo: str = AUTO
+    calibration: str | None = None  # a path, read on every rank when the runtime starts
+    verdicts: str | None = None  # a path: replayed where the file exists, written where it does not
+
+    @property
+    def flush_algo(self) -> str:
+        """The runtime's forced candidate (``planning.flush_choice.FORCE_VALUES``): ``auto`` for ``auto`` and
+        ``model`` (the model chooses), else the forced algorithm."""
+        return AUTO if self.algo in (AUTO, MODEL) else self.algo
+
+    @property
+    def measure(self) -> bool:
+        """Whether the measured guard may run (it never runs under a forced algorithm, whatever this says)."""
+        return self.algo != MODEL
+
+    def config_values(self) -> dict[str, Any]:
+        """The values of every key, as the ``CompileConfig`` fields carry them."""
+        return {**self.flags.as_dict(), ALGO: self.algo, CALIBRATION: self.calibration, VERDICTS: self.verdicts}
+
+    def keys_set(self) -> tuple[str, ...]:
+        """The keys whose value is not their default, in ``SETTING_KEYS`` order."""
+        default = OwnerReduceSettings().config_values()
+        values = self.config_values()
+        return tuple(key for key in SETTING_KEYS if values[key] != default[key])
+
+
+def _check_algo(value: Any) -> str:
+    if type(value) is not str or value not in ALGO_VALUES:
+        allowed = ", ".join(f'"{v}"' for v in ALGO_VALUES)
+        raise OwnerReduceConfigError(f"DeepSpeed config: {key_name(ALGO)} must be one of {allowed}, "
+                                     f"got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _check_path(key: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if type(value) is not str:
+        raise OwnerReduceConfigError(f"DeepSpeed config: {key_name(key)} must be a file path (a JSON string) or null, "
+                                     f"got {value!r} ({type(value).__name__})")
+    if not value.strip():
+        raise OwnerReduceConfigError(f"DeepSpeed config: {key_name(key)} must be a file path or null, got an empty "
+                                     f"string {value!r}")
+    return value
+
+
+def parse_settings(compile_section: Mapping[str, Any] | None) -> OwnerReduceSettings:
+    """Read every setting from a raw ``compile`` dict; absent keys take their defaults; a bad value raises
+    ``OwnerReduceConfigError`` naming ``compile.<key>``."""
+    flags = parse_flags(compile_section)  # also checks that the section is a mapping
+    section = compile_section or {}
+    return OwnerReduceSettings(
+        flags=flags,
+        algo=_check_algo(section[ALGO]) if ALGO in section else AUTO,
+        calibration=_check_path(CALIBRATION, section.get(CALIBRATION)),
+        verdicts=_check_path(VERDICTS, section.get(VERDICTS)))
+
+
+def settings_of(compile_config: Any) -> OwnerReduceSettings:
+    """The settings a built ``CompileConfig`` carries (DeepSpeed's own class carries none: the defaults)."""
+    return OwnerReduceSettings(flags=flags_of(compile_config), algo=getattr(compile_config, ALGO, AUTO) or AUTO,
+                               calibration=getattr(compile_config, CALIBRATION, None),
+                               verdicts=getattr(compile_config, VERDICTS, None))
+
+
+def _listed(keys: list[str]) -> str:
+    names = [key_name(k) for k in keys]
+    text = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+    return f"{text} {'has' if len(names) == 1 else 'have'}"
+
+
+def inapplicable_settings(top_level: Mapping[str, Any], settings: OwnerReduceSettings, deepcompile: bool,
+                          zero_stage: int) -> tuple[str, ...]:
+    """Why each key the user wrote cannot take effect, one sentence per cause (empty when all can).
+
+    Why: a key that silently does nothing is worse than no key; the user believes it is in effect. ``top_level`` is
+    the whole DeepSpeed config (DeepSpeed ignores unknown top-level keys); ``settings``, ``deepcompile`` and
+    ``zero_stage`` are what DeepSpeed parsed from it.
+    """
+    reasons = [f"owner_reduce: '{key}' at the top level of the DeepSpeed config has no effect (DeepSpeed ignores "
+               f"unknown top-level keys); it belongs under 'compile': {key_name(key)}"
+               for key in SETTING_KEYS if key in top_level]
+    keys_set = list(settings.keys_set())
+    if not keys_set:
+        return tuple(reasons)
+    if not deepcompile:
+        return (*reasons, f"owner_reduce: {_listed(keys_set)} no effect: {SECTION}.deepcompile is false, so "
+                          "DeepCompile does not run and ZeRO reduces through its own hooks (set compile.deepcompile "
+                          "true and call engine.compile())")
+    if zero_stage == 0:
+        return (*reasons, f"owner_reduce: {_listed(keys_set)} no effect: zero_optimization.stage is 0, where "
+                          "DeepCompile falls back to the torch compiler and no gradient has one owner (use ZeRO stage "
+                          "1 or 2)")
+    if zero_stage == 3:
+        return (*reasons, f"owner_reduce: {_listed(keys_set)} no effect: zero_optimization.stage is 3, where "
+                          "DeepCompile runs its own native stage-3 runtime (owner_reduce supports ZeRO stages 1 and "
+                          "2)")
+    flags = settings.flags
+    if flags.reduce_probe_all_ranks and not flags.reduce_probe:
+        reasons.append(f"owner_reduce: {_listed([PROBE_ALL_RANKS])} no effect: {key_name(REDUCE_PROBE)} is false, so "
+                       "no rank prints probe lines")
+    owner_only = [k for k in keys_set if k in (ALGO, CALIBRATION, VERDICTS)]
+    if owner_only and not flags.reduce_to_owner:
+        reasons.append(f"owner_reduce: {_listed(owner_only)} no effect: {key_name(REDUCE_TO_OWNER)} is false, so "
+                       "every flush is one AllReduce, as DeepCompile does")
+    elif settings.verdicts is not None and settings.algo != AUTO:
+        reasons.append(f"owner_reduce: {_listed([VERDICTS])} no effect: {key_name(ALGO)} is \"{settings.algo}\", and "
+                       f"the measured guard, whose verdicts it keeps, runs only under \"{AUTO}\"")
+    return tuple(reasons)
+
+
+def settings_line(settings: OwnerReduceSettings, *, calibration_digest: str | None, verdicts: str,
+                  timeout_s: float, timeout_source: str) -> str:
+    """What rank 0 logs once at init, after the init line: the settings in effect, in about 20 words, e.g.
+    ``owner_reduce: settings: algo=auto, calibration none, verdicts none, probe rank 0, timeout 1800 s
+    (init_distributed)``. ``verdicts``: ``none``, ``replay <digest> (N schedules)`` or ``write <path>``;
+    ``timeout_source``: where the flushes' deadline came from (``init_distributed``, ``torch default`` or the
+    developer override's variable)."""
+    flags = settings.flags
+    probe = ("off" if not flags.reduce_probe else "all ranks" if flags.reduce_probe_all_ranks else "rank 0")
+    owner = (f"algo={settings.algo}, calibration {calibration_digest or 'none'}, verdicts {verdicts}"
+             if flags.reduce_to_owner else "owner path off (every flush AllReduces)")
+    return f"owner_reduce: settings: {owner}, probe {probe}, timeout {timeout_s:g} s ({timeout_source})"
+
+
+__all__ = ["ALGO", "ALGO_VALUES", "AUTO", "CALIBRATION", "FLAG_KEYS", "MODEL", "PATH_KEYS", "SETTING_KEYS",
+           "VERDICTS", "OwnerReduceSettings", "inapplicable_settings", "key_name", "parse_settings", "settings_line",
+           "settings_of"]
