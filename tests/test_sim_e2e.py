@@ -125,9 +125,9 @@ def test_two_level_flushes_on_the_cupy_path(case, monkeypatch):
 @pytest.mark.timeout(120)
 def test_negative_control_a_wrong_root_in_one_ranks_two_level_stage_is_caught(monkeypatch):
     """After the learning step, data-parallel rank 3 (rail 1: ranks 1 and 3) issues its rail Reduces to the other
-    root: the sim reports the mismatch naming both ranks' calls, the rank that issued it fails naming its rail call,
-    and no rank finishes its backward. (How the peers fail is issue 37's business: at the deadline, or, until its
-    finding 2 is fixed, in an abort that waits behind the rail's spinning kernel.)"""
+    root: the sim reports the mismatch naming both ranks' calls, the rail rank that completed the mismatched call
+    fails naming its rail call, and no rank finishes its backward. (How the peers fail is issue 37's business: at the
+    deadline, or, until its finding 2 is fixed, in an abort that waits behind the rail's spinning kernel.)"""
     from sim_cuda import SimHang
 
     from owner_reduce import OwnerReduceCommError
@@ -156,9 +156,13 @@ def test_negative_control_a_wrong_root_in_one_ranks_two_level_stage_is_caught(mo
         text = sim.nccl.mismatches[0]
         roots = re.search(r"differs across ranks: rank 0: reduce\(root=(\d), .*; rank 1: reduce\(root=(\d), ", text)
         assert roots and roots.group(1) != roots.group(2), text
-        assert isinstance(errors[3], RuntimeError) and "on the rail communicator failed on rank 3" in str(errors[3])
-        assert "SimMismatch" in str(errors[3]), errors[3]
-        assert all(isinstance(errors[r], OwnerReduceCommError | SimHang) for r in (0, 1, 2)), errors
+        # The rail's rank that issued its call last is told at the call (ranks 1 and 3 race for it), naming it; the
+        # other's kernel fails asynchronously
+        told = [r for r in (1, 3) if not isinstance(errors[r], OwnerReduceCommError | SimHang)]
+        assert len(told) == 1, errors
+        assert isinstance(errors[told[0]], RuntimeError) and "SimMismatch" in str(errors[told[0]]), errors
+        assert f"on the rail communicator failed on rank {told[0]}" in str(errors[told[0]]), errors
+        assert all(isinstance(errors[r], OwnerReduceCommError | SimHang) for r in {0, 1, 2, 3} - set(told)), errors
 
 
 @pytest.mark.timeout(120)
