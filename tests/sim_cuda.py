@@ -167,7 +167,7 @@ class Op:
         self.kind = kind  # kernel, record, wait, nccl
         self.name = name
         self.fn = fn
-        self.deps = [d for d in deps if d is not None and not d.done]
+        self.deps = [d for d in deps if d is not None]  # done ones too: their end times start this op (virtual)
         self.duration = duration
         self.not_before = 0.0
         self.done = False
@@ -562,7 +562,6 @@ class Sim(_Watched):
         self._next_address = 0x7F0000000000
         self._allocated: collections.Counter[int] = collections.Counter()  # bytes per device
         self._patches: list[tuple[Any, str, Any]] = []
-        self._modules: dict[str, Any] = {}
         self._installed = False
         self.nccl = sim_nccl.SimNccl(self, **nccl_options)
 
@@ -616,14 +615,17 @@ class Sim(_Watched):
         for t in threads:
             t._sim_unbound = True  # type: ignore[attr-defined] - bound by main()
             t.start()
-        limit = time.monotonic() + (timeout_s if timeout_s is not None else 3 * self.hang_bound_s + 5)
+        allowed = timeout_s if timeout_s is not None else 3 * self.hang_bound_s + 5
+        limit = time.monotonic() + allowed
         for r, t in enumerate(threads):
             t.join(max(0.0, limit - time.monotonic()))
             if t.is_alive():
+                state = self.state()
                 self.stop()
                 for u in threads:
                     u.join(2.0)
-                raise SimHang(f"sim.run_ranks: rank {r} still running after {limit:.0f}: {self.state()}")
+                raise SimHang(f"sim.run_ranks: rank {r} still running after {allowed:g} s "
+                              f"(raised meanwhile: {sorted(errors)}): {state}")
         if not raise_first:
             return [errors.get(r, results[r]) for r in range(world_size)]
         if errors:
@@ -660,19 +662,16 @@ class Sim(_Watched):
         if not self._installed:
             return
         self.stop()
-        try:
-            pass
-        finally:
-            for obj, name, old in reversed(self._patches):
-                if old is _MISSING:
-                    delattr(obj, name)
-                else:
-                    setattr(obj, name, old)
-            self._patches.clear()
-            self.nccl.uninstall_modules()
-            self._installed = False
-            self._tls.process = None
-            _ACTIVE = None
+        for obj, name, old in reversed(self._patches):
+            if old is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+        self._patches.clear()
+        self.nccl.uninstall_modules()
+        self._installed = False
+        self._tls.process = None
+        _ACTIVE = None
 
     def stop(self) -> None:
         """Wake every thread waiting in the sim (they raise ``SimStopped``; workers end); nothing runs after."""

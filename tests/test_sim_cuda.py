@@ -84,6 +84,16 @@ def test_the_virtual_clock_times_kernels_and_waits_exactly():
         with pytest.raises(RuntimeError, match="without enable_timing"):
             start.elapsed_time(untimed)
         assert sim.process(0).host_time == pytest.approx(0.009)  # the host waited for the side stream's end
+        late = torch.cuda.Stream()
+        sim.kernel(0.001, name="more compute")
+        done = compute.record_event(torch.cuda.Event(enable_timing=True))
+        while not done.last.done:  # it has run (seen inside the sim): the wait below still starts after its time
+            time.sleep(0.001)
+        late.wait_event(done)
+        with torch.cuda.stream(late):
+            after = late.record_event(torch.cuda.Event(enable_timing=True))
+        after.synchronize()
+        assert after.time == pytest.approx(0.010)
 
 
 @pytest.mark.timeout(60)

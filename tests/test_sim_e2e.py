@@ -125,9 +125,9 @@ def test_two_level_flushes_on_the_cupy_path(case, monkeypatch):
 @pytest.mark.timeout(120)
 def test_negative_control_a_wrong_root_in_one_ranks_two_level_stage_is_caught(monkeypatch):
     """After the learning step, data-parallel rank 3 (rail 1: ranks 1 and 3) issues its rail Reduces to the other
-    root: the sim reports the mismatch naming both ranks' calls, the rank that issued it fails naming its rail call,
-    and no rank finishes its backward. (How the peers fail is issue 37's business: at the deadline, or, until its
-    finding 2 is fixed, in an abort that waits behind the rail's spinning kernel.)"""
+    root: the sim reports the mismatch naming both ranks' calls, the rail rank that completed the mismatched call
+    fails naming its rail call, and no rank finishes its backward. (How the peers fail is issue 37's business: at the
+    deadline, or, until its finding 2 is fixed, in an abort that waits behind the rail's spinning kernel.)"""
     from sim_cuda import SimHang
 
     from owner_reduce import OwnerReduceCommError
