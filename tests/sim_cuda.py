@@ -117,8 +117,22 @@ class _Watched:
 # ---- processes, streams, events ---------------------------------------------------------------------------------
 
 
+class SimHost:
+    """One host thread's knowledge: its virtual time and its happens-before identity. A rank's main thread and each
+    thread it starts (a watchdog, an abort) have one each, as threads have on a real host: what a watchdog learns by a
+    ``query`` neither delays nor orders what the main thread launches, so the virtual timeline does not depend on when
+    a polling thread happened to look."""
+
+    __slots__ = ("name", "host_time")
+
+    def __init__(self, name: str, host_time: float = 0.0) -> None:
+        self.name = name
+        self.host_time = host_time
+
+
 class SimProcess:
-    """One rank's CUDA context: its current device, its streams per device (the default one first), its host."""
+    """One rank's CUDA context: its current device, its streams per device (the default one first), its main host
+    thread (``main``; threads it starts have hosts of their own: ``SimHost``)."""
 
     def __init__(self, sim: Sim, rank: int) -> None:
         self.sim = sim
@@ -126,13 +140,18 @@ class SimProcess:
         self.device = rank % sim.device_count
         self.cupy_device = self.device  # cupy's own current device (``cupy.cuda.Device``)
         self.host = hb_cuda.HOST if sim.max_ranks == 1 else f"r{rank}/{hb_cuda.HOST}"
-        self.host_time = 0.0  # virtual seconds
+        self.main = SimHost(self.host)  # the rank's main thread: its virtual seconds, its happens-before name
         self.counters: collections.Counter[str] = collections.Counter()
         self._default: dict[int, SimStream] = {}
         self._current: dict[int, SimStream] = {}
         self.error: BaseException | None = None  # a kernel that failed: sticky, as a CUDA error
         if sim.hb is not None:
             sim.hb.thread(self.host)
+
+    @property
+    def host_time(self) -> float:
+        """The main thread's virtual time."""
+        return self.main.host_time
 
     def default_stream(self, device: int) -> SimStream:
         stream = self._default.get(device)
@@ -585,15 +604,31 @@ class Sim(_Watched):
                            f"(sim.run_ranks binds its threads; sim.bind(rank) binds another)")
         return process
 
+    def _this_host(self, process: SimProcess) -> SimHost:
+        """The host thread acting for ``process`` now: this thread's own where it was started by a rank's thread
+        (``bind(rank, host)``), else the rank's main thread."""
+        host = getattr(self._tls, "host", None)
+        return host if host is not None and getattr(self._tls, "process", None) is process else process.main
+
+    def _new_host(self, process: SimProcess, starter: SimHost, name: str) -> SimHost:
+        """A thread started by ``starter``'s thread: it knows what its starter knew (thread start orders), no more."""
+        host = SimHost(f"{process.host}/{name}", starter.host_time)
+        if self.hb is not None:
+            with self.lock:
+                self.hb.thread(host.name)
+                self.hb.host_joins(host.name, self.hb.snapshot(starter.name))
+        return host
+
     @contextlib.contextmanager
-    def bind(self, rank: int) -> Iterator[SimProcess]:
-        """This thread acts as rank ``rank``'s process while inside."""
-        previous = getattr(self._tls, "process", None)
+    def bind(self, rank: int, host: SimHost | None = None) -> Iterator[SimProcess]:
+        """This thread acts as rank ``rank``'s process while inside (as its main thread, or as ``host``)."""
+        previous = getattr(self._tls, "process", None), getattr(self._tls, "host", None)
         self._tls.process = self.process(rank)
+        self._tls.host = host
         try:
             yield self._tls.process
         finally:
-            self._tls.process = previous
+            self._tls.process, self._tls.host = previous
 
     def run_ranks(self, fn: Callable[[int], Any], world_size: int, timeout_s: float | None = None,
                   raise_first: bool = True) -> list[Any]:
@@ -788,10 +823,11 @@ class Sim(_Watched):
             process = getattr(sim._tls, "process", None)
             if process is not None and not getattr(thread, "_sim_unbound", False):
                 run = thread.run
+                host = sim._new_host(process, sim._this_host(process), thread.name)
 
                 def bound_run() -> None:
                     if sim._installed:
-                        with sim.bind(process.rank):
+                        with sim.bind(process.rank, host):
                             run()
                     else:
                         run()
@@ -875,13 +911,13 @@ class Sim(_Watched):
         with self.lock:
             stream.enqueued += 1
             op.seq = stream.enqueued
-            op.not_before = host.host_time
+            op.not_before = self._this_host(host).host_time
             if op.kind in ("kernel", "nccl", "stall"):
                 stream.launches += 1
                 host.counters["launch"] += 1
             hb = self.hb
             if hb is not None:
-                hb.enqueue(stream.name, host.host)
+                hb.enqueue(stream.name, self._this_host(host).name)
                 hb.join_into(stream.name, hb_join)
                 if accesses:
                     where = site or hb_cuda.site(3)
@@ -988,9 +1024,10 @@ class Sim(_Watched):
                      clock: dict[str, int] | None = None) -> None:
         """``process``'s host waited for ``stream`` (everything on it so far) or for what ``clock`` covers."""
         with self.lock:
-            process.host_time = max(process.host_time, until)
+            host = self._this_host(process)
+            host.host_time = max(host.host_time, until)
             if self.hb is not None:
-                self.hb.host_joins(process.host, self.hb.clocks.get(stream) if stream is not None else clock)
+                self.hb.host_joins(host.name, self.hb.clocks.get(stream) if stream is not None else clock)
 
     def _who(self) -> str:
         process = getattr(self._tls, "process", None)
@@ -1105,8 +1142,9 @@ class Sim(_Watched):
         process = self._this_process()
         with self.lock:
             if on_host:
-                self.hb.host_tick(process.host)
-                self._hb_touch(tensor, write, process.host, op, hb_cuda.site(2))
+                host = self._this_host(process).name
+                self.hb.host_tick(host)
+                self._hb_touch(tensor, write, host, op, hb_cuda.site(2))
             else:
                 self._enqueue(Op(process.current_stream(tensor._sim_storage.device), "kernel", op),
                               accesses=[(tensor, write)], site=hb_cuda.site(2))
@@ -1364,7 +1402,8 @@ def _to_copy(sim: Sim, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         process = sim._this_process()
         if sim.hb is not None:
             with sim.lock:
-                sim._hb_touch(src, False, process.host, "aten._to_copy (device to host)", hb_cuda.site(3))
+                sim._hb_touch(src, False, sim._this_host(process).name, "aten._to_copy (device to host)",
+                              hb_cuda.site(3))
         return out
     if not isinstance(src, SimTensor):  # host to device
         return sim.h2d(src, sim._device_index(target), dtype, non_blocking)
@@ -1403,7 +1442,8 @@ def _copy_(sim: Sim, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], s
     sim._sync_current(device, f"a device-to-host copy of {src.numel()} elements")
     if sim.hb is not None:
         with sim.lock:
-            sim._hb_touch(src, False, sim._this_process().host, "aten.copy_ (device to host)", hb_cuda.site(3))
+            sim._hb_touch(src, False, sim._this_host(sim._this_process()).name, "aten.copy_ (device to host)",
+                          hb_cuda.site(3))
     return dst.copy_(src._inner)
 
 

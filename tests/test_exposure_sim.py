@@ -12,7 +12,6 @@ import types
 from dataclasses import dataclass
 
 import pytest
-import sim_cuda
 import torch
 from fakes import flat_map
 from sim_cuda import Sim
@@ -27,22 +26,6 @@ WS = 2
 LAYERS = 4
 NUMEL = 16  # every layer's gradient; a bucket of one gradient flushes once per layer
 MS = 1e-3
-
-
-@pytest.fixture(autouse=True)
-def _waits_keep_their_virtual_time(monkeypatch):
-    """A minimal helper until the sim has it (said in issue 42's report): ``sim_cuda.Op`` drops the ops it waits for
-    that have already completed in wall time, and with them their virtual end, so a stream wait on a flush that the
-    worker thread happened to finish first starts at the waiting stream's own clock: the virtual timeline then
-    depends on thread scheduling. Here every op keeps what it waits for; a completed one costs no wait, only its
-    end."""
-    init = sim_cuda.Op.__init__
-
-    def keeping(self, stream, kind, name, fn=None, deps=(), duration=0.0):
-        init(self, stream, kind, name, fn, (), duration)
-        self.deps = [d for d in deps if d is not None]
-
-    monkeypatch.setattr(sim_cuda.Op, "__init__", keeping)
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,11 @@ def _nccl():
 @pytest.mark.timeout(60)
 def test_a_stream_runs_its_ops_in_order_after_the_host_returned(sim):
     x = torch.zeros(4, device="cuda")
+    stream = torch.cuda.current_stream()
+    stream.synchronize()  # the fill has run: the queue below holds exactly what follows (its worker races the host)
     release = sim.stall()
     x.add_(1)
     x.mul_(3)
-    stream = torch.cuda.current_stream()
     assert not stream.query() and len(stream.queue) == 3  # the host returned; nothing ran yet
     release.set()
     assert x.cpu().tolist() == [3.0] * 4  # (0 + 1) * 3: in order
