@@ -93,7 +93,7 @@ with Sim(transport="processes", max_ranks=1, hang_bound_s=30.0):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("argv", [["launch-stall"], ["abort-order", "--alone-s", "2"],
-                                  ["product-stall", "--deadline", "3"]])
+                                  ["product-stall"]])  # its 8 s deadline: a healthy flush may lag 3 s under load
 def test_each_check_passes_on_the_simulated_device(mech, monkeypatch, tmp_path, capsys, argv):
     """The script as gpu_check runs it (its parent: spawning, bounds, verdict, RESULT line), each rank process on the
     simulated device (``Sim(transport="processes")``: CUDA's launch queue, NCCL's abort waiting for the last kernel), so
