@@ -132,3 +132,31 @@ def test_algo_is_appended_last():
                                          algo="reduce_scatter"))
     assert line.endswith(" calls=1 eligible_tasks=2 eligible_elems=200 eligible_share=100.0% algo=reduce_scatter")
     assert " algo=" not in format_probe_line(FlushReport(0, 1, "float32", plan, 100, True, 2))
+
+
+def test_the_init_line_is_shown_at_deepspeeds_default_level_and_the_rest_stays_at_info(monkeypatch):
+    """Turning the owner path on always says what it does: rank 0's init line goes out at WARNING where DeepSpeed's
+    log level (WARNING by default) hides INFO, and at INFO where INFO shows; the other lines stay at INFO either way.
+    Negative control: without ``even_if_hidden`` the init line is dropped at the default level."""
+    import logging
+
+    from deepspeed.utils import logger
+    from deepspeed.utils import logging as deepspeed_logging
+
+    from owner_reduce.runtime import stats
+
+    records: list[tuple[str, str]] = []
+    monkeypatch.setattr(logger, "warning", lambda line: records.append(("warning", line)))
+    monkeypatch.setattr(logger, "info", lambda line: records.append(("info", line)))
+    before = logger.level
+    try:
+        deepspeed_logging.set_log_level_from_string("warning")
+        stats.emit("DeepCompile reduce_to_owner: 3/4 gradients reduce to one rank", even_if_hidden=True)
+        stats.emit("owner_reduce: settings: algo=auto")
+        deepspeed_logging.set_log_level_from_string("info")
+        stats.emit("DeepCompile reduce_to_owner: 3/4 gradients reduce to one rank", even_if_hidden=True)
+    finally:
+        deepspeed_logging.set_log_level_from_string(logging.getLevelName(before).lower())
+    assert records == [("warning", "DeepCompile reduce_to_owner: 3/4 gradients reduce to one rank"),
+                       ("info", "owner_reduce: settings: algo=auto"),
+                       ("info", "DeepCompile reduce_to_owner: 3/4 gradients reduce to one rank")]

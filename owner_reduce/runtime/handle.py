@@ -206,7 +206,7 @@ class OwnerReduceRuntime:
             self.comm.set_deadline(flush_deadline)
         if self.comm.rank == 0:
             self.stats.init_line = self.settings.owner_map.init_line(sliced=self.settings.flags.reduce_to_owner)
-            emit(self.stats.init_line)
+            emit(self.stats.init_line, even_if_hidden=True)
             self.stats.settings_line = self._settings_line(flush_deadline)
             emit(self.stats.settings_line)
             if self.settings.verdicts_path is not None:

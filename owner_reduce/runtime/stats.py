@@ -14,17 +14,28 @@ LOG_LEVEL_HINT = 'add "log_level": "info" to the DeepSpeed config'
 _hidden_said: set[str] = set()
 
 
-def emit(line: str) -> None:
+def emit(line: str, *, even_if_hidden: bool = False) -> None:
     """Log a line of owner_reduce's own (the init, settings, schedule and probe lines) through DeepSpeed's logger at
     INFO, as DeepSpeed logs what a feature does (``log_dist(..., ranks=[0])``); the callers choose the ranks (rank 0,
     the probe's every rank on request). DeepSpeed's default level is WARNING, which hides them: ``say_if_hidden``.
+    ``even_if_hidden``: the one line that proves the owner path is on (rank 0's init line) goes out at WARNING where
+    INFO is hidden, so that turning the flag on always says what it does.
 
     Note (whole lines): every rank writes to the same terminal or pipe; the logger's handler writes a record and its
     newline in one write, so another rank's line cannot land inside it.
     """
     from deepspeed.utils import logger
 
-    logger.info(line)
+    if even_if_hidden and _info_hidden(logger):
+        logger.warning(line)
+    else:
+        logger.info(line)
+
+
+def _info_hidden(logger: logging.Logger) -> bool:
+    """Whether INFO records are dropped: by the logger's level or by every handler's (DeepSpeed's own handler has a
+    level too: ``logger.setLevel`` alone leaves it at WARNING; the config's ``log_level`` sets both)."""
+    return not (logger.isEnabledFor(logging.INFO) and any(h.level <= logging.INFO for h in logger.handlers))
 
 
 def emit_detail(line: str) -> None:
@@ -40,9 +51,7 @@ def say_if_hidden(what: str) -> bool:
     that silently does nothing."""
     from deepspeed.utils import logger
 
-    # The logger's level and its handlers' (DeepSpeed's own handler has a level too: ``logger.setLevel`` alone leaves it
-    # at WARNING; the config's ``log_level`` sets both).
-    if logger.isEnabledFor(logging.INFO) and any(h.level <= logging.INFO for h in logger.handlers):
+    if not _info_hidden(logger):
         return False
     if what not in _hidden_said:
         _hidden_said.add(what)
