@@ -180,6 +180,14 @@ def main() -> int:
         print(line)
     for line in runs["owner"][0]["stats"].probe_lines[:3]:
         print(line)
+    # The probe's step summary (rank 0, after the 8th step; none in a shorter run): the AllReduce run is a probe-only
+    # run, whose lines add the owner path's modelled saving; the owner run's say what was measured, and on which calls.
+    for name in ("allreduce", "owner"):
+        lines = runs[name][0]["stats"].exposure_lines
+        if lines:
+            print(f"step summary, {'probe only' if name == 'allreduce' else 'owner path on'}:")
+            for line in lines:
+                print(line)
     print()
     print_table(summary)
     print(f"wrote {', '.join(str(p) for p in [*pngs, args.out / 'summary.json'])}")
