@@ -97,6 +97,11 @@ def stalled_peer_main(world_size: int, stall_rank: int, layers: int, kernels: in
             r["fullest_launch_queue"] = fullest.get(r["rank"], 0)
             r["launch_bound"] = sim.launch_bound
         print("RANK " + json.dumps(r if isinstance(r, dict) else {"error": f"{type(r).__name__}: {r}"}), flush=True)
+    # The stalled rank's simulated kernels spin forever on the sim's stream threads, as a hung GPU's would; an
+    # interpreter shutdown that tears torch down under those threads can abort ("terminate called without an active
+    # exception", seen once in CI after every rank had reported). The verdict is the lines above: leave at once.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 @pytest.mark.timeout(240)
