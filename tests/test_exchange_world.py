@@ -111,7 +111,7 @@ def test_a_missing_call_fails_fast_naming_the_rank_and_the_call():
     with pytest.raises(ExchangeTimeout, match=r"rank 0, call #2 reduce\(root=1, count=6, dtype=float32\): rank 1 "
                                               r"returned without joining it"):
         world.run(rank_main)
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30  # the claim: before the world's 30 s timeout, which would also name it
 
 
 def test_a_stalled_rank_times_out_naming_it():
