@@ -187,11 +187,85 @@ def test_flags_that_take_effect_warn_nothing(installed, stage):
     assert captured.owner_lines() == []
 
 
-def test_negative_control_without_install_top_level_keys_pass_silently():
-    # What the warning exists for: DeepSpeed alone says nothing about a misplaced key.
-    captured = _Captured()
-    DeepSpeedConfig(_cfg(top={"reduce_to_owner": True}, deepcompile=True))
-    assert captured.owner_lines() == []
+MISPLACED = _cfg(top={"reduce_to_owner": True}, deepcompile=True)
+
+
+def _said_about(key, config, capfd):
+    """Every line that reading ``config`` makes DeepSpeed (or anything it calls) say about ``key``, on every channel:
+    its logger's records at any level (lowered to DEBUG meanwhile: what its own stdout handler would print is among
+    them), Python warnings, and whatever reaches stdout and stderr (a print, a write to either stream)."""
+    import logging
+    import warnings
+
+    from deepspeed.utils import logger
+
+    from owner_reduce.wiring import unused_flags
+
+    unused_flags._warned.clear()  # owner_reduce says each reason once per process
+    capfd.readouterr()
+    records = []
+    handler = logging.Handler(level=logging.DEBUG)
+    handler.emit = lambda record: records.append(record.getMessage())
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            DeepSpeedConfig(config)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    out, err = capfd.readouterr()
+    heard = records + [str(w.message) for w in caught] + out.splitlines() + err.splitlines()
+    return [line for line in heard if key in line]
+
+
+def _assert_silent_about(key, said):
+    assert said == [], f"something spoke about {key!r}: {said}"
+
+
+def test_negative_control_without_install_top_level_keys_pass_silently(capfd):
+    # What the warning exists for: DeepSpeed alone says nothing about a misplaced key, on any channel.
+    assert not owner_reduce.is_installed()
+    _assert_silent_about("reduce_to_owner", _said_about("reduce_to_owner", MISPLACED, capfd))
+
+
+def _deepspeed_speaks(how):
+    """DeepSpeed's config check (``_do_warning_check``, where it puts its config warnings) also saying something
+    about the misplaced key, as ``how`` says: the fault the silence check above must hear."""
+    import warnings
+
+    from deepspeed.utils import logger
+
+    original = DeepSpeedConfig._do_warning_check
+    words = "ignoring the unknown top-level key 'reduce_to_owner'"
+    say = {"debug log": lambda: logger.debug(words), "print": lambda: print(words),
+           "python warning": lambda: warnings.warn(words, stacklevel=1)}[how]
+
+    def _do_warning_check(self):
+        original(self)
+        say()
+
+    return _do_warning_check
+
+
+@pytest.mark.parametrize("speaker", ["owner_reduce installed", "debug log", "print", "python warning"])
+def test_the_silence_check_hears_anyone_speak_about_the_key(capfd, monkeypatch, speaker):
+    """Negative control of the one above: with the fault in the config-reading path (owner_reduce's own warning, or
+    DeepSpeed's check speaking on one channel), the same check fails, quoting what was said."""
+    if speaker == "owner_reduce installed":
+        owner_reduce.install()
+        expected = r"'reduce_to_owner' at the top level of the DeepSpeed config has no effect"
+    else:
+        monkeypatch.setattr(DeepSpeedConfig, "_do_warning_check", _deepspeed_speaks(speaker))
+        expected = r"ignoring the unknown top-level key 'reduce_to_owner'"
+    try:
+        said = _said_about("reduce_to_owner", MISPLACED, capfd)
+    finally:
+        owner_reduce.uninstall()
+    with pytest.raises(AssertionError, match=rf"something spoke about 'reduce_to_owner': \[.*{expected}"):
+        _assert_silent_about("reduce_to_owner", said)
 
 
 def _silent_cases_worker(rank, world_size):

@@ -37,7 +37,7 @@ def _calls(sim: Sim) -> Counter[str]:
 NUMELS = [3 + (7 * i) % 11 for i in range(40)]  # 40 gradients of 3..13 elements; ws 2: a straddler in the middle
 
 
-def _steps(rank, bucket, steps=4, algo="auto", measure=False, copy=None):
+def _steps(rank, bucket, steps=4, algo="auto", measure=False):
     """``steps`` backwards of rank ``rank`` of 2 on the sim; per step (CUDA calls, copies into buckets, flushes)."""
     m = flat_map(NUMELS, 2)
     with Sim(max_ranks=1) as sim:
@@ -48,7 +48,7 @@ def _steps(rank, bucket, steps=4, algo="auto", measure=False, copy=None):
 
         def counting_copy(dst, src):
             copies["copy"] += 1
-            (copy or CudaStreams.copy)(dst, src)
+            CudaStreams.copy(dst, src)
 
         streams.copy = counting_copy
 
@@ -69,9 +69,7 @@ def _steps(rank, bucket, steps=4, algo="auto", measure=False, copy=None):
     return per_step, calls, m, rt
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-@pytest.mark.parametrize("bucket", [1 << 20, 60])
-def test_no_cuda_call_per_gradient_only_per_flush(rank, bucket):
+def _assert_calls_only_per_flush(rank, bucket):
     per_step, calls_total, m, _ = _steps(rank, bucket)
     pieces = sum(max(1, len([s for s in m.slices(p.param_id) if s.length])) for p in m)
     for step, (calls, copies, flushes) in enumerate(per_step):
@@ -79,12 +77,19 @@ def test_no_cuda_call_per_gradient_only_per_flush(rank, bucket):
         # Per flush: the bucket waits for its last flush (current_stream + wait_event, from the second fill on),
         # the reduce stream waits for the current one (current_stream + wait_stream + stream switch), the bucket's
         # free event (Event + record); per step, end_backward's bounded wait polls the reduce stream (query).
-        assert calls <= 7 * flushes + 1, (step, calls, flushes, calls_total)
+        assert calls <= 7 * flushes + 1, \
+            f"step {step}: {calls} CUDA calls for {flushes} flushes, over 7 per flush + 1 ({dict(calls_total)})"
         if step >= 1:  # scheduled: each gradient copied whole, or slice by slice
             assert copies == pieces, (step, copies)
         else:  # arrival order: one copy per gradient
             assert copies == len(NUMELS)
     assert calls_total["Stream"] == 1  # one reduce stream for the whole run
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("bucket", [1 << 20, 60])
+def test_no_cuda_call_per_gradient_only_per_flush(rank, bucket):
+    _assert_calls_only_per_flush(rank, bucket)
 
 
 def test_the_measured_guard_times_each_trial_flush_with_two_events_and_stops_after_its_trial():
@@ -147,15 +152,19 @@ def test_a_two_level_flush_adds_a_few_cuda_calls_per_stage_and_none_per_gradient
         assert _calls(sim)["Stream"] == 3  # the reduce stream and the two level streams, once
 
 
-def test_the_counter_sees_a_per_gradient_call():
-    """Negative control: the product's copy into the bucket also recording an event on the current stream (the old
-    copy-stream discipline's per-gradient call) shows up in the sim's counts as calls growing with the gradients."""
-    per_step, _, _, _ = _steps(0, 1 << 20)
-    baseline = per_step[-1][0]
+@pytest.mark.parametrize("bucket", [1 << 20, 60])
+def test_the_bound_rejects_a_per_gradient_cuda_call_in_the_placement(monkeypatch, bucket):
+    """Negative control of the bound above: the product's placement of a scheduled gradient also records an event on
+    the current stream (the old copy-stream discipline's per-gradient call, three CUDA calls: Event, current_stream,
+    record). The same assertions then fail on the per-flush bound, at the first scheduled step."""
+    from owner_reduce.runtime.placement import GradPlacer
 
-    def copy_with_event(dst, src):
-        dst.copy_(src)
-        torch.cuda.Event().record(torch.cuda.current_stream())
+    place = GradPlacer._place
 
-    per_step, _, _, _ = _steps(0, 1 << 20, copy=copy_with_event)
-    assert per_step[-1][0] >= baseline + 3 * len(NUMELS), (per_step, baseline)  # Event, record, current_stream
+    def place_and_record(self, step, grad):
+        place(self, step, grad)
+        torch.cuda.Event().record(torch.cuda.current_stream(grad.device))
+
+    monkeypatch.setattr(GradPlacer, "_place", place_and_record)
+    with pytest.raises(AssertionError, match=r"^step 1: \d+ CUDA calls for \d+ flushes, over 7 per flush \+ 1"):
+        _assert_calls_only_per_flush(0, bucket)

@@ -9,6 +9,7 @@ simulated device does not model (it simulates cupy's NCCL, not torch's process g
 from __future__ import annotations
 
 import datetime
+import re
 import threading
 import time
 import types
@@ -25,6 +26,9 @@ from owner_reduce.runtime import nccl_comm
 from owner_reduce.runtime.deadline import ENV_VAR, Deadline, poll_until_done, resolve, wait_work
 
 SHORT = Deadline(0.2, "test")
+# A stall fails within its deadline plus this. The bound is the claim; the slack is this loaded 2-core host's
+# scheduling (the polls themselves sleep at most 0.2 ms), not the product's.
+SLACK_S = 2.0
 
 
 @pytest.fixture(autouse=True)
@@ -120,9 +124,10 @@ def test_timeout_aborts_once_and_names_rank_flush_call_and_seconds():
     error = caught.value
     assert aborts == [1]
     assert (error.rank, error.flush, error.call, error.reason) == (1, 3, "end_backward", "timed out")
-    assert SHORT.seconds <= error.waited_s < SHORT.seconds + 2 * deadlines._MAX_SLEEP_S
-    assert str(error) == (f"owner_reduce: rank 1, flush #3: end_backward timed out after waiting "
-                          f"{error.waited_s:.1f} s (deadline 0.2 s from test)")
+    assert SHORT.seconds <= error.waited_s < SHORT.seconds + 2 * deadlines._MAX_SLEEP_S  # the fake clock's seconds
+    # The message says the deadline as configured; the measured seconds are a separate fact, matched as a number only.
+    assert re.fullmatch(r"owner_reduce: rank 1, flush #3: end_backward timed out after waiting 0\.2 s \(the deadline, "
+                        r"from test; measured \d+\.\d s\)", str(error)), str(error)
 
 
 def test_async_error_aborts_once_without_waiting_for_the_deadline():
@@ -146,9 +151,9 @@ def test_a_failing_abort_is_named_but_the_wait_error_wins():
 
 def test_real_clock_timeout_is_close_to_the_deadline():
     start = time.monotonic()
-    with pytest.raises(OwnerReduceCommError):
+    with pytest.raises(OwnerReduceCommError, match=r"x timed out after waiting 0\.05 s \(the deadline, from test;"):
         poll_until_done(lambda: False, deadline=Deadline(0.05, "test"), rank=0, flush=1, call="x")
-    assert 0.05 <= time.monotonic() - start < 1.0
+    assert 0.05 <= time.monotonic() - start < 0.05 + SLACK_S
 
 
 # ---- the cupy communicator's failure handling: on the simulated device's NCCL, tests/test_sim_nccl_comm.py ---------
@@ -212,7 +217,8 @@ def test_wait_work_passes_the_remaining_time_and_names_failures():
     work = FakeWork()
     wait_work(work, deadline=Deadline(20, "t"), started=clock.now - 5, rank=0, flush=1, call="reduce", clock=clock)
     assert work.timeouts == [datetime.timedelta(seconds=15)]
-    with pytest.raises(OwnerReduceCommError, match=r"rank 0, flush #2: reduce\(root=1\) timed out after waiting 20\.0"):
+    with pytest.raises(OwnerReduceCommError, match=r"rank 0, flush #2: reduce\(root=1\) timed out after waiting 20 s "
+                                                   r"\(the deadline, from t; measured "):
         wait_work(FakeWork(raises="Operation timed out!"), deadline=Deadline(20, "t"), started=clock.now - 20,
                   rank=0, flush=2, call="reduce(root=1)", clock=clock)
     with pytest.raises(OwnerReduceCommError, match=r"all_reduce failed: RuntimeError: \[gloo\] Connection closed"):
@@ -339,10 +345,8 @@ def test_torch_dist_on_nccl_never_blocks_the_host_per_flush():
     tdist = FakeTdist(complete=False)  # a peer stalls: nothing ever completes
     comm = TorchDistComm(FakeGroup(), tdist=tdist)
     comm.deadline = SHORT
-    start = time.monotonic()
     _device_flush(comm, 3)
-    comm.reduce(DeviceBuf(4), 1)  # outside a group, too
-    assert time.monotonic() - start < SHORT.seconds  # the flushes returned at once
+    comm.reduce(DeviceBuf(4), 1)  # outside a group, too: the flushes returned (the works never complete)
     assert len(tdist.works) == 5
     assert [w.host_waits for w in tdist.works] == [[]] * 5  # no Work.wait: the host never blocked
     assert [w.stream_waits for w in tdist.works] == [1] * 5  # each ordered on the (reduce) stream instead
@@ -360,12 +364,12 @@ def test_torch_dist_on_nccl_stall_fails_at_the_next_sync_point_within_the_deadli
     with pytest.raises(OwnerReduceCommError) as caught:
         comm.wait_until(lambda: True, "end_backward")  # the reduce stream itself reports done: the works do not
     elapsed = time.monotonic() - start
-    assert SHORT.seconds <= elapsed < SHORT.seconds + 1.0
+    assert SHORT.seconds <= elapsed < SHORT.seconds + SLACK_S
     error = caught.value
     assert (error.rank, error.flush, error.reason) == (0, 3, "timed out")
     assert str(error).startswith("owner_reduce: rank 0, flush #3: end_backward, waiting for reduce_scatter(count=8, "
-                                 "dtype=float32) (call 1 of 2) timed out after waiting 0.2 s (deadline 0.2 s from "
-                                 "test)")
+                                 "dtype=float32) (call 1 of 2) timed out after waiting 0.2 s (the deadline, from "
+                                 "test; measured ")
     assert group.aborts == 1  # the process group is aborted (once), so no NCCL kernel keeps spinning
     comm.wait_until(lambda: True, "cleanup")  # nothing in flight any more: returns
     comm.close()
@@ -386,12 +390,13 @@ def test_torch_dist_on_nccl_sync_point_returns_when_the_works_complete_and_names
     assert comm._in_flight == [] and group.aborts == 0
     _device_flush(comm, 2)
     tdist.works[-3].error = RuntimeError("NCCL error: remote process exited or there was a network error\nmore")
+    comm.deadline = Deadline(60.0, "test")  # a failed work ends the wait at once, long before this deadline
     start = time.monotonic()
     with pytest.raises(OwnerReduceCommError, match=r"rank 0, flush #2: end_backward, waiting for reduce_scatter.* "
                                                    r"failed: all_reduce\(count=4, dtype=float32\) \(call 2 of 2\) "
                                                    r"of flush #2: RuntimeError: NCCL error: remote process exited"):
         comm.wait_until(lambda: True, "end_backward")
-    assert time.monotonic() - start < SHORT.seconds and group.aborts == 1
+    assert time.monotonic() - start < 60.0 and group.aborts == 1
 
 
 def _levels(dp, node_complete: bool, rail_complete: bool):
@@ -428,10 +433,10 @@ def test_a_stalled_rail_fails_the_data_parallel_wait_naming_it_and_aborts_every_
     start = time.monotonic()
     with pytest.raises(OwnerReduceCommError) as caught:
         dp.wait_until(lambda: True, "end_backward")  # the reduce stream reports done; the rail's work does not
-    assert SHORT.seconds <= time.monotonic() - start < SHORT.seconds + 1.0
+    assert SHORT.seconds <= time.monotonic() - start < SHORT.seconds + SLACK_S
     assert str(caught.value).startswith("owner_reduce: rank 0, flush #5: end_backward, waiting for reduce(root=1 = "
                                         "data-parallel rank 2, count=4, dtype=float32) on the rail communicator timed "
-                                        "out")
+                                        "out after waiting 0.2 s (the deadline, from test; measured ")
     assert [c._group.aborts for c in (dp, node, rail)] == [1, 1, 1]
     assert node._in_flight == [] and rail._in_flight == []
     dp.close_subs()
@@ -542,12 +547,14 @@ def test_torch_dist_flush_fails_at_the_deadline_when_a_peer_stalls():
     assert r1["deadline"] == Deadline(600.0, "the default process group (init_distributed timeout)")
     assert r0["group_timeout_s"] == 600.0 and r0["dp_group_timeout_s"] == 1800.0
     assert r0["gathered"] == r1["gathered"] == [[0], [1]]
-    assert r0["error"].startswith("owner_reduce: rank 0, flush #5: reduce(root=0, count=4, dtype=float32) "
-                                  "(call 1 of 2) timed out after waiting 2.0 s "
-                                  "(deadline 2 s from OWNER_REDUCE_TIMEOUT_S)"), r0
-    assert 1.9 <= r0["elapsed"] < 10.0  # gloo's timed wait may wake a few µs early
-    assert r0["scatter_error"].startswith("owner_reduce: rank 0, flush #6: reduce(root=0, count=4, dtype=float32) "
-                                          "(call 1 of 2) timed out after waiting 2.0 s"), r0
+    waited = "(call 1 of 2) timed out after waiting 2 s (the deadline, from OWNER_REDUCE_TIMEOUT_S; measured "
+    assert r0["error"].startswith(f"owner_reduce: rank 0, flush #5: reduce(root=0, count=4, dtype=float32) "
+                                  f"{waited}"), r0
+    # It waited the deadline (less gloo's timed wait waking a few ms early) and failed within the deadline plus 8 s
+    # (two gloo ranks and the process group on this loaded 2-core host): the bound is the claim.
+    assert 1.9 <= r0["elapsed"] < 10.0
+    assert r0["scatter_error"].startswith(f"owner_reduce: rank 0, flush #6: reduce(root=0, count=4, dtype=float32) "
+                                          f"{waited}"), r0
     assert 1.9 <= r0["scatter_elapsed"] < 10.0
     # gloo's send waits for the stalled peer too (or gloo refuses the round at once, the pair to rank 1 having
     # been closed by the timeouts above): bounded and named either way.
@@ -816,9 +823,20 @@ def test_the_runtime_inits_under_one_deadline_then_gives_its_communicators_the_f
 
 
 def test_a_creation_gets_only_what_is_left_of_inits_deadline():
-    ended = []
+    """Init's deadline is 30 s with 0.2 s of it left: the creation is ended then, not 30 s later. The creation blocks
+    until the (fake) end comes, or 10 s: no sleep decides the verdict."""
+    said: list[str] = []
+    ends: list[int] = []
+    released = threading.Event()
+
+    def end(code: int) -> None:  # a real end never returns; this one lets the blocked call go
+        ends.append(code)
+        released.set()
+
     init = Deadline(30.0, "test", until=time.monotonic() + 0.2)
-    got = deadlines.end_process_if_still_blocked(lambda: time.sleep(0.6) or "made", deadline=init, rank=0,
-                                                 what="ncclCommInitRank (test)", write=ended.append, end=ended.append)
-    assert got == "made"  # the fake end() does not end this process; the creation returned later
-    assert ended[-1] == deadlines.BLOCKED_EXIT_CODE and "has not returned after 0.2 s" in ended[0], ended
+    got = deadlines.end_process_if_still_blocked(lambda: released.wait(10) and "made", deadline=init, rank=0,
+                                                 what="ncclCommInitRank (test)", write=said.append, end=end)
+    assert got == "made" and ends == [deadlines.BLOCKED_EXIT_CODE], (got, ends)
+    (message,) = said
+    assert message.startswith("owner_reduce: rank 0: ncclCommInitRank (test) has not returned by init's deadline (30 s "
+                              "from test, shared by all of init; "), message

@@ -125,7 +125,8 @@ def test_cleanup_hands_the_handle_back_when_the_close_wait_times_out(monkeypatch
     first = dc_util.dc_handle
     assert isinstance(first, OwnerReduceRuntime) and ops.active_runtime_or_none() is first
     with pytest.raises(OwnerReduceCommError, match=r"rank 0, outside a flush: close \(work still in flight on the "
-                                                   r"communicator's stream\) timed out after waiting \d+\.\d s"):
+                                                   r"communicator's stream\) timed out after waiting 0\.05 s "
+                                                   r"\(the deadline, from test; measured "):
         first.cleanup()  # engine.destroy(): DeepSpeed calls it once
     assert dc_util.dc_handle == "native handle" and ops.active_runtime_or_none() is None and released == [1]
     assert first.comm is None

@@ -66,7 +66,7 @@ def test_cupy_comm_timeout_aborts_exactly_once_and_never_destroys(sim):
     comm.flush = 4
     with pytest.raises(OwnerReduceCommError, match=r"rank 0, flush #4: end_backward, waiting for all_reduce\(count=8, "
                                                    r"dtype=float32\) \(call 1 of 2\) of flush #3 timed out after "
-                                                   r"waiting \d+\.\d s \(deadline 0\.2 s from test\)"):
+                                                   r"waiting 0\.2 s \(the deadline, from test; measured "):
         comm.wait_until(lambda: False, "end_backward", flush=4)
     assert sim.nccl.calls_of(0).count("abort") == 1 and "destroy" not in sim.nccl.calls_of(0)
     assert comm.aborted and member.aborted and not member.destroyed
@@ -88,7 +88,7 @@ def test_cupy_comm_async_error_aborts_and_names_it(sim):
                                                    r"dtype=float32\) \(call 1 of 2\) of flush #3 failed: "
                                                    r"NcclError: NCCL_ERROR_REMOTE_ERROR"):
         comm.wait_until(lambda: False, "bucket growth", flush=2)
-    assert time.monotonic() - start < 5 and sim.nccl.calls_of(0).count("abort") == 1
+    assert time.monotonic() - start < 30 and sim.nccl.calls_of(0).count("abort") == 1  # before the 30 s deadline
     assert "destroy" not in sim.nccl.calls_of(0)
 
 

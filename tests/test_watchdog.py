@@ -308,8 +308,7 @@ def test_a_stalled_flush_is_aborted_at_its_deadline_and_the_main_threads_next_ca
     assert error is f.dp.watchdog.error
     assert str(error).startswith("owner_reduce: rank 0, flush #7: flush watchdog: reduce(root=1 = data-parallel rank "
                                  "2, count=4, dtype=float32) (call 1 of 2) on the rail communicator timed out after "
-                                 "waiting "), error
-    assert str(error).endswith(" s (deadline 0.4 s from test)")
+                                 "waiting 0.4 s (the deadline, from test; measured "), error
     assert DEADLINE.seconds <= elapsed < DEADLINE.seconds + 3.0
     f.dp.watchdog._thread.join(HANG_S)  # its aborts all returned (the main thread may come back after the rail's)
     assert all(h.aborted.is_set() and h.destroys == 0 for h in f.handles.values())
@@ -346,7 +345,7 @@ def test_an_asynchronous_error_fires_before_the_deadline(monkeypatch):
         _flush(f.dp, 6)
 
     returned, (kind, error) = in_thread(backward)
-    assert returned and kind == "raised" and time.monotonic() - started < 5.0, (kind, error)
+    assert returned and kind == "raised" and time.monotonic() - started < 30.0, (kind, error)  # before the deadline
     assert error is f.dp.watchdog.error
     assert "flush #5: flush watchdog: reduce(root=1 = data-parallel rank 2, count=4, dtype=float32) (call 1 of 2) on " \
            "the rail communicator failed: RuntimeError: NCCL_ERROR_REMOTE_ERROR" in str(error)

@@ -79,7 +79,9 @@ class TrainSpec:
     # cover each one where the model would pick another at their sizes.
     rail_steps: tuple[str, ...] = ()
     rail_layouts: tuple[str, ...] = ()  # the two-level layouts the model may choose (``two_level.RAIL_LAYOUTS``)
-    gradient_clipping: float = 0.0  # DeepSpeed's ``gradient_clipping`` (0: off)
+    # DeepSpeed's ``gradient_clipping``: None leaves the key out, so DeepSpeed's default applies (1.0: clipping on);
+    # 0 is off (a negative control's bound assumes an unclipped step)
+    gradient_clipping: float | None = None
     check_grad_overflow: bool = False  # bf16's ``check_grad_overflow``: a step with inf or nan gradients is skipped
     inf_at: tuple[int, int] | None = None  # (step, rank), 1-based step: that rank's first micro-step loss times inf
     # resume with load_before_compile: ``engine.compile(schedule=[(global_steps, [reduce pass])])``, the compile
@@ -136,7 +138,7 @@ def ds_config(spec: TrainSpec) -> dict[str, Any]:
         config["zero_allow_untested_optimizer"] = True  # a torch.optim class by name: ZeRO partitions it as any
     if spec.bf16:
         config["bf16"] = {"enabled": True, **({"check_grad_overflow": True} if spec.check_grad_overflow else {})}
-    if spec.gradient_clipping:
+    if spec.gradient_clipping is not None:
         config["gradient_clipping"] = spec.gradient_clipping
     if spec.log_level is not None:
         config["log_level"] = spec.log_level

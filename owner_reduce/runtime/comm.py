@@ -9,7 +9,7 @@ ranks.
 
 Note (bounded waits): every wait on a collective is bounded by ``self.deadline`` (see ``deadline``) and
 fails with ``OwnerReduceCommError`` naming the rank, the flush (``group(flush=n)`` sets it), the call and
-the seconds waited; ``wait_until`` is the one place that waits on the device.
+the deadline (the seconds measured follow it); ``wait_until`` is the one place that waits on the device.
 
 Note (failure inside a group): when anything raises inside ``group()``, the group is closed through
 ``_group_failed`` (never ``_group_end``'s normal path: no more work is issued or waited for), and the error

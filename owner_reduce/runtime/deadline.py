@@ -49,22 +49,36 @@ _MAX_SLEEP_S = 2e-4  # a wait that ends costs at most this much latency (end_bac
 class OwnerReduceCommError(RuntimeError):
     """A collective of owner_reduce did not complete: a timeout, or an error NCCL or gloo reported.
 
-    Names the rank, the flush (None: outside a flush, e.g. the init-time agreement), the call and the seconds
-    waited. On the cupy path the communicator has been aborted by then; the job cannot continue.
+    Names the rank, the flush (None: outside a flush, e.g. the init-time agreement), the call, the deadline and the
+    seconds measured (``waited_s``). On the cupy path the communicator has been aborted by then; the job cannot
+    continue. The message's "after waiting N s" is the configured deadline, so one failure reads the same on every
+    run; the measured seconds follow as a separate, labelled fact (see ``outcome``).
     """
 
     def __init__(self, *, rank: int, flush: int | None, call: str, waited_s: float, deadline: Deadline,
                  reason: str, dp_rank: int | None = None) -> None:
         where = "outside a flush" if flush is None else f"flush #{flush}"
         who = f"rank {rank}" + ("" if dp_rank is None or dp_rank == rank else f" (data-parallel rank {dp_rank})")
-        super().__init__(f"owner_reduce: {who}, {where}: {call} {reason} after waiting {waited_s:.1f} s "
-                         f"(deadline {deadline.describe()})")
+        super().__init__(f"owner_reduce: {who}, {where}: {call} {outcome(reason, waited_s, deadline)}")
         self.rank = rank
         self.dp_rank = rank if dp_rank is None else dp_rank
         self.flush = flush
         self.call = call
         self.waited_s = waited_s
         self.reason = reason
+
+
+def outcome(reason: str, waited_s: float, deadline: Deadline) -> str:
+    """How a wait ended, for ``OwnerReduceCommError``: a deadline that passed ("timed out", or the flush watchdog's
+    "has not returned") says the deadline it waited for, as configured (``timed out after waiting 20 s (the deadline,
+    from ...; measured 20.0 s)``; init's shared deadline, which a later wait gets only the rest of: ``timed out at
+    init's deadline (...)``); a reported error ("failed: ...") says the seconds it came after and the deadline."""
+    if reason.startswith("failed"):
+        return f"{reason} (measured {waited_s:.1f} s into the wait; deadline {deadline.describe()})"
+    if deadline.until is not None:
+        return f"{reason} at init's deadline ({deadline.describe()}; measured {waited_s:.1f} s in this wait)"
+    return f"{reason} after waiting {deadline.seconds:g} s (the deadline, from {deadline.source}; measured " \
+           f"{waited_s:.1f} s)"
 
 
 @dataclass(frozen=True)
@@ -244,13 +258,16 @@ def end_process_if_still_blocked(call: Callable[[], T], *, deadline: Deadline, r
     returned = threading.Event()
     allowed = deadline.allowed_s(time.monotonic())
 
+    # The deadline as configured, never a measured time: init's shared one says so, with what was left of it here.
+    when = (f"after {deadline.seconds:g} s (deadline {deadline.describe()})" if deadline.until is None else
+            f"by init's deadline ({deadline.describe()}; {allowed:.3g} s of it were left when it started)")
+
     def watchdog() -> None:
         if returned.wait(allowed):
             return
-        message = (f"owner_reduce: rank {rank}: {what} has not returned after {allowed:.3g} s (deadline "
-                   f"{deadline.describe()}): a peer never joined it. NCCL cannot interrupt it, so owner_reduce ends "
-                   f"this process (exit status {BLOCKED_EXIT_CODE}), as torch's NCCL watchdog does, instead of "
-                   f"hanging.\n")
+        message = (f"owner_reduce: rank {rank}: {what} has not returned {when}: a peer never joined it. NCCL cannot "
+                   f"interrupt it, so owner_reduce ends this process (exit status {BLOCKED_EXIT_CODE}), as torch's "
+                   f"NCCL watchdog does, instead of hanging.\n")
         try:
             (write or sys.stderr.write)(message)
             sys.stderr.flush()

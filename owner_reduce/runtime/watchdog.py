@@ -297,9 +297,9 @@ class FlushWatchdog:
 
     def _error(self, comm: ReduceComm, flush: int | None, call: str, waited_s: float, reason: str
                ) -> OwnerReduceCommError:
-        """``rank 5, flush #7: flush watchdog: reduce(...) on the rail communicator timed out after waiting 12.0 s``,
-        with ``(the main thread in end_backward)`` after "flush watchdog" where the main thread was in a bounded
-        wait then (waited since the issue, not since that wait)."""
+        """``rank 5, flush #7: flush watchdog: reduce(...) on the rail communicator timed out after waiting 12 s (the
+        deadline, ...)``, with ``(the main thread in end_backward)`` after "flush watchdog" where the main thread was
+        in a bounded wait then (waited since the issue, not since that wait)."""
         waiting = self.waiting
         where = "" if waiting is None else f" (the main thread in {waiting})"
         return OwnerReduceCommError(rank=comm.global_rank, dp_rank=comm.dp_rank, flush=flush,
