@@ -212,3 +212,42 @@ def test_a_step_timed_as_a_whole_resumes_too(monkeypatch):
     assert resumed == reference[3:]
     assert fresh[0].stats.trials_resumed == 1 and fresh[0].stats.measured_lines[0].endswith(
         "native's calls for every flush from now on, overruled by measurement")
+
+
+@pytest.mark.timeout(90)
+def test_ranks_at_different_points_of_a_trial_refuse_the_save_together_naming_them_in_folded_ranges(monkeypatch):
+    """``save_checkpoint`` gathers every rank's samples; ranks whose trials are at different points (which the
+    invariants exclude: injected here into rank 1's trial) refuse together, each naming the ranks by value. At 512
+    ranks the message stays a line: ranks folded into ranges (``wording``), not listed one by one."""
+    from owner_reduce import OwnerReduceMismatchError
+
+    world, runtimes = _world()
+    fixed_clocks(runtimes, CLOSE)
+    _run(world, runtimes, range(3))
+    trial = runtimes[1].placer.running_trials()[0]
+    trial.add_sample(0, 0, 25.0)  # rank 1 one sample ahead
+
+    def save(rank):
+        try:
+            runtimes[rank].checkpoint_state()
+        except OwnerReduceMismatchError as error:
+            return str(error)
+        return None
+
+    said = world.run(save)
+    assert said == [f"owner_reduce on rank {r}: save_checkpoint: the ranks are at different points of the measured "
+                    f"guard's trials: 1 trial in a row of 6 integers on rank 0, 1 trial in a row of 7 integers on "
+                    f"rank 1" for r in range(2)], said
+
+    world, runtimes = _world()
+    fixed_clocks(runtimes, CLOSE)
+    _run(world, runtimes, range(3))
+    rt = runtimes[0]
+    shapes = [[1, 7 if r == 256 else 6] for r in range(512)]
+    monkeypatch.setattr(rt.comm, "all_gather_ints", lambda values: shapes)  # 512 ranks, rank 256 a sample ahead
+    with pytest.raises(OwnerReduceMismatchError) as caught:
+        rt.checkpoint_state()
+    message = str(caught.value)
+    assert message.endswith("trials: 1 trial in a row of 6 integers on ranks 0-255, 257-511, 1 trial in a row of 7 "
+                            "integers on rank 256"), message
+    assert len(message) < 250, message

@@ -660,8 +660,8 @@ class OwnerReduceRuntime:
         if len(set(shapes)) > 1:
             raise OwnerReduceMismatchError(
                 f"owner_reduce on rank {self.comm.rank}: save_checkpoint: the ranks are at different points of the "
-                f"measured guard's trials: " + ", ".join(f"{n} trials, a row of {w} integers on rank {r}"
-                                                         for r, (n, w) in enumerate(shapes)))
+                f"measured guard's trials: "
+                + by_value(shapes, lambda s: f"{count_noun(s[0], 'trial')} in a row of {s[1]} integers"))
         rows = self.comm.all_gather_ints(row)
         at = 0
         for trial in trials:
