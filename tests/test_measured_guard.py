@@ -134,12 +134,21 @@ def test_ties_noise_and_outliers_decide_as_the_rule_says(case):
         setattr(measured, name, product)
 
 
-def test_closeness_is_overlap_or_a_gap_within_the_spread():
+def test_closeness_is_the_distance_to_a_flip_within_the_noise():
+    """Close: native's slowest step lies no further from the model's fastest (where the verdict flips) than either
+    variant's steps vary. Each case as the slowest rank's step times (model, native), us."""
+    assert is_close([10, 10, 10], [10, 10, 10]) and is_close([3, 3, 3], [3, 3, 3])  # a tie
+    assert is_close([10, 30, 12], [11, 9, 10.5])  # noise: native's median lower, 1 from a flip, the model varies by 20
+    assert is_close([20, 21, 21], [10, 60, 11])  # one native outlier: 40 from a flip, native varies by 50
+    assert is_close([20, 22, 300], [10, 11, 11])  # one model outlier: native wins by 9, the model varies by 280
+    assert is_close([20, 25, 30], [10, 12, 18])  # native wins by 2, the model's steps vary by 10
+    assert not is_close([20, 21, 22], [10, 12, 14])  # native wins by 6, the variants vary by 2 and 4
     assert not is_close([10, 10, 10], [20, 20, 20]) and not is_close([20, 21, 20], [10, 11, 10])
-    assert is_close([10, 30, 12], [11, 9, 10.5])  # overlap
-    assert is_close([20, 25, 30], [10, 12, 18])  # separated by 2, the model's steps vary by 10
-    assert not is_close([20, 21, 22], [10, 12, 14])  # separated by 6, the variants vary by 2 and 4
-    assert is_close([3, 3, 3], [3, 3, 3])
+    # Native 4x slower with one outlier: its ranges overlap or lie within a spread of each other (the old reading of
+    # "close"), but no run would flip it: the outlier widens the distance to a flip as much as the spread.
+    assert not is_close([10, 10, 11], [40, 42, 160])  # native's outlier: 150 from a flip, native varies by 120
+    assert not is_close([10, 11, 25], [40, 41, 44])  # the model's outlier: 34 from a flip, the model varies by 15
+    assert not is_close([10, 11, 50], [40, 41, 200])  # both: the ranges overlap, 190 from a flip, spreads 40 and 160
 
 
 def test_a_trial_under_way_is_kept_as_each_steps_slowest_rank():

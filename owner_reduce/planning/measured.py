@@ -84,13 +84,22 @@ def native_beyond_noise(model: Sequence[float], native: Sequence[float]) -> bool
 
 
 def is_close(model: Sequence[float], native: Sequence[float]) -> bool:
-    """Another run of the job could decide this flush otherwise: the two variants' step times overlap, or the gap
-    between them is no wider than either variant's own spread from step to step (one more step as noisy as these
-    could close it). Where a verdict is close, a run resumed from a checkpoint saved before it, or another run of the
-    job, may differ from this one in the last bits, unless the verdicts are pinned (``verdict_book``)."""
-    low, high = (native, model) if max(native) < min(model) else (model, native)
-    gap = min(high) - max(low)
-    return gap <= max(max(model) - min(model), max(native) - min(native))
+    """Another run of the job could decide this flush otherwise: the distance from these samples to a flip of the
+    verdict is no wider than either variant's own spread from step to step (its slowest step minus its fastest).
+
+    Why that distance: the rule (``native_beyond_noise``) flips exactly where native's slowest step crosses the
+    model's fastest one, so how far this trial is from the other verdict is ``|max(native) - min(model)|``, whichever
+    side won; and a variant whose steps varied by that much in this trial could move that far in the next one. Not
+    the ranges' separation (``min`` of the slower variant minus ``max`` of the faster): on a loaded host a variant's
+    steps vary by several times, so the ranges overlap or lie within a spread of each other also where native's
+    steps are 4x the model's and no run would ever flip (one slow outlier of native's widens the spread, and it
+    widens the distance to a flip just as much). A tie is close (the rule keeps the model's choice by a hair).
+
+    Where a verdict is close, a run resumed from a checkpoint saved before it, or another run of the job, may differ
+    from this one in the last bits, unless the verdicts are pinned (``verdict_book``). Pure: the slowest rank's step
+    times in, a bool out."""
+    to_flip = abs(max(native) - min(model))
+    return to_flip <= max(max(model) - min(model), max(native) - min(native))
 
 
 def verdicts(rows: Sequence[Sequence[int]]) -> tuple[Verdict, ...]:

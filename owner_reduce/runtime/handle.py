@@ -572,7 +572,8 @@ class OwnerReduceRuntime:
         number = self._learned_graphs.get(graph_id)
         names = ", ".join("the step's reduction" if f.algo == STEP else f"flush {f.number} ({f.algo})"
                           for f in close)
-        # Why "within the noise": the two variants' step times overlap, or lie closer than they vary (``measured``).
+        # Why "within the noise": the verdict would flip where native's slowest step crosses the model's fastest,
+        # and these lie no further from that than one variant's steps varied (``measured.is_close``).
         line = (f"owner_reduce: graph {f'#{number}' if number else graph_id}: the measured guard's verdict on {names} "
                 f"was within the noise, so another run may decide otherwise and differ in the last bits; set "
                 f"{key_name(VERDICTS)} to pin the verdicts")
