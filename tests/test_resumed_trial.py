@@ -193,10 +193,10 @@ def test_a_verdict_file_written_after_the_save_pins_the_resumed_trial(uninterrup
     _same(_run(world, fresh, range(3, STEPS)), reference[3:], "the resumed run replaying the file")
     s = fresh[0].stats
     assert (s.trials_resumed, s.trials_replayed, s.trials_decided) == (1, 1, 0), s
-    assert f"the trial saved in ckpt/x goes on for its remaining 4 steps, then the verdicts replayed from " \
+    assert f"; the resumed trial's last 4 steps, then the verdicts replayed from " \
            f"compile.reduce_to_owner_verdicts={path}" in s.schedule_lines[0], s.schedule_lines
     assert s.measured_lines[0].startswith(f"[dc-schedule][r0] graph #1: verdicts replayed from "
-                                          f"compile.reduce_to_owner_verdicts={path}, as measured"), s.measured_lines
+                                          f"compile.reduce_to_owner_verdicts={path}, measured"), s.measured_lines
 
 
 @pytest.mark.timeout(90)
@@ -216,7 +216,7 @@ def test_a_step_timed_as_a_whole_resumes_too(monkeypatch):
     resumed = _four_rank_steps(world, fresh, STEPS - 3, first=3)
     assert resumed == reference[3:]
     assert fresh[0].stats.trials_resumed == 1 and fresh[0].stats.measured_lines[0].endswith(
-        "native's calls for every flush from now on, overruled by measurement")
+        "overruled by measurement: native's calls for every flush")
 
 
 @pytest.mark.timeout(90)
