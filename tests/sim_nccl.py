@@ -359,9 +359,11 @@ class _GroupState:
 
 class SimNccl:
     """NCCL of one ``Sim`` (``sim.nccl``). ``fifo_bound``: pending kernels per communicator before a launch blocks
-    the host; ``abort_reaches_peers``: an abort reaches the other members as ``ncclRemoteError`` (a network) or not
-    (NVLink); ``latency_s``/``bandwidth``: each call's virtual duration (``latency_s + bytes / bandwidth``, or
-    ``cost(call, nbytes, nranks)``); ``transport``: "threads" (ranks in this process) or "processes" (a hub)."""
+    the host (0: every launch blocks, with nothing in flight, as a launch stuck on the host in a lazy connection to a
+    dead peer, until the hang bound); ``abort_reaches_peers``: an abort reaches the other members as
+    ``ncclRemoteError`` (a network) or not (NVLink); ``latency_s``/``bandwidth``: each call's virtual duration
+    (``latency_s + bytes / bandwidth``, or ``cost(call, nbytes, nranks)``); ``transport``: "threads" (ranks in this
+    process) or "processes" (a hub)."""
 
     def __init__(self, sim: Any, *, fifo_bound: int = 1024, abort_reaches_peers: bool = False, latency_s: float = 0.0,
                  bandwidth: float = float("inf"), cost: Callable[[Call, int, int], float] | None = None,
@@ -717,11 +719,12 @@ class SimNccl:
         kernel: NCCL serializes a communicator's work across streams); other streams of the group join it."""
         sim = self.sim
         if len(member.kernels) >= self.fifo_bound:
-            oldest = member.kernels[0]
+            oldest = member.kernels[0] if member.kernels else None  # none: ``fifo_bound`` 0, see the class
             sim._host_wait(lambda: len(member.kernels) < self.fifo_bound, [member],
                            f"an NCCL launch on {member.label}, whose work FIFO is full ({self.fifo_bound} kernels "
                            f"pending: enqueue.cc waitWorkFifoAvailable)")
-            sim._host_joined(sim._this_process(), None, oldest.end, oldest.hb_clock)
+            if oldest is not None:
+                sim._host_joined(sim._this_process(), None, oldest.end, oldest.hb_clock)
         stream = posts[0][1]
         others = list(dict.fromkeys(s for _, s, _ in posts if s is not stream))
         member.launched += 1

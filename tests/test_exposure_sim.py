@@ -8,6 +8,7 @@ check; and the probe neither waits on the host nor races (the happens-before che
 
 from __future__ import annotations
 
+import collections
 import types
 from dataclasses import dataclass
 
@@ -288,3 +289,120 @@ def test_two_level_flushes_are_marked_on_their_own_streams(monkeypatch):
             assert 0 < x.exposed_us <= x.span_us <= x.step_us, x
             assert x.exposed_us >= case.delay_ms * 1000 * 0.9, x
     assert all(line.endswith("measured on the owner path") for line in runtimes[0].stats.exposure_lines[1:])
+
+
+# ---- what the probe asks of CUDA, step by step (probe only: the model's saving reads each flush's end too) ----------
+
+
+def _steps_on_the_sim(probe: bool, gradients: int, steps: int, patches=()):
+    """``steps`` probe-only steps on two ranks of the sim (arrival order, a bucket of 60 elements: many flushes), rank
+    0's CUDA calls per step (its process's counters, the communicator's own ``query`` polls left out: they vary with the
+    threads' timing, so the probe's ``completed`` calls are counted at the call) and its flushes per step."""
+    numels = [3 + (7 * i) % 11 for i in range(gradients)]  # 3..13 elements each
+    owner_map = flat_map(numels, WS)
+    completed = CudaStreams.completed
+    queries: list[int] = [0]
+
+    def counted(mark):
+        if sim._this_process().rank == 0:
+            queries[0] += 1
+        return completed(mark)
+
+    per_step = []
+    with Sim(hang_bound_s=20) as sim, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CudaStreams, "completed", staticmethod(counted))
+        for obj, name, value in patches:
+            mp.setattr(obj, name, value)
+        uid = new_unique_id()
+        runtimes = sim.run_ranks(lambda rank: _runtime(owner_map, rank, CupyNcclComm(uid, rank, WS), False, 60,
+                                                       probe), WS)
+        for member in sim.nccl.comms():  # each flush takes 1 ms: the last flushes end after the compute mark
+            member.delay_s = MS
+        grads = sim.run_ranks(lambda rank: [torch.ones(n, device="cuda") for n in numels], WS)
+        for _ in range(steps):
+            before, flushes, asked = collections.Counter(sim.process(0).counters), runtimes[0].stats.flushes, queries[0]
+
+            def step(rank):
+                rt = runtimes[rank]
+                rt.start_backward(True)
+                for pid in reversed(range(len(numels))):
+                    rt.reduce_grad(grads[rank][pid], GRAPH, pid)
+                rt.end_backward(GRAPH, False)
+
+            sim.run_ranks(step, WS)
+            calls = collections.Counter(sim.process(0).counters) - before
+            calls = collections.Counter({k: n for k, n in calls.items() if "query" not in k})
+            calls["probe query"] = queries[0] - asked
+            per_step.append((calls, runtimes[0].stats.flushes - flushes))
+        assert sim.hangs == [] and sim.nccl.mismatches == []
+    return runtimes, per_step
+
+
+# The one gather of every rank's numbers, at the step that reads the probe's last step (rank 0's share): an NCCL
+# AllGather with its non-blocking copies, each waited through an event of its own (``nccl_comm`` Note (no blocking
+# copy)).
+GATHER = {"Event": 2, "Event.record": 2, "current_stream": 1, "nccl allGather": 1, "nccl kernel": 1, "launch": 2,
+          "stream switch": 2, "copy (device to host)": 1}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("gradients", [40, 120])
+def test_the_probe_adds_a_few_cuda_calls_per_step_none_per_gradient_and_never_waits(gradients):
+    """Per recorded step: three timing events and their records (the compute mark on the current stream); a step
+    later two ``completed`` queries and three elapsed-time reads plus one per flush read back for the model's saving;
+    never a synchronize. The same for 40 and 120 gradients (more flushes too); after the probe's steps, exactly the
+    calls of a run without it."""
+    steps = PROBE_STEPS + 4
+    _, plain = _steps_on_the_sim(False, gradients, steps)
+    runtimes, probed = _steps_on_the_sim(True, gradients, steps)
+    assert len(runtimes[0].stats.exposure_lines) == PROBE_STEPS
+    assert all(s.how == MODELLED and s.saving_us is not None for s in runtimes[0].stats.exposure_samples)
+    for step, ((calls, flushes), (base, base_flushes)) in enumerate(zip(probed, plain, strict=True)):
+        assert flushes == base_flushes and flushes >= 2
+        added = calls - base
+        assert not (base - calls), (step, base - calls)  # nothing of the plain run's is dropped
+        assert calls["synchronize"] == calls["Event.synchronize"] == 0, (step, calls)
+        if step == PROBE_STEPS + 1:  # the step that reads step 7 gathers every rank's numbers, once
+            assert not (collections.Counter(GATHER) - added), (step, added)
+            added = added - collections.Counter(GATHER)
+        if step <= PROBE_STEPS:  # steps 1..7 recorded (step 1 marks where step 2 starts)
+            assert (added["Event"], added["Event.record"], added["current_stream"]) == (3, 3, 1), (step, added)
+        if 2 <= step <= PROBE_STEPS + 1:  # steps 3..8 read the step before (step 1 is only a start)
+            assert added["probe query"] == 2, (step, added)
+            assert 3 <= added["Event.elapsed_time"] <= 3 + flushes, (step, added)
+        assert sum(added.values()) <= 7 + 2 + 3 + flushes, (step, added)  # per step and flush read, never per gradient
+        if step > PROBE_STEPS + 1:
+            assert not added, (step, added)  # the probe is done: the plain run's calls exactly
+    # The model's saving read flush ends back from the last (one elapsed-time read each), in some steps at least.
+    assert max((calls - base)["Event.elapsed_time"] for (calls, _), (base, _) in zip(probed, plain, strict=True)) > 3
+
+
+@pytest.mark.timeout(120)
+def test_a_step_whose_marks_have_not_completed_is_not_measured_and_never_waited_for():
+    """Negative control of the no-wait rule: every rank's step 3 compute mark answers ``completed`` False when step 4
+    reads it (injected where the product asks); that step is 'not measured' (no elapsed_time of it, which CUDA would
+    refuse), the others are read, and nothing synchronizes."""
+    from sim_cuda import _sim
+
+    compute_mark, completed = CudaStreams.compute_mark, CudaStreams.completed
+    marks: dict[int, list] = collections.defaultdict(list)
+    late: set[int] = set()
+
+    def remembered(self):
+        mark = compute_mark(self)
+        mine = marks[_sim()._this_process().rank]
+        mine.append(mark)
+        if len(mine) == 3:
+            late.add(id(mark))
+        return mark
+
+    def not_yet(mark):
+        return id(mark) not in late and completed(mark)
+
+    runtimes, per_step = _steps_on_the_sim(True, 40, PROBE_STEPS + 2, patches=[
+        (CudaStreams, "compute_mark", remembered), (CudaStreams, "completed", staticmethod(not_yet))])
+    assert all(calls["Event.synchronize"] == calls["synchronize"] == 0 for calls, _ in per_step)
+    samples = runtimes[0].stats.exposure_samples
+    assert [s is None for s in samples] == [k == 1 for k in range(PROBE_STEPS)]
+    assert runtimes[0].stats.exposure_lines[1] == ("[dc-probe][r0] step 3: not measured (no rank's marks had completed "
+                                                   "a step later; the probe never waits for them)")

@@ -27,6 +27,7 @@ from owner_reduce.planning.measured import (
     TRIAL_ROUNDS,
     TrialFlush,
     Verdict,
+    format_measured_detail,
     format_measured_line,
     is_close,
     median,
@@ -134,12 +135,21 @@ def test_ties_noise_and_outliers_decide_as_the_rule_says(case):
         setattr(measured, name, product)
 
 
-def test_closeness_is_overlap_or_a_gap_within_the_spread():
+def test_closeness_is_the_distance_to_a_flip_within_the_noise():
+    """Close: native's slowest step lies no further from the model's fastest (where the verdict flips) than either
+    variant's steps vary. Each case as the slowest rank's step times (model, native), us."""
+    assert is_close([10, 10, 10], [10, 10, 10]) and is_close([3, 3, 3], [3, 3, 3])  # a tie
+    assert is_close([10, 30, 12], [11, 9, 10.5])  # noise: native's median lower, 1 from a flip, the model varies by 20
+    assert is_close([20, 21, 21], [10, 60, 11])  # one native outlier: 40 from a flip, native varies by 50
+    assert is_close([20, 22, 300], [10, 11, 11])  # one model outlier: native wins by 9, the model varies by 280
+    assert is_close([20, 25, 30], [10, 12, 18])  # native wins by 2, the model's steps vary by 10
+    assert not is_close([20, 21, 22], [10, 12, 14])  # native wins by 6, the variants vary by 2 and 4
     assert not is_close([10, 10, 10], [20, 20, 20]) and not is_close([20, 21, 20], [10, 11, 10])
-    assert is_close([10, 30, 12], [11, 9, 10.5])  # overlap
-    assert is_close([20, 25, 30], [10, 12, 18])  # separated by 2, the model's steps vary by 10
-    assert not is_close([20, 21, 22], [10, 12, 14])  # separated by 6, the variants vary by 2 and 4
-    assert is_close([3, 3, 3], [3, 3, 3])
+    # Native 4x slower with one outlier: its ranges overlap or lie within a spread of each other (the old reading of
+    # "close"), but no run would flip it: the outlier widens the distance to a flip as much as the spread.
+    assert not is_close([10, 10, 11], [40, 42, 160])  # native's outlier: 150 from a flip, native varies by 120
+    assert not is_close([10, 11, 25], [40, 41, 44])  # the model's outlier: 34 from a flip, the model varies by 15
+    assert not is_close([10, 11, 50], [40, 41, 200])  # both: the ranges overlap, 190 from a flip, spreads 40 and 160
 
 
 def test_a_trial_under_way_is_kept_as_each_steps_slowest_rank():
@@ -156,17 +166,19 @@ def test_the_measured_line_names_kinds_times_and_what_was_overruled():
                TrialFlush(3, "reduce_scatter+handoff", 300.0, 500.0, Verdict(400.0, 900.0)),
                TrialFlush(4, "reduce", 50.0, 90.0, Verdict(700.0, 600.0))]
     line = format_measured_line("[dc-schedule][r0]", "#1", flushes)
-    assert line == ("[dc-schedule][r0] graph #1: measured 3 flushes over 3 steps each way, slowest rank: "
-                    "reduce_scatter x1 measured 1.500 ms vs native 1.000 ms (modelled 0.100 vs 0.200); "
-                    "reduce_scatter+handoff x1 measured 0.400 ms vs native 0.900 ms (modelled 0.300 vs 0.500); "
-                    "reduce x1 measured 0.700 ms vs native 0.600 ms (modelled 0.050 vs 0.090); "
-                    "overruled by measurement, native from now on: flush 1 (reduce_scatter); "
-                    "native faster within the noise, the model's choice kept: flush 4 (reduce)")
+    assert line == ("[dc-schedule][r0] graph #1: measured 2.600 ms vs native 2.500 ms; overruled by measurement: "
+                    "flush 1 (reduce_scatter); native faster within the noise: flush 4 (reduce)")
+    assert format_measured_detail("[dc-schedule][r0]", "#1", flushes) == (
+        "[dc-schedule][r0] graph #1: the trial of 3 flushes, medians over 3 steps each way, each step timed by its "
+        "slowest rank: "
+        "reduce_scatter x1 1.500 ms vs native 1.000 ms (modelled 0.100 vs 0.200); "
+        "reduce_scatter+handoff x1 0.400 ms vs native 0.900 ms (modelled 0.300 vs 0.500); "
+        "reduce x1 0.700 ms vs native 0.600 ms (modelled 0.050 vs 0.090)")
     kept = format_measured_line("[dc-schedule][r0]", "#2", flushes[1:2])
     assert kept.endswith("the model's choice kept for every flush")
     replayed = format_measured_line("[dc-schedule][r0]", "#2", flushes[1:2], source="the checkpoint ckpt/x")
-    assert replayed.startswith("[dc-schedule][r0] graph #2: verdicts replayed from the checkpoint ckpt/x, as "
-                               "measured 1 flush over 3 steps each way")
+    assert replayed.startswith("[dc-schedule][r0] graph #2: verdicts replayed from the checkpoint ckpt/x, measured "
+                               "0.400 ms vs native 0.900 ms")
 
 
 # ---- in-process ranks -----------------------------------------------------------------------------------------
@@ -240,7 +252,7 @@ def test_a_reduce_scatter_slow_on_one_rank_makes_every_rank_keep_native_for_that
         (line,) = runtimes[0].stats.measured_lines
         # The medians of each step's slowest rank: the fixed samples decided it.
         assert "measured 0.092 ms vs native 0.021 ms" in line, f"verdict medians: {line}"
-        assert "overruled by measurement, native from now on: flush 1 (reduce_scatter)" in line, f"verdict: {line}"
+        assert "overruled by measurement: flush 1 (reduce_scatter)" in line, f"verdict: {line}"
         assert_verdict_runs(per_step[-2:], native=True)
         for rt in runtimes:
             s = rt.stats
@@ -383,9 +395,9 @@ def test_smoke_the_streams_clock_times_a_slow_rank_for_real():
     world, runtimes = _world(comms={1: Slow})
     per_step = _steps(world, runtimes, 1 + 2 * TRIAL_ROUNDS + 1)
     (line,) = runtimes[0].stats.measured_lines
-    model_ms = float(line.split("reduce_scatter x1 measured ", 1)[1].split(" ms", 1)[0])
+    model_ms = float(line.split(": measured ", 1)[1].split(" ms", 1)[0])
     assert model_ms >= REAL_SLOW_S * 1000, line
-    assert "overruled by measurement, native from now on: flush 1 (reduce_scatter)" in line, line
+    assert "overruled by measurement: flush 1 (reduce_scatter)" in line, line
     assert_verdict_runs(per_step[-1:], native=True)
 
 
@@ -460,10 +472,10 @@ def test_a_plan_whose_flushes_overlap_is_timed_as_a_whole_step_and_kept_or_overr
             assert rt.flusher.timed is None and rt.flusher.step_start is None
             assert {p.flush for p in rt.trial_clock.asked} == {0}  # the step as a whole, one sample per step
         (line,) = runtimes[0].stats.measured_lines
-        assert "the step's reduction (flushes overlapped) over 3 steps each way" in line, line
+        assert "measured the step's reduction (flushes overlapped): " in line, line
         two_level_after = [n for n, _ in per_step[-1]]
         if slow_rail:
-            assert line.endswith("native's calls for every flush from now on, overruled by measurement"), \
+            assert line.endswith("overruled by measurement: native's calls for every flush"), \
                 f"verdict: {line}"
             assert two_level_after == [0, 0, 0, 0]  # every rank runs native's calls, every flush
             assert all(kind == "all_reduce" for _, calls in per_step[-1] for kind, _, _ in calls)

@@ -1,7 +1,9 @@
 """scripts/nccl_mechanisms.py without a GPU: its answer when none is visible, the deep model's partition (what each
-rank registers must be what the owner map gives it: checked by the real runtime here), and how it judges rank 0's
-failure in the product's stall (the GPU run's verdict). The checks themselves run only where a GPU is lent
-(``scripts/gpu_check.sh``)."""
+rank registers must be what the owner map gives it: checked by the real runtime here), how it judges rank 0's
+failure in the product's stall (the GPU run's verdict), and each of its checks (``launch-stall``, ``abort-order``,
+``product-stall``) run whole on the simulated device: the script's parent as ``scripts/gpu_check.sh`` runs it, each rank
+a process on ``Sim(transport="processes")``. What only a GPU can show (the real launch queue, NCCL's real abort and
+its timings) is measured where a GPU is lent, by ``scripts/gpu_check.sh``."""
 
 from __future__ import annotations
 

@@ -10,6 +10,8 @@ DeepSpeed is ``test_checkpoint_trial_e2e.py``.
 from __future__ import annotations
 
 import json
+import time
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +19,9 @@ from fakes import ExchangeWorld, exchange_backward, flat_map, mirror_runtime
 from test_measured_guard import NUMELS, TRIAL_ROUNDS, WS, fixed_clocks
 
 from owner_reduce.harness.fixed_samples import FixedSamples
+from owner_reduce.planning.verdict_book import CHECKPOINT_KEY
+from owner_reduce.runtime.trial_clock import StreamClock
+from owner_reduce.wiring.checkpoint import RUNTIME_ATTR, wrap_save_checkpoint
 
 GRAPH = 11
 STEPS = 1 + 2 * TRIAL_ROUNDS + 2  # learned, the trial, two steps after the verdict
@@ -188,10 +193,10 @@ def test_a_verdict_file_written_after_the_save_pins_the_resumed_trial(uninterrup
     _same(_run(world, fresh, range(3, STEPS)), reference[3:], "the resumed run replaying the file")
     s = fresh[0].stats
     assert (s.trials_resumed, s.trials_replayed, s.trials_decided) == (1, 1, 0), s
-    assert f"the trial saved in ckpt/x goes on for its remaining 4 steps, then the verdicts replayed from " \
+    assert f"; the resumed trial's last 4 steps, then the verdicts replayed from " \
            f"compile.reduce_to_owner_verdicts={path}" in s.schedule_lines[0], s.schedule_lines
     assert s.measured_lines[0].startswith(f"[dc-schedule][r0] graph #1: verdicts replayed from "
-                                          f"compile.reduce_to_owner_verdicts={path}, as measured"), s.measured_lines
+                                          f"compile.reduce_to_owner_verdicts={path}, measured"), s.measured_lines
 
 
 @pytest.mark.timeout(90)
@@ -211,4 +216,152 @@ def test_a_step_timed_as_a_whole_resumes_too(monkeypatch):
     resumed = _four_rank_steps(world, fresh, STEPS - 3, first=3)
     assert resumed == reference[3:]
     assert fresh[0].stats.trials_resumed == 1 and fresh[0].stats.measured_lines[0].endswith(
-        "native's calls for every flush from now on, overruled by measurement")
+        "overruled by measurement: native's calls for every flush")
+
+
+@pytest.mark.timeout(90)
+def test_ranks_at_different_points_of_a_trial_refuse_the_save_together_naming_them_in_folded_ranges(monkeypatch):
+    """``save_checkpoint`` gathers every rank's samples; ranks whose trials are at different points (which the
+    invariants exclude: injected here into rank 1's trial) refuse together, each naming the ranks by value. At 512
+    ranks the message stays a line: ranks folded into ranges (``wording``), not listed one by one."""
+    from owner_reduce import OwnerReduceMismatchError
+
+    world, runtimes = _world()
+    fixed_clocks(runtimes, CLOSE)
+    _run(world, runtimes, range(3))
+    trial = runtimes[1].placer.running_trials()[0]
+    trial.add_sample(0, 0, 25.0)  # rank 1 one sample ahead
+
+    def save(rank):
+        try:
+            runtimes[rank].checkpoint_state()
+        except OwnerReduceMismatchError as error:
+            return str(error)
+        return None
+
+    said = world.run(save)
+    assert said == [f"owner_reduce on rank {r}: save_checkpoint: the ranks are at different points of the measured "
+                    f"guard's trials: 1 trial in a row of 6 integers on rank 0, 1 trial in a row of 7 integers on "
+                    f"rank 1" for r in range(2)], said
+
+    world, runtimes = _world()
+    fixed_clocks(runtimes, CLOSE)
+    _run(world, runtimes, range(3))
+    rt = runtimes[0]
+    shapes = [[1, 7 if r == 256 else 6] for r in range(512)]
+    monkeypatch.setattr(rt.comm, "all_gather_ints", lambda values: shapes)  # 512 ranks, rank 256 a sample ahead
+    with pytest.raises(OwnerReduceMismatchError) as caught:
+        rt.checkpoint_state()
+    message = str(caught.value)
+    assert message.endswith("trials: 1 trial in a row of 6 integers on ranks 0-255, 257-511, 1 trial in a row of 7 "
+                            "integers on rank 256"), message
+    assert len(message) < 250, message
+
+
+# ---- saving does not change what the guard decides: no sample covers a save ---------------------------------------
+
+
+class RecordingClock:
+    """The product's clock (``trial_clock.StreamClock``: the host streams' marks, ``time.perf_counter``), recording
+    each sample's point and its two marks in the order the trial asks for them."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[Any, float, float]] = []
+
+    def sample_us(self, point, streams, start, end) -> float:
+        self.samples.append((point, start, end))
+        return StreamClock.sample_us(point, streams, start, end)
+
+
+class SavingEngine:
+    """Where ``engine.save_checkpoint`` reaches DeepSpeed: DeepSpeed's own save (its signature), standing in for the
+    file writes; the product's wrapper (``wiring.checkpoint``) goes around it as ``install`` puts it on the engine."""
+
+    def __init__(self, runtime) -> None:
+        setattr(self, RUNTIME_ATTR, runtime)
+        self.client_states: list[dict] = []
+
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 - DeepSpeed's
+                        exclude_frozen_parameters=False):
+        self.client_states.append(dict(client_state))
+        return True
+
+
+SAVES_AFTER = (1, 3, 6, 1 + 2 * TRIAL_ROUNDS)  # the schedule learned; in the trial (twice); after the verdict
+
+
+def _timed_saves(monkeypatch_flusher=None):
+    """A run of ``STEPS`` backwards on two in-process ranks, the guard on the product's clock (recorded), saving
+    through the product's ``save_checkpoint`` wrapper on every rank after each of ``SAVES_AFTER``: per rank the
+    samples in the order asked, and each save as (index of the first sample asked after it, its start, its end)."""
+    world, runtimes = _world()
+    clocks = [RecordingClock() for _ in runtimes]
+    for rt, clock in zip(runtimes, clocks, strict=True):
+        rt.trial_clock = clock
+    engines = [SavingEngine(rt) for rt in runtimes]
+    save = wrap_save_checkpoint(SavingEngine.save_checkpoint)
+    saves: list[list[tuple[int, float, float]]] = [[] for _ in runtimes]
+
+    def saving(rank):
+        started = time.perf_counter()
+        save(engines[rank], "ckpt", client_state={"step": rank})
+        saves[rank].append((len(clocks[rank].samples), started, time.perf_counter()))
+
+    done = 0
+    for after in SAVES_AFTER:
+        _run(world, runtimes, range(done, after))
+        world.run(saving)
+        done = after
+    _run(world, runtimes, range(done, STEPS))
+    for rank, engine in enumerate(engines):  # the product's save path ran: the trial's state while under way
+        trials = [len(state[CHECKPOINT_KEY]["trials"]) for state in engine.client_states]
+        assert trials == [1, 1, 1, 0] and all(state["step"] == rank for state in engine.client_states), trials
+        assert len(clocks[rank].samples) == 2 * TRIAL_ROUNDS and runtimes[rank].stats.trials_decided == 1
+    return [clock.samples for clock in clocks], saves
+
+
+def samples_covering_saves(samples, saves) -> list[str]:
+    """Where a sample's interval is not wholly before or wholly after a save, in the order the trial asked for them:
+    every sample asked before the save ended before the save began, every one asked after began after it ended."""
+    out = []
+    for rank, (mine, my_saves) in enumerate(zip(samples, saves, strict=True)):
+        for number, (first_after, started, ended) in enumerate(my_saves):
+            for k, (point, start, end) in enumerate(mine):
+                if not (end < started if k < first_after else ended < start):
+                    out.append(f"rank {rank}: sample {k} (variant {point.variant}, round {point.round}) covers save "
+                               f"{number + 1}")
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_no_sample_of_the_trial_covers_a_save_so_saving_cannot_change_the_verdict():
+    """Issue 40: saving a checkpoint does not change what the guard decides. Saves after steps 1, 3, 6 and 7 through
+    the product's ``save_checkpoint`` wrapper (its gathers of every rank's samples included), the product's clock
+    recording each sample's marks: the order of the marks, never their durations, shows every save outside every
+    sample; saves 2 and 3 fall between sampled steps of the trial."""
+    samples, saves = _timed_saves()
+    assert samples_covering_saves(samples, saves) == []
+    for my_saves in saves:
+        assert [first_after for first_after, _, _ in my_saves] == [0, 2, 5, 6]  # samples asked before each save
+
+
+@pytest.mark.timeout(90)
+def test_negative_control_a_sample_moved_to_cover_the_save_is_caught(monkeypatch):
+    """The flusher's start mark of each timed flush taken from the previous timed flush's end (injected into the
+    product's ``Flusher._marked``): a sample then runs from the step before a save to the step after it, and the
+    check names it."""
+    from owner_reduce.runtime.flush import Flusher
+
+    marked = Flusher._marked
+
+    def from_the_last_end(self, key, start, streams, level=None):
+        last = self.__dict__.get("_last_end")
+        marked(self, key, start if key is None or last is None else last, streams, level)
+        if key is not None and self.marks:
+            self._last_end = self.marks[-1][2]
+
+    monkeypatch.setattr(Flusher, "_marked", from_the_last_end)
+    samples, saves = _timed_saves()
+    covering = samples_covering_saves(samples, saves)
+    assert covering, "a sample spanning the save was not caught"
+    assert all(f"sample {k}" in " ".join(covering) for k in (2, 5)), covering  # the first samples after saves 2, 3

@@ -162,8 +162,7 @@ def test_identical_data_bitwise_equal_eager(world_size):
         s = r["stats"]
         assert (s.trial_steps, s.trials_decided) == (6, 1) and s.trial_native_flushes > 0, s
     (line,) = stats.measured_lines
-    assert re.match(r"^\[dc-schedule\]\[r0\] graph #1: measured \d+ flush(es)? over 3 steps each way, slowest rank: "
-                    r".* measured \d+\.\d{3} ms vs native \d+\.\d{3} ms \(modelled ", line), line
+    assert re.match(r"^\[dc-schedule\]\[r0\] graph #1: measured \d+\.\d{3} ms vs native \d+\.\d{3} ms; ", line), line
     assert all(r["stats"].measured_lines == [] for r in owner[1:])
     _assert_step_summary(owner, modelled=False)
 

@@ -124,8 +124,8 @@ def test_verdicts_written_by_one_run_are_replayed_by_the_next_without_a_trial(tm
     for rt in runtimes:
         assert (rt.stats.trials_decided, rt.stats.trials_replayed, rt.stats.trial_steps) == (0, 1, 0), rt.stats
     assert runtimes[0].stats.measured_lines[0].startswith(
-        f"[dc-schedule][r0] graph #1: verdicts replayed from compile.reduce_to_owner_verdicts={path}, as measured 1 "
-        "flush")
+        f"[dc-schedule][r0] graph #1: verdicts replayed from compile.reduce_to_owner_verdicts={path}, measured "
+        "0.092 ms vs native 0.021 ms")
     assert (f"verdicts replayed from compile.reduce_to_owner_verdicts={path} (no trial)"
             in runtimes[0].stats.schedule_lines[0])
 

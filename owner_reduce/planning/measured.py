@@ -30,10 +30,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .wording import count_noun
+from .wording import count_noun, rank_ranges
 
 TRIAL_ROUNDS = 3  # steady steps of each variant per trial: a median of three survives one outlier
 MODEL, NATIVE_VARIANT = 0, 1  # the two variants a trial alternates, in that order (step k runs k % 2)
+FLUSHES_SHOWN = 4  # flush numbers (or runs) of one kind the measured line names before "and N more"
 STEP = "the step"  # a trial of a schedule whose flushes overlap: the step's reduction timed as a whole
 
 
@@ -84,13 +85,22 @@ def native_beyond_noise(model: Sequence[float], native: Sequence[float]) -> bool
 
 
 def is_close(model: Sequence[float], native: Sequence[float]) -> bool:
-    """Another run of the job could decide this flush otherwise: the two variants' step times overlap, or the gap
-    between them is no wider than either variant's own spread from step to step (one more step as noisy as these
-    could close it). Where a verdict is close, a run resumed from a checkpoint saved before it, or another run of the
-    job, may differ from this one in the last bits, unless the verdicts are pinned (``verdict_book``)."""
-    low, high = (native, model) if max(native) < min(model) else (model, native)
-    gap = min(high) - max(low)
-    return gap <= max(max(model) - min(model), max(native) - min(native))
+    """Another run of the job could decide this flush otherwise: the distance from these samples to a flip of the
+    verdict is no wider than either variant's own spread from step to step (its slowest step minus its fastest).
+
+    Why that distance: the rule (``native_beyond_noise``) flips exactly where native's slowest step crosses the
+    model's fastest one, so how far this trial is from the other verdict is ``|max(native) - min(model)|``, whichever
+    side won; and a variant whose steps varied by that much in this trial could move that far in the next one. Not
+    the ranges' separation (``min`` of the slower variant minus ``max`` of the faster): on a loaded host a variant's
+    steps vary by several times, so the ranges overlap or lie within a spread of each other also where native's
+    steps are 4x the model's and no run would ever flip (one slow outlier of native's widens the spread, and it
+    widens the distance to a flip just as much). A tie is close (the rule keeps the model's choice by a hair).
+
+    Where a verdict is close, a run resumed from a checkpoint saved before it, or another run of the job, may differ
+    from this one in the last bits, unless the verdicts are pinned (``verdict_book``). Pure: the slowest rank's step
+    times in, a bool out."""
+    to_flip = abs(max(native) - min(model))
+    return to_flip <= max(max(model) - min(model), max(native) - min(native))
 
 
 def verdicts(rows: Sequence[Sequence[int]]) -> tuple[Verdict, ...]:
@@ -161,38 +171,58 @@ class TrialFlush:
     verdict: Verdict
 
 
-def format_measured_line(prefix: str, graph: str, flushes: Sequence[TrialFlush], rounds: int = TRIAL_ROUNDS,
-                         source: str | None = None) -> str:
-    """The ``[dc-schedule]`` line after a trial: measured against modelled milliseconds per flush kind (summed over
-    that kind's flushes, medians of the steps' slowest ranks), then which flushes the measurement overruled and where
-    native was faster within the noise (Note (beyond the noise)). ``source``: the verdicts were not measured in this
-    run but replayed from there (a checkpoint, a verdict file)."""
+def format_measured_line(prefix: str, graph: str, flushes: Sequence[TrialFlush], source: str | None = None) -> str:
+    """The ``[dc-schedule]`` line after a trial, in at most 30 words (issue 38: a line read at 512 ranks stays a line):
+    the trial flushes' measured milliseconds against native's (summed over the flushes, each the median of its steps'
+    slowest ranks), then which flushes the measurement overruled and where native was faster within the noise (Note
+    (beyond the noise)), folded by kind (``_names``). The modelled times and the flush count are the schedule line's
+    (printed when the graph learned it); the rounds and the times per kind next to the modelled ones are
+    ``format_measured_detail``'s, a DEBUG line. ``source``: the verdicts were not measured in this run but replayed
+    from there (a checkpoint, a verdict file)."""
+    what = "measured" if source is None else "verdicts replayed from " + source + ", measured"
+    if len(flushes) == 1 and flushes[0].algo == STEP:  # the step's reduction, timed as a whole
+        (f,) = flushes
+        kept = ("overruled by measurement: native's calls for every flush" if f.verdict.native_wins else
+                "the plan kept" + (", native faster within the noise" if f.verdict.within_noise else ""))
+        return (f"{prefix} graph {graph}: {what} the step's reduction (flushes overlapped): "
+                f"{_times(flushes)}; {kept}")
+    overruled = [f for f in flushes if f.verdict.native_wins]
+    tail = "overruled by measurement: " + _names(overruled) if overruled else "the model's choice kept for every flush"
+    close = [f for f in flushes if f.verdict.within_noise]
+    if close:
+        tail += "; native faster within the noise: " + _names(close)
+    return f"{prefix} graph {graph}: {what} {_times(flushes)}; {tail}"
+
+
+def format_measured_detail(prefix: str, graph: str, flushes: Sequence[TrialFlush], rounds: int = TRIAL_ROUNDS) -> str:
+    """What the measured line leaves out to stay short, for its DEBUG line: the flush count, the rounds, and per kind
+    of flush (its ``algo=``) the measured times next to the modelled ones."""
     by_algo: dict[str, list[TrialFlush]] = {}
     for f in flushes:
         by_algo.setdefault(f.algo, []).append(f)
-    parts = []
-    for algo, group in by_algo.items():
-        measured = sum(f.verdict.model_us for f in group) / 1000
-        native = sum(f.verdict.native_us for f in group) / 1000
-        modelled = sum(f.modelled_us for f in group) / 1000
-        native_modelled = sum(f.native_modelled_us for f in group) / 1000
-        parts.append(f"{algo} x{len(group)} measured {measured:.3f} ms vs native {native:.3f} ms "
-                     f"(modelled {modelled:.3f} vs {native_modelled:.3f})")
-    overruled = [f for f in flushes if f.verdict.native_wins]
-    tail = ("overruled by measurement, native from now on: "
-            + ", ".join(f"flush {f.number} ({f.algo})" for f in overruled)) if overruled else \
-        "the model's choice kept for every flush"
-    close = [f for f in flushes if f.verdict.within_noise]
-    if close:
-        tail += ("; native faster within the noise, the model's choice kept: "
-                 + ", ".join(f"flush {f.number} ({f.algo})" for f in close))
-    what = "measured" if source is None else "verdicts replayed from " + source + ", as measured"
-    if len(flushes) == 1 and flushes[0].algo == STEP:  # the step's reduction, timed as a whole
-        (f,) = flushes
-        kept = ("native's calls for every flush from now on, overruled by measurement" if f.verdict.native_wins else
-                "the plan kept" + ("; native faster within the noise" if f.verdict.within_noise else ""))
-        return (f"{prefix} graph {graph}: {what} the step's reduction (flushes overlapped) over {rounds} steps each "
-                f"way, slowest rank: {f.verdict.model_us / 1000:.3f} ms vs native {f.verdict.native_us / 1000:.3f} ms "
-                f"(modelled {f.modelled_us / 1000:.3f} vs {f.native_modelled_us / 1000:.3f}); {kept}")
-    return (f"{prefix} graph {graph}: {what} {count_noun(len(flushes), 'flush', 'flushes')} over {rounds} steps "
-            f"each way, slowest rank: " + "; ".join(parts) + f"; {tail}")
+    kinds = "; ".join(f"{algo} x{len(group)} {_times(group, modelled=True)}" for algo, group in by_algo.items())
+    return (f"{prefix} graph {graph}: the trial of {count_noun(len(flushes), 'flush', 'flushes')}, medians over "
+            f"{rounds} steps each way, each step timed by its slowest rank: {kinds}")
+
+
+def _times(flushes: Sequence[TrialFlush], modelled: bool = False) -> str:
+    """``0.049 ms vs native 0.053 ms``, summed over ``flushes``; with ``modelled``, `` (modelled 0.031 vs 0.100)``."""
+    measured = sum(f.verdict.model_us for f in flushes) / 1000
+    native = sum(f.verdict.native_us for f in flushes) / 1000
+    text = f"{measured:.3f} ms vs native {native:.3f} ms"
+    if not modelled:
+        return text
+    chosen, native_modelled = (sum(f.modelled_us for f in flushes) / 1000,
+                               sum(f.native_modelled_us for f in flushes) / 1000)
+    return text + f" (modelled {chosen:.3f} vs {native_modelled:.3f})"
+
+
+def _names(flushes: Sequence[TrialFlush]) -> str:
+    """``flush 2 (reduce)``, ``flushes 1-4, 7 (reduce), flush 9 (allreduce)``: by kind, numbers folded and capped as
+    rank lists are (``wording.rank_ranges``, ``FLUSHES_SHOWN``), so that a graph of a hundred flushes still gets a
+    line."""
+    by_algo: dict[str, list[int]] = {}
+    for f in flushes:
+        by_algo.setdefault(f.algo, []).append(f.number)
+    return ", ".join(f"flush {numbers[0]} ({algo})" if len(numbers) == 1 else
+                     f"flushes {rank_ranges(numbers, FLUSHES_SHOWN)} ({algo})" for algo, numbers in by_algo.items())

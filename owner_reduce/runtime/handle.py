@@ -25,7 +25,14 @@ from ..planning.calibration import Calibration, format_fits
 from ..planning.collectives import NATIVE, NODE, RAIL, TWO_LEVEL
 from ..planning.flags import REDUCE_PROBE, OwnerReduceFlags, describe_flag_disagreement, pack_flags
 from ..planning.flush_choice import AUTO, FlushCost, agreed_topology
-from ..planning.measured import STEP, TRIAL_ROUNDS, format_measured_line, slowest_progress, verdicts
+from ..planning.measured import (
+    STEP,
+    TRIAL_ROUNDS,
+    format_measured_detail,
+    format_measured_line,
+    slowest_progress,
+    verdicts,
+)
 from ..planning.owner_map import OwnerMap, Placement
 from ..planning.rank_inputs import TIMEOUT_ENV_VAR
 from ..planning.settings import (
@@ -431,14 +438,13 @@ class OwnerReduceRuntime:
             if schedule.overlapped:
                 line += "; flushes overlap"
             if self._measuring and trial and known is not None and saved is not None:
-                line += (f"; the trial saved in {saved[1]} goes on for its remaining {remaining}, then the verdicts "
-                         f"replayed from {self._book_sources.get(known.key)}")
+                line += (f"; the resumed trial's last {remaining}, then the verdicts replayed from "
+                         f"{self._book_sources.get(known.key)}")
             elif self._measuring and trial and known is not None:
                 line += f"; verdicts replayed from {self._book_sources.get(known.key)} (no trial)"
             elif self._measuring and trial and saved is not None:
                 what = "the step" if schedule.overlapped else count_noun(trial, "flush", "flushes")
-                line += (f"; measuring {what} against native's calls over the next {remaining} (the trial saved in "
-                         f"{saved[1]}, resumed)")
+                line += f"; measuring {what} against native's calls, {remaining} left (resumed trial)"
             elif self._measuring and trial and schedule.overlapped:
                 line += f"; measuring the step against native's calls over the next {2 * TRIAL_ROUNDS} steps"
             elif self._measuring and trial:
@@ -572,7 +578,8 @@ class OwnerReduceRuntime:
         number = self._learned_graphs.get(graph_id)
         names = ", ".join("the step's reduction" if f.algo == STEP else f"flush {f.number} ({f.algo})"
                           for f in close)
-        # Why "within the noise": the two variants' step times overlap, or lie closer than they vary (``measured``).
+        # Why "within the noise": the verdict would flip where native's slowest step crosses the model's fastest,
+        # and these lie no further from that than one variant's steps varied (``measured.is_close``).
         line = (f"owner_reduce: graph {f'#{number}' if number else graph_id}: the measured guard's verdict on {names} "
                 f"was within the noise, so another run may decide otherwise and differ in the last bits; set "
                 f"{key_name(VERDICTS)} to pin the verdicts")
@@ -582,12 +589,13 @@ class OwnerReduceRuntime:
     def _measured_line(self, graph_id: int, report: Any, rounds: int, source: str | None = None,
                        written: str | None = None) -> None:
         number = self._learned_graphs.get(graph_id)
-        line = format_measured_line(SCHEDULE_PREFIX, f"#{number}" if number else str(graph_id), report, rounds,
-                                    source=source)
+        graph = f"#{number}" if number else str(graph_id)
+        line = format_measured_line(SCHEDULE_PREFIX, graph, report, source=source)
         if written is not None:
             line += f"; verdicts written to {written}"  # the next run with this config replays them
         self.stats.measured_lines.append(line)
         emit(line)
+        emit_detail(format_measured_detail(SCHEDULE_PREFIX, graph, report, rounds))
 
     def _write_verdicts(self) -> str | None:
         """Rank 0, after a trial: the book to ``compile.reduce_to_owner_verdicts``'s file when this run writes it (it
@@ -660,8 +668,8 @@ class OwnerReduceRuntime:
         if len(set(shapes)) > 1:
             raise OwnerReduceMismatchError(
                 f"owner_reduce on rank {self.comm.rank}: save_checkpoint: the ranks are at different points of the "
-                f"measured guard's trials: " + ", ".join(f"{n} trials, a row of {w} integers on rank {r}"
-                                                         for r, (n, w) in enumerate(shapes)))
+                f"measured guard's trials: "
+                + by_value(shapes, lambda s: f"{count_noun(s[0], 'trial')} in a row of {s[1]} integers"))
         rows = self.comm.all_gather_ints(row)
         at = 0
         for trial in trials:
