@@ -277,6 +277,22 @@ def test_a_stalled_flush_is_aborted_at_its_deadline_and_the_main_threads_next_ca
 
 
 @pytest.mark.timeout(60)
+def test_the_watchdog_names_the_oldest_stalled_group_not_one_queued_behind_it():
+    """A data-parallel flush queued on the stream behind a stalled rail flush is past its deadline too when the
+    watchdog looks late (a loaded host): the error names the rail's flush, the one that stalled, not the first
+    communicator of the family past its deadline. The poll is driven by hand, at a time past both deadlines."""
+    with Sim(hang_bound_s=HANG_BOUND_S) as sim:
+        f = family(sim)
+        f.dp.watchdog.stop()  # no poll of its own: the one below sees both groups overdue
+        _flush(f.rail, 7)
+        _flush(f.dp, 8)  # the data-parallel communicator comes first in the family
+        assert f.dp.watchdog._check(time.monotonic() + 10 * DEADLINE.seconds)
+        error = f.dp.watchdog.error
+        assert "flush #7: flush watchdog: reduce(" in str(error) and " on the rail communicator timed out" in \
+            str(error), error
+
+
+@pytest.mark.timeout(60)
 def test_the_end_of_backwards_wait_raises_the_watchdogs_error_when_it_fired_first():
     with Sim(hang_bound_s=HANG_BOUND_S) as sim:
         f = family(sim)

@@ -239,14 +239,18 @@ class FlushWatchdog:
         """One poll; True when the watchdog has nothing more to do."""
         if self.failed:
             return True
-        for comm in self.family():  # the oldest group past its deadline first: the flush that stalled
+        overdue = []
+        for comm in self.family():
             entry = self._oldest_pending(comm)
             if entry is None or now - entry.issued_at < comm.deadline.allowed_s(entry.issued_at):
                 continue
             if not comm._entry_watched(entry):  # completed and forgotten meanwhile: Note (firing) in ``nccl_comm``
                 continue
+            overdue.append((entry.issued_at, comm, entry))
+        if overdue:  # the oldest group past its deadline: the flush that stalled, not one queued behind it
+            issued_at, comm, entry = min(overdue, key=lambda o: o[0])
             flush, name = comm._entry_name(entry)
-            self._fire(self._error(comm, flush, name, now - entry.issued_at, "timed out"))
+            self._fire(self._error(comm, flush, name, now - issued_at, "timed out"))
             return True
         since, held_by, what = self.in_call_since, self.held_by, self.in_call
         if since is not None and held_by is not None and now - since >= held_by.deadline.allowed_s(since):
