@@ -419,7 +419,11 @@ def test_published_check_shape():
     assert check.tensors == 4 and check.model_bytes == 806e6
     assert 0 < check.owner_ms < check.allreduce_ms and 0 < check.ratio < 1
     assert check.measured_ratio == pytest.approx(18.43 / 22.72)
-    assert "measured  22.72 ms" in format_published_check(check, "hand-built")
+    text = format_published_check(check, "hand-built")
+    assert "measured  22.72 ms" in text
+    # Issue 39: each candidate cause costed on both measurements (planning/published_causes.py).
+    assert check.causes is not None and check.causes.calls == (4, 4) and check.causes.plans == (1, 1)
+    assert all(cause in text for cause in ("(a) host issue per call", "(b) NCCL 2.30's plan", "(c) small-call"))
 
 
 def _gpt_layout_sizing(model: str, world_size: int) -> dict:

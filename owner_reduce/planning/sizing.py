@@ -36,6 +36,7 @@ from .flush_choice import CallTimes, FlushCost
 from .flush_plan import ALL, BucketEntry, FlushRange, plan_flush
 from .owner_layout import OwnerLayout, StepLayouts, collectives_of, cost_step_choices, map_order, plan_step_layouts
 from .owner_map import OwnerMap, Placement
+from .published_causes import Case, Causes, costed, format_causes
 from .step_plan import runs_alone
 from .two_level import two_level_of
 from .wording import count_noun
@@ -573,7 +574,8 @@ PUBLISHED = {"gpus": "8x A800, NVLink", "params": 402.8e6, "bytes": 806e6, "dtyp
 
 @dataclass(frozen=True)
 class PublishedCheck:
-    """The alpha-beta model against the published 8x A800 measurement (one collective per parameter)."""
+    """The alpha-beta model against the published 8x A800 measurement (one collective per parameter), and each
+    candidate cause of the gap costed on it (``published_causes``)."""
 
     topology: str
     tensors: int
@@ -582,6 +584,7 @@ class PublishedCheck:
     owner_ms: float  # one Reduce per single-owner gradient, one AllReduce per straddler (the proposal)
     measured_allreduce_ms: float
     measured_owner_ms: float
+    causes: Causes | None = None
 
     @property
     def ratio(self) -> float:
@@ -599,12 +602,17 @@ def published_check(owner_map: OwnerMap, total_bytes: float = PUBLISHED["bytes"]
     scale = total_bytes / elems
     tensors = [p for p in owner_map if p.numel]
     # NCCL's own table, either sameChannels: the check compares NCCL's model, as published, with the measurement.
-    allreduce = flush_time_us(((ALLREDUCE, int(p.numel * scale)) for p in tensors), topology, physical=False)
-    owner = flush_time_us(((REDUCE if p.placement is Placement.ONE_OWNER else ALLREDUCE, int(p.numel * scale))
-                           for p in tensors), topology, physical=False)
+    ar_calls = tuple((ALLREDUCE, int(p.numel * scale)) for p in tensors)
+    owner_calls = tuple((REDUCE if p.placement is Placement.ONE_OWNER else ALLREDUCE, int(p.numel * scale))
+                        for p in tensors)
+    allreduce = flush_time_us(ar_calls, topology, physical=False)
+    owner = flush_time_us(owner_calls, topology, physical=False)
+    cases = (Case("AllReduce", ar_calls, PUBLISHED["allreduce_ms"], allreduce / 1000),
+             Case("reduce-to-owner", owner_calls, PUBLISHED["owner_ms"], owner / 1000))
     return PublishedCheck(topology=topology.name, tensors=len(tensors), model_bytes=total_bytes,
                           allreduce_ms=allreduce / 1000, owner_ms=owner / 1000,
-                          measured_allreduce_ms=PUBLISHED["allreduce_ms"], measured_owner_ms=PUBLISHED["owner_ms"])
+                          measured_allreduce_ms=PUBLISHED["allreduce_ms"], measured_owner_ms=PUBLISHED["owner_ms"],
+                          causes=costed(cases, topology))
 
 
 def format_published_check(check: PublishedCheck, model: str) -> str:
@@ -620,6 +628,9 @@ def format_published_check(check: PublishedCheck, model: str) -> str:
         f"  reduce-to-owner model {check.owner_ms:7.2f} ms   measured {check.measured_owner_ms:6.2f} ms   "
         f"({100 * err_ow:+.0f}%)",
         f"  owner / AllReduce: model {check.ratio:.3f}   measured {check.measured_ratio:.3f}",
+        *(format_causes(check.causes, (Case("AllReduce", (), check.measured_allreduce_ms, check.allreduce_ms),
+                                       Case("reduce-to-owner", (), check.measured_owner_ms, check.owner_ms)))
+          if check.causes is not None else []),
     ])
 
 
