@@ -10,15 +10,15 @@ What it follows, all at NVIDIA/nccl v2.30.7-1:
 
 - ``ncclPrepareTasks`` (src/enqueue.cc 363-470): the tasks of each function in ascending size (``collective_time``'s
   ``aggregates``), the functions in the order their largest task leaves the sorter, each aggregate's algorithm and
-  protocol from the tuner with ``nTasksPerChannel = DIVUP(nTasksColl, nChannels)`` (enqueue.cc 428), and LL's
-  traffic counted 4x (enqueue.cc 458);
+  protocol from the tuner with ``nTasksPerChannel = DIVUP(nTasksColl, nChannels)`` (enqueue.cc 430), and LL's
+  traffic counted 4x (enqueue.cc 461);
 - ``scheduleCollTasksToPlan`` (enqueue.cc 576-858): the tasks of one plan share a traffic budget per channel
   (``trafficPerChannel``: the plan's traffic, each task at least ``MinTrafficPerChannel`` 32 KiB, over its channels),
   and are laid on the channels in queue order by "continuous byte distribution": a task fills the current channel's
   remaining budget in cells (32 KiB of traffic each), then whole channels, then starts the next one; so every
   channel runs its own tasks one after another, and a run of small tasks shares one channel;
 - the plan's budget (``ncclTestBudget``, enqueue.cc 294-300; ``ncclLaunchPrepare``, 1605-1611): 4,096 bytes of kernel
-  arguments (``ncclMaxKernelArgsSize``, src/include/device.h 511-514) less the 32-byte header hold the work batches
+  arguments (``ncclMaxKernelArgsSize``, src/include/device.h 483-486) less the 32-byte header hold the work batches
   (16 bytes each), the works (128 bytes each, ``ncclDevWorkColl``) go to the FIFO, half of its 1 MiB per plan
   (init.cc 394-395); a batch holds up to 8 works of one function on one channel (``NCCL_MAX_DEV_WORK_BATCH_BYTES``
   1,024, device.h 389, ``ncclAddWorkBatchToPlan`` enqueue.cc 121-201); a plan that cannot take a task's batches ends
@@ -155,7 +155,7 @@ def _schedule(tasks: Sequence[Task], nc: int) -> GroupPlan:
 
 
 def _cells(task: Task) -> tuple[int, int]:
-    """(cell bytes, traffic per byte) of a task (enqueue.cc 664-670)."""
+    """(cell bytes, traffic per byte) of a task (enqueue.cc 655-660)."""
     per_byte = (2 if task.kind == ALLREDUCE else 1) * (4 if task.protocol == PROTOCOLS[LL] else 1)
     return _div_up(_div_up(MIN_TRAFFIC_PER_CHANNEL, per_byte), 16) * 16, per_byte
 
@@ -166,7 +166,7 @@ def _div_up(a: int, b: int) -> int:
 
 def _place(task: Task, per_channel: int, channel: int, current: int, nc: int
            ) -> tuple[list[tuple[int, int]], int, int]:
-    """``task``'s parts as (channel, bytes), and the channel and its used traffic after it: enqueue.cc 664-738 line
+    """``task``'s parts as (channel, bytes), and the channel and its used traffic after it: enqueue.cc 659-755 line
     by line (the current channel's remaining budget, then whole channels, then the rest on the next; the last channel
     takes whatever is left)."""
     cell, per_byte = _cells(task)
