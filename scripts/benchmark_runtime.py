@@ -11,6 +11,9 @@ Prints, from one run, every measure with its repeats interleaved (so load swings
   then frees its buckets too; the CUDA caching allocator serves them again, the CPU allocator does not);
 - host time of one group of the cupy NCCL communicator (``CupyNcclComm``: its guard, calls and in-flight event) on
   no-op NCCL calls and CPU buffers, as a flush issues it (4 Reduces), 32 groups per step then the step's wait;
+- the runtime's issue time fitted per call, per group and per two-level stage (``_host_issue_fit``: the flush's own
+  issue path on that communicator, groups of 1, 2, 4, 8, 16 calls and flushes of as many stages, interleaved), the
+  numbers ``planning/host_cost.py``'s defaults quote;
 - median step time of DeepCompile + owner_reduce (AllReduce path and owner path) vs plain ZeRO-1 on
   --world-size gloo ranks, runs interleaved over --repeats rounds, as ratios.
 CPU numbers say what the Python runtime costs on the host; collective speed here is gloo's, not NCCL's.
