@@ -11,6 +11,9 @@ Prints, from one run, every measure with its repeats interleaved (so load swings
   then frees its buckets too; the CUDA caching allocator serves them again, the CPU allocator does not);
 - host time of one group of the cupy NCCL communicator (``CupyNcclComm``: its guard, calls and in-flight event) on
   no-op NCCL calls and CPU buffers, as a flush issues it (4 Reduces), 32 groups per step then the step's wait;
+- the runtime's issue time fitted per call, per group and per two-level stage (``_host_issue_fit``: the flush's own
+  issue path on that communicator, groups of 1, 2, 4, 8, 16 calls and flushes of as many stages, interleaved), the
+  numbers ``planning/host_cost.py``'s defaults quote;
 - median step time of DeepCompile + owner_reduce (AllReduce path and owner path) vs plain ZeRO-1 on
   --world-size gloo ranks, runs interleaved over --repeats rounds, as ratios.
 CPU numbers say what the Python runtime costs on the host; collective speed here is gloo's, not NCCL's.
@@ -283,22 +286,25 @@ def _two_level_issue_costs(rounds: int, stage_counts: tuple[int, ...] = (1, 8, 3
     return out
 
 
-def _cupy_group_costs(rounds: int, groups: int = 32, calls: int = 4, package: str = "owner_reduce") -> float:
-    """Median µs of host time per group of ``calls`` Reduces on ``CupyNcclComm`` with NCCL's calls and CUDA's events
-    replaced by no-ops (the seam the unit tests use: torch's current stream, the buffer's DLPack view made): the
-    communicator's own cost per group (its guard, the calls' issue path, the event recorded after the group and, with
-    the flush watchdog, the thread that polls it), ``groups`` groups per step, then the step's wait forgets them.
-    ``package``: where the runtime is imported from (a copy of another commit's, loaded under another name, compares
-    two versions in one process, their rounds interleaved)."""
+def _noop_cupy_comm(world_size: int = 4, package: str = "owner_reduce") -> Any:
+    """The runtime's cupy NCCL communicator (``CupyNcclComm``) with NCCL's calls and CUDA's events replaced by no-ops
+    (the seam the unit tests use: torch's current stream, buffers' DLPack views made on registration): what is left of
+    a call or a group is the communicator's own host cost (its guard, the calls' issue path, the event recorded after
+    the group and, with the flush watchdog, the thread that polls it). ``package``: where the runtime is imported from
+    (a copy of another commit's, loaded under another name, compares two versions in one process)."""
     import importlib
-
-    import torch
 
     nccl_comm = importlib.import_module(f"{package}.runtime.nccl_comm")
     ReduceComm = importlib.import_module(f"{package}.runtime.comm").ReduceComm  # noqa: N806 - a class
 
     class Handle:
         def reduce(self, *args: Any) -> None:
+            pass
+
+        def allReduce(self, *args: Any) -> None:  # noqa: N802 - cupy's name
+            pass
+
+        def reduceScatter(self, *args: Any) -> None:  # noqa: N802 - cupy's name
             pass
 
         def check_async_error(self) -> None:
@@ -316,15 +322,29 @@ def _cupy_group_costs(rounds: int, groups: int = 32, calls: int = 4, package: st
 
     nccl_comm._nccl = lambda: types.SimpleNamespace(groupStart=lambda: None, groupEnd=lambda: None, NCCL_SUM=0)
     comm = nccl_comm.CupyNcclComm.__new__(nccl_comm.CupyNcclComm)
-    ReduceComm.__init__(comm, 0, 4)
+    ReduceComm.__init__(comm, 0, world_size)
     comm.stream, comm.device, comm._calls_in_group, comm._comm, comm.aborted = None, 0, 0, Handle(), False
     comm._views, comm._group_open, comm._abort_pending = {}, False, False
     comm._issued, comm._free_events, comm._first_call, comm._sum = [], [], None, 0
     comm._make_event = Event
     comm._stream = lambda: Stream
     comm._wait_current = comm._current_waits_for = lambda stream: None
+
+    def register(buf: Any) -> None:
+        comm._views[id(buf)] = nccl_comm._BufferView(buf, None, 4096, buf.element_size(), 0, 7)
+
+    comm.register = register
+    return comm
+
+
+def _cupy_group_costs(rounds: int, groups: int = 32, calls: int = 4, package: str = "owner_reduce") -> float:
+    """Median µs of host time per group of ``calls`` Reduces on the no-op ``CupyNcclComm`` (``_noop_cupy_comm``),
+    ``groups`` groups per step, then the step's wait forgets them. ``package``: as ``_noop_cupy_comm``'s."""
+    import torch
+
+    comm = _noop_cupy_comm(package=package)
     buf = torch.zeros(calls * 64)
-    comm._views[id(buf)] = nccl_comm._BufferView(buf, None, 4096, 4, 0, 7)
+    comm.register(buf)
     views = [buf[i * 64:(i + 1) * 64] for i in range(calls)]
     samples = []
     clock = time.perf_counter_ns
@@ -337,6 +357,75 @@ def _cupy_group_costs(rounds: int, groups: int = 32, calls: int = 4, package: st
             samples.append(clock() - start)
         comm.wait_until(lambda: True, "end_backward")
     return statistics.median(samples) / 1e3
+
+
+ISSUE_COUNTS = (1, 2, 4, 8, 16)  # calls per group, and stages per two-level flush, the host cost is fitted over
+
+
+def _line(points: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """(intercept, slope, largest |residual| / value) of the least-squares line through ``points`` (x, y)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    intercept = my - slope * mx
+    return intercept, slope, max(abs(intercept + slope * x - y) / y for x, y in points)
+
+
+def _host_issue_fit(rounds: int, counts: tuple[int, ...] = ISSUE_COUNTS) -> dict[str, Any]:
+    """The owner runtime's issue time, fitted: per call and per group from one flush's group of ``n`` no-op Reduces
+    (``Flusher._world_calls``, the path a flush issues its calls by: a view of the bucket and the communicator's call
+    per Collective, inside ``comm.group``) on the no-op cupy communicator, for each ``n`` of ``counts``; per two-level
+    stage from a flush of ``n`` stages (``Flusher._views`` + ``Flusher._two_level``, one node ReduceScatter and one
+    rail Reduce per stage on two no-op cupy communicators), less its two groups and two calls. Repeats interleaved
+    (the counts in turn, their order rotated every round), medians, least-squares lines (``planning.host_cost``'s
+    defaults quote them)."""
+    import torch
+
+    from owner_reduce.planning.collectives import NODE, RAIL, REDUCE, REDUCE_SCATTER, Collective
+    from owner_reduce.runtime.flush import Flusher
+    from owner_reduce.runtime.streams import HostStreams
+
+    width, per_node, top = 64, 8, max(counts)
+    comm = _noop_cupy_comm(per_node)
+    buffer = torch.zeros(top * per_node * width)
+    comm.register(buffer)
+    flat = {n: types.SimpleNamespace(calls=tuple(Collective(REDUCE, i * width, width, root=i % per_node)
+                                                 for i in range(n))) for n in counts}
+    node, rail = _noop_cupy_comm(per_node), _noop_cupy_comm(per_node)
+    node.register(buffer)
+    rail.register(buffer)
+    flusher = Flusher.__new__(Flusher)
+    flusher.levels = types.SimpleNamespace(node=node, rail=rail)
+    streams = HostStreams()
+    staged = {}
+    for n in counts:
+        plan = types.SimpleNamespace(copy_out=(), split_sizes=[], stages=tuple(
+            ((Collective(REDUCE_SCATTER, s * per_node * width, per_node * width, per_rank=width, comm=NODE, stage=s),),
+             (Collective(REDUCE, s * per_node * width, width, root=s % 2, comm=RAIL, rail=0, stage=s),), (), ())
+            for s in range(n)))
+        staged[n] = (plan, types.SimpleNamespace(views={}))
+    samples: dict[tuple[str, int], list[int]] = {(kind, n): [] for kind in ("calls", "stages") for n in counts}
+    clock = time.perf_counter_ns
+    for r in range(rounds):
+        order = counts[r % len(counts):] + counts[:r % len(counts)]
+        for n in order:
+            start = clock()
+            Flusher._world_calls(comm, flat[n], buffer, r)
+            samples[("calls", n)].append(clock() - start)
+            plan, bucket = staged[n]
+            start = clock()
+            _, views = Flusher._views(plan, bucket, buffer)
+            flusher._two_level(plan, views, streams, r, buffer)
+            samples[("stages", n)].append(clock() - start)
+        for c in (comm, node, rail):
+            c.wait_until(lambda: True, "end_backward")
+    med = {key: statistics.median(s) / 1e3 for key, s in samples.items()}
+    group, call, call_fit = _line([(n, med[("calls", n)]) for n in counts])
+    _, stage, stage_fit = _line([(n, med[("stages", n)]) for n in counts])
+    return {"call_us": call, "group_us": group, "stage_us": max(0.0, stage - 2 * group - 2 * call),
+            "stage_total_us": stage, "call_residual": call_fit, "stage_residual": stage_fit,
+            "medians": {f"{kind} {n}": round(v, 3) for (kind, n), v in sorted(med.items())}}
 
 
 def _allocated_bytes(fn: Any) -> int:
@@ -391,6 +480,8 @@ def main() -> int:
     parser.add_argument("--backend", default="eager", choices=["eager", "inductor"])
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--skip-training", action="store_true", help="host-side measures only")
+    parser.add_argument("--issue-rounds", type=int, default=2000,
+                        help="interleaved rounds of the issue-time fit (per call, per group, per stage)")
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
@@ -402,6 +493,7 @@ def main() -> int:
     comm = _comm_costs(rounds=20, calls=50)
     two_level = _two_level_issue_costs(rounds=300)
     cupy_group = _cupy_group_costs(rounds=200)
+    issue = _host_issue_fit(rounds=args.issue_rounds)
 
     step: dict[str, list[float]] = {"plain": [], "allreduce": [], "owner": []}
     ratios: dict[str, list[float]] = {"allreduce": [], "owner": []}
@@ -444,6 +536,12 @@ def main() -> int:
         print(f"two-level flush, host time per stage ({stages:2d} stages, 1 node + 3 rail calls, no-op comms): "
               f"{kept:6.2f} us with the views kept, {fresh:6.2f} us made per flush ({kept / fresh:.2f}x)")
     print(f"cupy NCCL communicator, host time per group of 4 Reduces (no-op NCCL, CPU buffers): {cupy_group:6.2f} us")
+    print(f"owner runtime's issue time, fitted over {', '.join(map(str, ISSUE_COUNTS))} calls per group and stages per "
+          f"two-level flush (no-op cupy NCCL, CPU buffers, {args.issue_rounds} interleaved rounds): per call "
+          f"{issue['call_us']:.2f} us, per group {issue['group_us']:.2f} us (largest residual "
+          f"{issue['call_residual']:.0%}); per two-level stage {issue['stage_us']:.2f} us beyond its 2 groups and 2 "
+          f"calls ({issue['stage_total_us']:.2f} us in all, largest residual {issue['stage_residual']:.0%})")
+    print(f"  medians (us): {', '.join(f'{k} {v}' for k, v in issue['medians'].items())}")
     for (ga, release), (nbytes, grad_bytes) in memory.items():
         what = "release_reduce_buckets" if release else "buckets kept          "
         print(f"bytes allocated per steady step, GA {ga}, {what}: {nbytes:12,d} "

@@ -9,6 +9,11 @@ On this machine without a launcher, N gloo ranks on the CPU (as scripts/demo.py 
 
     python scripts/calibrate.py --local-gloo 4 --out out/calibration.json
 
+What it would run, anywhere (no launcher, no GPU, nothing timed): ``--dry-run --world-size 64`` (add ``--cpu`` for the
+ladder of gloo ranks). Besides each call kind's ladder it times the host's cost of a call: one group of 1, 2, 4, 8, 16
+AllReduces of 64 KiB in all, each group alone; per extra call the slope, per group the rest beyond one AllReduce of
+the same bytes (owner_reduce/planning/calibration.py, Note (host)).
+
 Rank 0 writes the file and prints the fits. Name the file in the DeepSpeed config
 (``"compile": {"reduce_to_owner_calibration": "calibration.json"}``) to have the flush choice cost every candidate on
 it instead of NCCL's tables (owner_reduce/planning/calibration.py describes the format and fits).
@@ -44,11 +49,36 @@ def parse_ints(text: str) -> tuple[int, ...]:
 
 
 def _options(args: argparse.Namespace) -> object:
-    from owner_reduce.runtime.calibrate import MEASURED, CalibrationOptions
+    from owner_reduce.runtime.calibrate import HOST_BYTES, HOST_CALLS, MEASURED, CalibrationOptions
 
     return CalibrationOptions(sizes=args.sizes, peers=args.peers, warmup=args.warmup, repeats=args.repeats,
                               inner=args.inner, dtype=args.dtype, kinds=args.kinds or MEASURED,
-                              peer_stride=args.peer_stride)
+                              peer_stride=args.peer_stride, host_calls=args.host_calls or HOST_CALLS,
+                              host_bytes=args.host_bytes or HOST_BYTES)
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    """Print the measurements a run at ``--world-size`` would make on a GPU (``--cpu``: on gloo ranks), in order,
+    with their repeats: nothing is timed, no process group is made."""
+    import torch
+
+    from owner_reduce.runtime.calibrate import plan_measurements
+
+    options = _options(args)
+    on_gpu = not args.cpu
+    dtype = getattr(torch, options.dtype or ("bfloat16" if on_gpu else "float32"))
+    element_size = torch.empty((), dtype=dtype).element_size()
+    measurements = plan_measurements(options, args.world_size, element_size, on_gpu)
+    inner = options.inner or (10 if on_gpu else 1)
+    print(f"owner_reduce: calibration dry run: {args.world_size} ranks, {'cupy NCCL on GPUs' if on_gpu else 'gloo'}, "
+          f"{str(dtype).removeprefix('torch.')}, {options.warmup} warm-up then {options.repeats} timed repeats of "
+          f"each (every repeat after the ranks meet in a one-element AllReduce), medians, the maximum over ranks")
+    for m in measurements:
+        per_repeat = 1 if m.kind == "host" else inner
+        print(f"  {m.describe()}   x{per_repeat} per timed repeat")
+    print(f"owner_reduce: {len(measurements)} measurements; {args.out} would hold the fits (format "
+          f"owner_reduce.calibration/2)")
+    return 0
 
 
 def _report(text: str, out: Path, started: float) -> None:
@@ -78,12 +108,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inner", type=int, default=None, help="calls per timed repeat (default 10 on GPU, 1 on CPU)")
     parser.add_argument("--dtype", default=None, help="buffer element type (default bfloat16 on GPU, float32 on CPU)")
     parser.add_argument("--kinds", type=lambda s: tuple(k for k in s.split(",") if k), default=None,
-                        help="subset of allreduce,reduce,reduce_scatter,p2p (default all)")
+                        help="subset of allreduce,reduce,reduce_scatter,p2p,host (default all; host needs allreduce)")
+    parser.add_argument("--host-calls", type=parse_ints, default=None,
+                        help="calls per group of the per-call measurement (default 1,2,4,8,16)")
+    parser.add_argument("--host-bytes", type=parse_size, default=None,
+                        help="bytes every group of the per-call measurement moves (default 64KiB)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print what a run at --world-size would measure (the GPU ladder; --cpu: gloo's) and exit")
+    parser.add_argument("--world-size", type=int, default=None, help="--dry-run: the ranks of the run (default "
+                        "WORLD_SIZE, else 8)")
+    parser.add_argument("--cpu", action="store_true", help="--dry-run: the ladder of gloo ranks on CPUs")
     parser.add_argument("--local-gloo", type=int, default=0, metavar="N",
                         help="spawn N gloo ranks on this machine's CPU instead of running under a launcher")
     parser.add_argument("--timeout", type=float, default=600, help="--local-gloo: seconds before the ranks are killed")
     args = parser.parse_args(argv)
     started = time.monotonic()
+    if args.dry_run:
+        args.world_size = args.world_size or int(os.environ.get("WORLD_SIZE", 8))
+        if args.world_size < 2:
+            parser.error("--dry-run needs --world-size of at least 2")
+        try:
+            return _dry_run(args)
+        except ValueError as error:
+            parser.error(str(error))
 
     if args.local_gloo:
         if args.local_gloo < 2:

@@ -25,7 +25,11 @@ def test_the_host_measures_run_and_print_every_line():
     text = out.stdout
     for line in ("reduce_grad through the op (real runtime, no flush):", "flush host time,  148 gradients",
                  "flush host time, 1000 gradients", "bytes allocated per steady step, GA 2, buckets kept",
-                 "cupy NCCL communicator, host time per group of 4 Reduces"):
+                 "cupy NCCL communicator, host time per group of 4 Reduces",
+                 "owner runtime's issue time, fitted over 1, 2, 4, 8, 16 calls per group"):
         assert line in text, (line, text[-2000:])
+    # The issue-time fit quoted by planning/host_cost.py's defaults: a positive cost per call and per group.
+    fit = re.search(r"per call (\d+\.\d+) us, per group (\d+\.\d+) us", text)
+    assert fit and float(fit.group(1)) > 0 and float(fit.group(2)) > 0, text[-2000:]
     stages = re.findall(r"two-level flush, host time per stage \(\s*(\d+) stages", text)
     assert stages == ["1", "8", "32"], text[-2000:]

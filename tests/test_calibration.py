@@ -159,7 +159,7 @@ def test_json_round_trip_and_digest():
     # The digest is of the content, not of the text's layout or key order.
     shuffled = json.dumps(dict(reversed(list(json.loads(text).items()))))
     assert Calibration.from_json(shuffled).digest() == cal.digest()
-    assert len(cal.digest()) == 12 and cal.digest() == "b8fae8a2286f"  # stable across runs and machines
+    assert len(cal.digest()) == 12 and cal.digest() == "907371cdeabb"  # stable across runs and machines
     assert dataclasses.replace(cal, world_size=8).digest() != cal.digest()
     edited = json.loads(text)
     edited["fits"]["reduce"]["latency_us"] = 11.0
@@ -222,8 +222,9 @@ def test_format_fits_names_every_fit():
     cal = _cal()
     lines = format_fits(cal)
     assert lines[0].startswith(f"owner_reduce: calibration {cal.digest()}: 4 ranks, cupy-nccl on NVIDIA H200")
-    assert [line.split()[1] for line in lines[1:]] == ["allreduce", "reduce", "reduce_scatter", "send/recv"]
-    assert "2.0 us per peer" in lines[-1] and all(line.startswith("owner_reduce:") for line in lines)
+    assert [line.split()[1] for line in lines[1:]] == ["allreduce", "reduce", "reduce_scatter", "send/recv", "per"]
+    assert "2.0 us per peer" in lines[-2] and all(line.startswith("owner_reduce:") for line in lines)
+    assert "per call        not measured (host was not among --kinds): the default host cost is charged" in lines[-1]
     assert not any("cap" in line for line in lines)
     flat = dataclasses.replace(cal, fits=(fit_kind(REDUCE, [(b, 50.0) for b in LADDER]),))
     assert "bandwidth at its cap" in format_fits(flat)[1]
@@ -265,8 +266,10 @@ def test_measure_issues_the_ladder_in_groups_and_fits_every_kind():
     assert {peer for _, peer, _ in sends} == {2, 0}  # ring neighbours at +1 and +2 of rank 1
     reduces = [c for c in comm.calls if c[0] == "reduce"]
     assert reduces and all(root == 0 for _, root, _ in reduces)
-    # 2 sizes x (3 kinds + 2 peer counts) x (1 warm-up + 2 repeats), one group each; meeting AllReduces outside.
-    assert comm.groups == 2 * 5 * 3 and comm.open_groups == 0
+    # 2 sizes x (3 kinds + 2 peer counts) x (1 warm-up + 2 repeats), one group each, and the per-call measurement's
+    # 5 groups (1, 2, 4, 8, 16 AllReduces of 64 KiB in all) x 3; meeting AllReduces outside.
+    assert comm.groups == 2 * 5 * 3 + 5 * 3 and comm.open_groups == 0
+    assert cal.host is not None and [(c, b) for c, b, _ in cal.host.points] == [(n, 65536) for n in (1, 2, 4, 8, 16)]
     strided = _RecordingComm(rank=1, world_size=5)
     measure(strided, dataclasses.replace(options, peer_stride=2), torch.device("cpu"), "mirror", "cpu")
     assert {c[1] for c in strided.calls if c[0] == "send"} == {3, 0}  # +2 and +4 of rank 1

@@ -1,10 +1,11 @@
 """Bitwise at any checkpoint, the measured guard on (issue 40): on three gloo ranks, real DeepSpeed and DeepCompile.
 
-The case of the issue: different data per rank, a 24-wide tied LM, bucket 700 elements (three flushes, each a Reduce
-to its owner where the cost model chooses, native's calls close to it), bf16 with ``check_grad_overflow``, gradient
-accumulation 2, clipping that triggers, an inf injected on step 2 (rank 0: that step overflows and is skipped), ZeRO
-stages 1 and 2. At three ranks the model's Reduce and native's AllReduce add the ranks' terms in different orders, so
-any step that runs another variant, or any verdict taken otherwise, shows in the last bits.
+The case of the issue: different data per rank, a 24-wide tied LM, bucket 700 elements (three flushes, each Reduces
+to its owners where the cost model chooses, on a calibration file that makes them its choice: ``_calibration``),
+bf16 with ``check_grad_overflow``, gradient accumulation 2, clipping that triggers, an inf injected on step 2 (rank 0:
+that step overflows and is skipped), ZeRO stages 1 and 2. At three ranks the model's Reduce and native's AllReduce add
+the ranks' terms in different orders, so any step that runs another variant, or any verdict taken otherwise, shows in
+the last bits.
 
 The guard's samples are fixed (``SAMPLES``, through its timing seam: issue 41), close on purpose: flush 1's native
 calls win by less than the model's own spread, flush 2 is within the noise, flush 3 clearly the model's. The verdicts
@@ -33,6 +34,7 @@ import torch
 
 from owner_reduce.harness.launch import run_ranks
 from owner_reduce.harness.toy_training import TrainSpec, train_each
+from owner_reduce.planning.calibration import Calibration, HostFit, KindFit, P2pFit
 from owner_reduce.planning.measured import MODEL, NATIVE_VARIANT, TRIAL_ROUNDS
 
 WS = 3
@@ -87,14 +89,27 @@ def _samples() -> tuple:
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("checkpoint-trial")
+    path = tmp_path_factory.mktemp("checkpoint-trial")
+    (path / "calibration.json").write_text(_calibration().to_json())
+    return path
+
+
+def _calibration() -> Calibration:
+    """Call times under which each of the three flushes is Reduces to its owners, as NCCL's tables made them before
+    the host's cost of a call was charged (issue 39): there, these tiny flushes now run as one AllReduce, whose bits
+    would equal native's AllReduces, and this test needs the variants to differ. A Reduce is cheaper than an AllReduce
+    and a call costs the host nothing (format /2, per-call cost 0); the guard then decides by ``SAMPLES``."""
+    fits = (KindFit("allreduce", 30.0, 100.0), KindFit("reduce", 9.0, 100.0), KindFit("reduce_scatter", 100.0, 100.0))
+    return Calibration(world_size=WS, backend="test", device="cpu", fits=fits, p2p=P2pFit(100.0, 10.0, 100.0),
+                       measured_at="2026-12-03T00:00:00Z", host=HostFit(0.0, 0.0))
 
 
 def _spec(stage: int, workdir: Path, **changes) -> TrainSpec:
     base = dict(mode="owner", model="tied_lm", model_kwargs=(("dim", 24),), zero_stage=stage, steps=STEPS,
                 grad_accum=2, same_data=False, bf16=True, check_grad_overflow=True, gradient_clipping=0.05,
                 inf_at=(2, 0), reduce_probe=False, reduce_bucket_size=700, trial_samples=_samples(),
-                checkpoint_dir=str(workdir / f"ckpt-z{stage}"))
+                checkpoint_dir=str(workdir / f"ckpt-z{stage}"),
+                compile_keys=(("reduce_to_owner_calibration", str(workdir / "calibration.json")),))
     return TrainSpec(**{**base, **changes})
 
 

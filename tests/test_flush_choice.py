@@ -15,6 +15,7 @@ from owner_reduce.planning.flush_choice import (
     choose_arrival,
 )
 from owner_reduce.planning.flush_plan import BucketEntry, FlushRange, plan_flush
+from owner_reduce.planning.host_cost import NONE as NO_HOST_COST
 from owner_reduce.planning.owner_layout import map_order, plan_owner_layout, plan_placed
 from owner_reduce.planning.owner_map import GroupTables, OwnerMap
 from owner_reduce.planning.sizing import backward_order, simulate_flushes
@@ -67,10 +68,13 @@ def llama_two_groups(ws, layers=32, hidden=4096, ffn=11008, vocab=32000):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("nvls", [True, False])
 def test_no_flush_is_modelled_slower_than_native_on_schedule_or_off(nvls):
-    """Issue 20's sweep: Llama-7B in two optimizer groups, ws 2-1024, buckets 2e7-1e9. On schedule native is a
-    candidate, so the chosen flush costs at most native's own calls; off schedule (a step where only some of the
-    flush's gradients arrived, holes between them) the fallback never costs more than native's calls for what
-    is present either (issue 23 item 7: the span AllReduce over the holes cost up to 4.3x)."""
+    """Issue 20's sweep: Llama-7B in two optimizer groups, ws 2-1024, buckets 2e7-1e9. On schedule native's calls are a
+    candidate, so the chosen flush costs at most native's calls issued by this runtime; off schedule (a step where
+    only some of the flush's gradients arrived, holes between them) the fallback never costs more than those for what
+    is present either (issue 23 item 7: the span AllReduce over the holes cost up to 4.3x). Against native
+    DeepCompile's own issue (its C++ loop: no host cost charged, ``host_cost``) every flush alone is within one call's
+    issue by this runtime: one AllReduce of the flush is always a candidate, never slower on the device than native's
+    calls (issue 39: the Python runtime's issue is real; it is what a flush that saves nothing costs more)."""
     worst = {}
     for ws in (2, 3, 8, 64, 100, 512, 1024):
         m, order = llama_two_groups(ws)
@@ -82,21 +86,22 @@ def test_no_flush_is_modelled_slower_than_native_on_schedule_or_off(nvls):
                 capacity = max([bucket] + [n for _, n in grads])
                 layout = plan_owner_layout(grads, m, order=mo, cost=cost, capacity=capacity)
                 native = cost.native_us(n for _, n in grads)
-                assert layout.modelled_us <= native * (1 + 1e-12), (ws, bucket, layout.choice)
+                assert layout.modelled_us <= dict(layout.costs)[NATIVE] * (1 + 1e-12), (ws, bucket, layout.choice)
+                assert layout.modelled_us <= (native + cost.issue_us(1)) * (1 + 1e-12), (ws, bucket, layout.choice)
                 assert layout.modelled_us == min(dict(layout.costs).values())
                 if len(layout.grads) < 3:
                     continue
                 present = layout.grads[::2]  # every other gradient arrived: holes between the pieces
                 packed = [FlushRange(0, g.numel, None) for g in present if g.numel]  # staged: offsets unused here
                 off = choose_arrival(plan_placed(present, m, True), cost, packed)
-                ratio = off_costs(off, cost) / cost.native_us(g.numel for g in present)
+                ratio = off_costs(off, cost) / cost.group_us([(ALLREDUCE, g.numel) for g in present if g.numel])
                 worst[(ws, bucket)] = max(worst.get((ws, bucket), 0.0), ratio)
     assert max(worst.values()) <= 1.0 + 1e-9, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
 
 
 def off_costs(choice, cost):
-    """The modelled time of what an off-schedule flush runs."""
-    return cost.calls_us((c.kind, c.count) for c in choice.collectives)
+    """The modelled time of what an off-schedule flush runs, alone: its issue, then its calls."""
+    return cost.group_us([(c.kind, c.count) for c in choice.collectives])
 
 
 def test_at_scale_a_partial_flush_hands_off_without_nvls_and_allreduces_with_it():
@@ -109,8 +114,13 @@ def test_at_scale_a_partial_flush_hands_off_without_nvls_and_allreduces_with_it(
     costs = dict(ring.costs)
     assert ring.choice == HANDOFF and costs[REDUCE] > 5 * costs[HANDOFF]
     assert costs[HANDOFF] < 0.9 * costs[NATIVE]
-    nvls = plan_owner_layout(grads, m, cost=FlushCost(ct.topology_of(1024, 8)))
-    assert nvls.choice == ALLREDUCE and dict(nvls.costs)[ALLREDUCE] == dict(nvls.costs)[NATIVE]
+    cost = FlushCost(ct.topology_of(1024, 8))
+    nvls = plan_owner_layout(grads, m, cost=cost)
+    # The same device time as native's 11 calls (NCCL aggregates them into one NVLS_TREE call), one call to issue.
+    costs = dict(nvls.costs)
+    assert nvls.choice == ALLREDUCE and costs[ALLREDUCE] - cost.issue_us(1) == pytest.approx(
+        costs[NATIVE] - cost.issue_us(11), rel=1e-12)
+    assert costs[ALLREDUCE] < costs[NATIVE]
 
 
 def test_a_flush_that_loses_to_native_is_laid_out_as_native():
@@ -145,9 +155,13 @@ def test_arrival_order_flush_is_its_runs_one_allreduce_or_native():
     m = flat_map([1000] * 8, 4)
     entries = [BucketEntry(pid, i * 1000, 1000) for i, pid in enumerate([7, 0, 6, 1])]  # owners 3 0 3 0
     plan = plan_flush(entries, m, reduce_to_owner=True)
-    # NCCL aggregates the four small Reduces into one task: one latency, half an AllReduce's bytes.
+    # NCCL aggregates the four small Reduces into one task: one latency, half an AllReduce's bytes, about 1 us less
+    # device time than one AllReduce; but three more calls to issue (issue 39, ``host_cost``): one AllReduce wins.
+    # Without the host's cost the Reduces did.
     tiny = choose_arrival(plan, FlushCost(ct.topology_of(4, 8)))
-    assert tiny.choice == REDUCE and len(tiny.collectives) == 4
+    assert tiny.choice == ALLREDUCE and len(tiny.collectives) == 1
+    free = choose_arrival(plan, FlushCost(ct.topology_of(4, 8), host=NO_HOST_COST))
+    assert free.choice == REDUCE and len(free.collectives) == 4
     whole = choose_arrival(plan, FlushCost(ct.topology_of(4, 8), force=ALLREDUCE))
     assert whole.choice == ALLREDUCE and whole.plan.owner_elems == 0 and len(whole.collectives) == 1
     assert whole.plan.received_elems(1) == 4000

@@ -18,6 +18,7 @@ from owner_reduce.offline_sizing.fake_engine import ModelSpec, size_in_subproces
 from owner_reduce.offline_sizing.gpt_presets import GPT, PRESETS, build_gpt, build_uninitialized
 from owner_reduce.planning.aggregation import MAX_TASKS
 from owner_reduce.planning.flush_plan import ALL, BucketEntry, FlushRange, plan_flush
+from owner_reduce.planning.host_cost import DEFAULT as DEFAULT_HOST
 from owner_reduce.planning.owner_map import GroupTables, OwnerMap
 from owner_reduce.planning.sizing import (
     DEFAULT_BUCKET_SIZE,
@@ -251,9 +252,13 @@ def test_command_writes_the_plan_per_flush_and_sizes_a_world_of_100(tmp_path):
             plan["bucket_elems"]) == (100, 8, "hopper", 2, 20000)
     assert "last node partly filled" in plan["topology"]
     assert sum(len(f["gradients"]) for f in plan["flushes"]) == 2 + 2 * 12 + 2
+    one_call = DEFAULT_HOST.issue_us(1)  # what this runtime needs to issue one call (issue 39)
     for f in plan["flushes"]:
-        assert {"index", "gradients", "groups", "algo", "modelled_us", "native_modelled_us"} <= set(f)
-        assert 0 < f["modelled_us"] <= f["native_modelled_us"] * (1 + 1e-12)
+        assert {"index", "gradients", "groups", "algo", "modelled_us", "native_modelled_us", "host_us",
+                "native_host_us"} <= set(f)
+        # One AllReduce of the flush is a candidate: never slower on the device than native's calls, one call to issue.
+        assert 0 < f["modelled_us"] <= (f["native_modelled_us"] - f["native_host_us"] + one_call) * (1 + 1e-12)
+        assert 0 < f["host_us"] < f["modelled_us"] and f["native_host_us"] == 0.0
         for group in f["groups"]:
             for call in group:
                 assert set(call) == {"kind", "elements", "root", "peer", "rank", "comm", "comm_size", "rail",
@@ -319,15 +324,19 @@ def test_owner_ordered_calls_per_flush():
     # p1 straddles: rank 0 gets p0 and p1[0:3] (9), rank 1 p1[3:4] (1): padding 8 is too much for a
     # ReduceScatter; 10 elements are latency-bound. Two Reduces would be two aggregates in NCCL's planner (9 is not
     # under 4x 1), two latencies; cut into four Reduces (rank 0's region in three of 3, ``aggregation``) they run
-    # as one aggregate and cost what one AllReduce does at 2 ranks: the tie goes to the fewer calls.
+    # as one aggregate and cost on the device what one AllReduce does at 2 ranks, but three more calls to issue
+    # (issue 39): one AllReduce. Without the host's cost it was a tie, which went to the fewer calls.
     assert (second.layout_calls, second.layout_algo, second.owners) == (1, "allreduce", 2)
     costs = dict(second.costs)
-    assert costs["reduce"] == costs["allreduce"] == second.layout_us
-    uncut = Cluster().cost(2, 2).calls_us([("reduce", 9), ("reduce", 1)])
-    assert uncut > second.layout_us
+    cost = Cluster().cost(2, 2)
+    assert costs["allreduce"] == second.layout_us < costs["reduce"]
+    assert costs["reduce"] - costs["allreduce"] == pytest.approx(cost.issue_us(4) - cost.issue_us(1))
+    uncut = cost.group_us([("reduce", 9), ("reduce", 1)])
+    assert uncut > second.layout_us and second.host_us == cost.issue_us(1) and second.native_host_us == 0.0
     (whole,) = size_buckets(_map(), backward_order([0, 1, 2, 3]), bucket_size=100).flushes
     assert (whole.sliced_calls, whole.layout_calls, whole.layout_algo) == (4, 1, "reduce_scatter")
-    assert 0 < whole.layout_us < whole.sliced_us <= whole.native_us  # ws 2: one NVLink node; 4 calls -> 1
+    # ws 2: one NVLink node; 4 calls -> 1 (on the device; on the host native's C++ loop is charged nothing)
+    assert 0 < whole.layout_us < whole.sliced_us and whole.device_us < whole.native_device_us
 
 
 @pytest.mark.timeout(30)
@@ -410,7 +419,11 @@ def test_published_check_shape():
     assert check.tensors == 4 and check.model_bytes == 806e6
     assert 0 < check.owner_ms < check.allreduce_ms and 0 < check.ratio < 1
     assert check.measured_ratio == pytest.approx(18.43 / 22.72)
-    assert "measured  22.72 ms" in format_published_check(check, "hand-built")
+    text = format_published_check(check, "hand-built")
+    assert "measured  22.72 ms" in text
+    # Issue 39: each candidate cause costed on both measurements (planning/published_causes.py).
+    assert check.causes is not None and check.causes.calls == (4, 4) and check.causes.plans == (1, 1)
+    assert all(cause in text for cause in ("(a) host issue per call", "(b) NCCL 2.30's plan", "(c) small-call"))
 
 
 def _gpt_layout_sizing(model: str, world_size: int) -> dict:

@@ -23,6 +23,7 @@ from owner_reduce.harness.toy_models import OddMLP, TiedLM
 from owner_reduce.offline_sizing.llama_presets import LLAMA_PRESETS, Llama
 from owner_reduce.offline_sizing.meta_layout import MIRRORED_SOURCE, check_mirrored_source
 from owner_reduce.offline_sizing.model_spec import PRESETS, ModelSpec, build_meta_model
+from owner_reduce.planning.host_cost import DEFAULT as DEFAULT_HOST
 
 REPO = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).stem  # this module's import name in a fresh process (tests/ is on its sys.path)
@@ -243,11 +244,19 @@ def _size_models(names: list[str], world_size: int) -> list[dict]:
 _LIMITS = {"hopper": (0.66, 0.8), "hopper-no-nvls": (0.6, 0.65), "a100": (0.6, 0.6), "a800": (0.6, 0.6)}
 
 
+def _within_one_call(flush) -> bool:  # noqa: ANN001 - a FlushSizing
+    """A flush alone is never slower than native on the device, and alone with its issue never slower than native's
+    (C++, charged nothing: ``planning.host_cost``) by more than this runtime's issue of one call (issue 39)."""
+    return (flush.device_us <= flush.native_device_us * (1 + 1e-9)
+            and flush.layout_us <= (flush.native_us + DEFAULT_HOST.issue_us(1)) * (1 + 1e-9))
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [64, 512, 1024])
 def test_never_slower_than_grouped_native_and_the_win_at_scale(world_size):
     """Against native as NCCL plans it (one group per flush, aggregated, NVLS_TREE on Hopper), costed physically: no
-    flush that runs alone and no step is modelled slower, a plan that overlaps flushes exposes at most 1.5x native's
+    step is modelled slower, no flush that runs alone more than this runtime's issue of one call (``_within_one_call``),
+    a plan that overlaps flushes exposes at most 1.5x native's
     last flush, and at the default bucket the step meets issue 32's bars (docs/reduce_to_owner.md, section 9)."""
     names = ["1b", "llama-7b"]
     with ProcessPoolExecutor(max_workers=1, mp_context=fresh_process_context()) as pool:
@@ -257,8 +266,7 @@ def test_never_slower_than_grouped_native_and_the_win_at_scale(world_size):
             default, tenth = report.buckets
             for b in (default, tenth):
                 worst = b.worst_flush()
-                assert worst is None or worst.layout_over_native <= 1.0 + 1e-9, (name, key, world_size, b.bucket_size,
-                                                                                worst)
+                assert worst is None or _within_one_call(worst), (name, key, world_size, b.bucket_size, worst)
                 assert b.us_ratio("layout") <= 1.0
                 if b.cross_flush_overlap:
                     assert b.last_flush_over_native() <= 1.5 + 1e-9, (name, key, world_size, b.bucket_size)
@@ -292,7 +300,7 @@ def test_llama_13b_meets_the_bars_at_the_default_bucket(world_size):
         limit = _LIMITS[key][0 if world_size == 64 else 1]
         assert b.us_ratio("layout") <= limit, (key, world_size, b.us_ratio("layout"), b.choices())
         worst = b.worst_flush()
-        assert worst is None or worst.layout_over_native <= 1.0 + 1e-9, (key, world_size, worst)
+        assert worst is None or _within_one_call(worst), (key, world_size, worst)
         if b.cross_flush_overlap:
             assert b.last_flush_over_native() <= 1.5 + 1e-9, (key, world_size)
     if world_size == 1024:  # rail-bound: the model balances the rails

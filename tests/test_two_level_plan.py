@@ -306,8 +306,13 @@ def test_the_balanced_hand_off_is_costed_on_both_streams_and_chosen_where_rails_
     bare = cost.two_level._stage_costs(balanced.rail_step, rail_blocks(balanced_sizes(sizes, 8), 8),
                                        balanced.geometry.lengths, balanced.geometry.width, balanced.geometry.stages,
                                        cost.dtype_bytes)
-    handoff = cost.two_level._node_handoff_us(sizes, balanced.geometry.width, balanced.geometry.stages,
-                                              cost.dtype_bytes)
+    handoff, handoff_calls = cost.two_level._node_handoff_us(sizes, balanced.geometry.width, balanced.geometry.stages,
+                                                             cost.dtype_bytes)
     (node, rail_), = balanced.stage_us[:1]
     assert handoff[0] > 0 and node == pytest.approx(bare[0] + handoff[0]) and rail_ == pytest.approx(
         bare[2][0] + handoff[0])
+    # Its issue too (issue 39): the node ReduceScatter, the busiest rail's Reduces, the hand-off's sends and receives,
+    # three groups.
+    rail_calls, rail_groups = bare[3][0]
+    assert handoff_calls[0] > 0 and balanced.stage_issue[0] == pytest.approx(
+        cost.host_cost.issue_us(1 + rail_calls + handoff_calls[0], 1 + rail_groups + 1, stages=1))

@@ -7,7 +7,9 @@ up in ``runtime.flush`` at call time) and ``plan_owner_layout`` (the owner-order
 ``runtime.placement``). ``handoff_wrong_owner`` sends one piece of a hand-off to a rank that does not keep it;
 ``wrong_rail`` reduces one owner region of a two-level flush on another local rank's rail (which holds other partial
 sums there). ``drop_trial_state``: a checkpoint's trials under way are dropped where the runtime reads its state
-(``runtime.handle``), so a resumed run measures its trials anew (issue 40's negative control).
+(``runtime.handle``), so a resumed run measures its trials anew (issue 40's negative control). ``no_host_cost``: the
+runtime's cost model charges no host time for a call (``planning.host_cost.NONE``), as before issue 39: the cut of
+Reduces, the stage count and the hand-offs are chosen on NCCL's latency and bandwidth alone (its negative control).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from ..planning.flush_plan import FlushRange
 from ..planning.owner_layout import OwnerLayout
 
 FAULTS = ("wrong_root", "skip_range", "layout_off_by_one", "handoff_wrong_owner", "wrong_rail",
-          "show_unoptimized_params", "drop_trial_state")
+          "show_unoptimized_params", "drop_trial_state", "no_host_cost")
 
 
 def misroute_handoff(layout: OwnerLayout, world_size: int) -> OwnerLayout:
@@ -106,6 +108,13 @@ def inject(fault: str, world_size: int) -> None:
             return book, recordings, ()
 
         handle.parse_checkpoint_payload = without_trials
+        return
+    if fault == "no_host_cost":
+        import owner_reduce.runtime.handle as handle
+        from owner_reduce.planning.flush_choice import FlushCost
+        from owner_reduce.planning.host_cost import NONE
+
+        handle.FlushCost = lambda *args, **kwargs: FlushCost(*args, **{**kwargs, "host": NONE})
         return
     import owner_reduce.runtime.flush as flush_module
     import owner_reduce.runtime.placement as placement_module

@@ -8,9 +8,12 @@ by more than 4x (a layer's small matrices beside its large ones, a flush that en
 that chain two or three times, while the regions' chains could run side by side on the channels of one aggregate
 (``numPipeOps = DIVUP(tasks, channels)``, enqueue.cc 428). Cutting each larger region into consecutive Reduces to
 the same root (each a contiguous part of it) brings every task within 4x of the smallest: NCCL then aggregates them
-and each chain's latency is paid once, its bytes unchanged. More tasks can cost more (past the communicator's
-channels ``numPipeOps`` grows), so the cut is the model's choice: every cut tried here is costed as NCCL plans the
-group (``collective_time.group_time_us`` through the caller's ``time_of``) and the cheapest wins, no cut on a tie.
+and each chain's latency is paid once, its bytes unchanged. More tasks can cost more: past the communicator's
+channels ``numPipeOps`` grows, and every call costs the host its issue before NCCL launches the group
+(``host_cost``: at 4 ranks on one node a chain's latency is about 9 us, the runtime's issue about 2.5 us per call, so
+a cut into 15 Reduces does not pay and one into 5 does). So the cut is the model's choice: every cut tried here is
+costed as NCCL plans the group, host issue included (``flush_choice.FlushCost.group_us`` through the caller's
+``time_of``), and the cheapest wins, no cut on a tie.
 
 Identical on every rank: a function of the region sizes and the model only. Pure: numbers in, piece counts out.
 """
@@ -37,7 +40,8 @@ def reduce_pieces(counts: Sequence[int], rest: Sequence[tuple[str, int]],
     """(pieces per count, the group's modelled time) of Reduces of ``counts`` elements (zero: no call) issued in one
     group with ``rest`` ((kind, elements) of the group's other calls), each count cut into that many consecutive
     Reduces. Tried: no cut, and every cut whose pieces are at most ``f`` x some count for ``f`` in ``CUT_FACTORS``
-    (within ``MAX_TASKS``); the cheapest by ``time_of`` wins, ties to fewer pieces."""
+    (within ``MAX_TASKS``); the cheapest by ``time_of`` (the group alone: its issue and its device time) wins, ties
+    to fewer pieces."""
     whole = tuple(1 if n else 0 for n in counts)
 
     def calls(pieces: Sequence[int]) -> list[tuple[str, int]]:

@@ -11,6 +11,17 @@ microsecond), ``nbytes`` the whole input of one call (a ReduceScatter's ``world_
 round adds a cost per peer: ``latency_us + per_peer_us * peers + max_bytes / (1000 * bandwidth_gbs)``, with
 ``peers`` and ``max_bytes`` the busiest rank's (``collective_time.p2p_load``).
 
+Note (host): a call costs the host its issue before NCCL launches the group (``host_cost``). ``scripts/calibrate.py``
+measures it through the runtime's own communicator, NCCL's enqueue and launch included: one group of ``n`` small
+calls against one call of the same bytes, for a few ``n``; the time per extra call is the slope of a line through
+(``n``, median us, max over ranks), ``per_call_us``; its intercept less the kind's fitted time for those bytes is the
+group's own cost, ``per_group_us`` (the kind's fit times calls issued back to back, their issue hidden behind the
+previous call; a group alone waits for its issue). Under a file that has them (format ``/2``) the model charges the
+owner runtime these two (``HostCost``: nothing more for NCCL, which they include); native DeepCompile keeps the
+defaults (its C++ loop and NCCL's enqueue, unmeasured: none charged), so the model still charges the owner path, not
+native, for what is not measured. A format ``/1`` file (written before per-call costs were measured) is read as
+before, with the default host cost, and the fits line says so.
+
 Note (fit): least squares on (bytes, median microseconds) with relative residuals (each point weighted by 1 / its
 time): a ladder from 4 KiB to 64 MiB spans about four orders of magnitude of time, and plain residuals would let
 the largest sizes alone decide the latency. The coefficients are bounded (latency and per-peer cost >= 0, bandwidth
@@ -36,10 +47,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .host_cost import HostCost
 from .json_digest import canonical_digest
 from .json_fields import FieldCheck, parse_json, read_text
 
-FORMAT = "owner_reduce.calibration/1"
+FORMAT = "owner_reduce.calibration/2"
+FORMAT_V1 = "owner_reduce.calibration/1"  # before the host's per-call cost was measured: read, with the defaults
 CALL_KINDS = ("allreduce", "reduce", "reduce_scatter")  # collective_time.KINDS' call kinds, as FlushCost asks them
 MAX_BANDWIDTH_GBS = 10_000.0  # the bandwidth of a fit whose time does not grow with the bytes (10 TB/s: "free")
 
@@ -72,6 +85,22 @@ class P2pFit:
 
 
 @dataclass(frozen=True)
+class HostFit:
+    """The host's cost of a call on the runtime's own communicator (Note (host)): per extra call of a group, and per
+    group beyond its calls' fitted time; points are (calls in the group, bytes in all, median us, max over ranks),
+    of one ``kind`` (the call the groups were made of)."""
+
+    per_call_us: float
+    per_group_us: float
+    kind: str = "allreduce"
+    points: tuple[tuple[int, int, float], ...] = ()
+
+    def group_us(self, calls: int, fitted_us: float) -> float:
+        """A group of ``calls`` calls whose calls the kind's fit times at ``fitted_us`` in all."""
+        return self.per_group_us + self.per_call_us * calls + fitted_us
+
+
+@dataclass(frozen=True)
 class Calibration:
     """Measured call times of one cluster (``flush_choice.CallTimes``). ``backend``: the communicator that was timed
     (``cupy-nccl``, ``torch.distributed/gloo``); ``device``: what it ran on; ``measured_at``: UTC, ISO 8601;
@@ -87,6 +116,18 @@ class Calibration:
     warmup: int = 0
     repeats: int = 0
     software: tuple[tuple[str, str], ...] = ()
+    host: HostFit | None = None  # None: not measured (a format /1 file, or scripts/calibrate.py --kinds without it)
+    format: str = FORMAT  # the file's format as read (a /1 file keeps its digest)
+
+    def host_cost(self, default: HostCost) -> HostCost:
+        """The host cost under this calibration (Note (host)): the measured per-call and per-group cost for the owner
+        runtime, NCCL's included; native's and the two-level stage's from ``default``. Without a measurement,
+        ``default``."""
+        if self.host is None:
+            return default
+        return HostCost(owner_call_us=self.host.per_call_us, owner_group_us=self.host.per_group_us,
+                        owner_stage_us=default.owner_stage_us, nccl_call_us=0.0, nccl_group_us=0.0,
+                        native_call_us=default.native_call_us, source=f"calibration {self.digest()}")
 
     def fit_of(self, kind: str) -> KindFit:
         for f in self.fits:
@@ -124,8 +165,8 @@ class Calibration:
     # ---- the file -------------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
+        out = {
+            "format": self.format,
             "world_size": self.world_size,
             "backend": self.backend,
             "device": self.device,
@@ -140,6 +181,11 @@ class Calibration:
                 "latency_us": self.p2p.latency_us, "per_peer_us": self.p2p.per_peer_us,
                 "bandwidth_gbs": self.p2p.bandwidth_gbs, "points": [list(p) for p in self.p2p.points]},
         }
+        if self.format != FORMAT_V1:
+            out["host"] = None if self.host is None else {
+                "per_call_us": self.host.per_call_us, "per_group_us": self.host.per_group_us, "kind": self.host.kind,
+                "points": [list(p) for p in self.host.points]}
+        return out
 
     def to_json(self) -> str:
         """The file's text (indented; floats as repr, so ``from_json`` gives back an equal Calibration)."""
@@ -156,12 +202,13 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<dict>") -> Calibration:
-        v = FieldCheck("calibration", source, FORMAT)
-        obj = v.mapping(data, "")
+        obj = FieldCheck("calibration", source, FORMAT).mapping(data, "")
+        version = obj.get("format")
+        if version not in (FORMAT, FORMAT_V1):
+            FieldCheck("calibration", source, FORMAT).fail("format", f"must be {FORMAT!r} (or {FORMAT_V1!r})", version)
+        v = FieldCheck("calibration", source, version)
         v.keys(obj, "", required=("format", "world_size", "backend", "device", "measured_at", "fits", "p2p"),
-               optional=("dtype", "warmup", "repeats", "software"))
-        if obj["format"] != FORMAT:
-            v.fail("format", f"must be {FORMAT!r}", obj["format"])
+               optional=("dtype", "warmup", "repeats", "software") + (("host",) if version == FORMAT else ()))
         world_size = v.integer(obj["world_size"], "world_size", minimum=1)
         strings = {k: v.string(obj[k], k) for k in ("backend", "device", "measured_at")}
         dtype = v.string(obj.get("dtype", "float32"), "dtype")
@@ -193,8 +240,22 @@ class Calibration:
             p2p = P2pFit(v.number(p["latency_us"], "p2p.latency_us", minimum=0.0),
                          v.number(p["per_peer_us"], "p2p.per_peer_us", minimum=0.0),
                          v.number(p["bandwidth_gbs"], "p2p.bandwidth_gbs", positive=True), points3)
+        host = None
+        if obj.get("host") is not None:
+            h = v.mapping(obj["host"], "host")
+            v.keys(h, "host", required=("per_call_us", "per_group_us"), optional=("kind", "points"))
+            kind = v.string(h.get("kind", "allreduce"), "host.kind")
+            if kind not in CALL_KINDS:
+                v.fail("host.kind", f"is not a call kind (one of {', '.join(CALL_KINDS)})", kind)
+            host_points = tuple((v.integer(r[0], f"host.points[{i}][0]", minimum=1),
+                                 v.integer(r[1], f"host.points[{i}][1]", minimum=0),
+                                 v.number(r[2], f"host.points[{i}][2]", minimum=0.0))
+                                for i, r in enumerate(v.rows(h.get("points", []), "host.points", 3)))
+            host = HostFit(v.number(h["per_call_us"], "host.per_call_us", minimum=0.0),
+                           v.number(h["per_group_us"], "host.per_group_us", minimum=0.0), kind, host_points)
         return cls(world_size=world_size, fits=tuple(sorted(fits, key=lambda f: CALL_KINDS.index(f.kind))), p2p=p2p,
-                   dtype=dtype, warmup=warmup, repeats=repeats, software=pairs, **strings)
+                   dtype=dtype, warmup=warmup, repeats=repeats, software=pairs, host=host, format=version,
+                   **strings)
 
 
 # ---- fitting ------------------------------------------------------------------------------------------------
@@ -271,6 +332,26 @@ def fit(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
     return latency, 1.0 / (1000.0 * per_byte)
 
 
+def fit_host(points: Sequence[tuple[int, int, float]], kind_fit: KindFit) -> HostFit:
+    """The host's per-call and per-group cost (Note (host)) from (calls in one group, bytes in all, median us)
+    points of groups of ``kind_fit.kind`` calls: the slope of the least-squares line through (calls, us) per call
+    (bounded at 0; with two group sizes exactly ``(T_n - T_1) / (n - 1)``), its intercept less the kind's fitted time
+    for the bytes per group (bounded at 0). Needs two distinct call counts and one byte count."""
+    counts = sorted({c for c, _, _ in points})
+    sizes = {b for _, b, _ in points}
+    if len(counts) < 2 or len(sizes) != 1:
+        raise ValueError(f"owner_reduce: a per-call fit needs groups of at least two call counts over one byte count, "
+                         f"got counts {counts} and bytes {sorted(sizes)}")
+    xs = [float(c) for c, _, _ in points]
+    ys = [float(t) for _, _, t in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+                / sum((x - mx) ** 2 for x in xs))
+    intercept = my - slope * mx
+    per_group = max(0.0, intercept - kind_fit.call_us(next(iter(sizes))))
+    return HostFit(slope, per_group, kind_fit.kind, tuple((int(c), int(b), float(t)) for c, b, t in points))
+
+
 def fit_kind(kind: str, points: Sequence[tuple[int, float]]) -> KindFit:
     latency, bandwidth = fit(points)
     return KindFit(kind, latency, bandwidth, tuple((int(b), float(t)) for b, t in points))
@@ -327,6 +408,15 @@ def _capped(bandwidth_gbs: float) -> str:
             if bandwidth_gbs >= MAX_BANDWIDTH_GBS else "")
 
 
+def _host_residual(cal: Calibration) -> float:
+    """The largest |line - measured| / measured over the per-call fit's points (0 without them)."""
+    h = cal.host
+    if h is None or not any(f.kind == h.kind for f in cal.fits):
+        return 0.0
+    fit = cal.fit_of(h.kind)
+    return max((abs(h.group_us(c, fit.call_us(b)) - t) / t for c, b, t in h.points if t > 0), default=0.0)
+
+
 def format_fits(cal: Calibration) -> list[str]:
     """Lines for the log (DeepSpeed style: ``owner_reduce: ...``), one per fit, with how well each line fits."""
     lines = [f"owner_reduce: calibration {cal.digest()}: {cal.world_size} ranks, {cal.backend} on {cal.device}, "
@@ -342,4 +432,16 @@ def format_fits(cal: Calibration) -> list[str]:
                      f"peer, bandwidth {p.bandwidth_gbs:9.3f} GB/s ({_span(sorted({b for _, b, _ in p.points}))}, "
                      f"peers {','.join(map(str, peers))}, max residual {max_relative_residual(p):.0%})"
                      f"{_capped(p.bandwidth_gbs)}")
+    if cal.host is not None:
+        h = cal.host
+        counts = sorted({c for c, _, _ in h.points})
+        worst = _host_residual(cal)
+        lines.append(f"owner_reduce:   {'per call':<15} host {h.per_call_us:9.1f} us per call, {h.per_group_us:.1f} us "
+                     f"per group (one group of {','.join(map(str, counts))} {h.kind} calls against one call of the "
+                     f"same bytes, max residual {worst:.0%}); the owner runtime's issue is charged this")
+    else:
+        why = ("a format /1 file, written before per-call costs were measured" if cal.format == FORMAT_V1
+               else "host was not among --kinds")
+        lines.append(f"owner_reduce:   {'per call':<15} not measured ({why}): the default host cost is charged; "
+                     f"rerun scripts/calibrate.py to measure it")
     return lines

@@ -16,9 +16,13 @@ cheapest runs:
 - ``two_level``: where ranks form whole nodes over a network, a ReduceScatter in each node, then each owner's region
   reduced across nodes on its rail, pipelined (``two_level``); costed on the node and rail topologies.
 Gradients that must reach every rank (another communicator, whole-gradient optimizers) add one AllReduce to the
-first three. ``allreduce`` is always a candidate, and one AllReduce of a flush is never modelled slower than the
-native runtime's one AllReduce per gradient (the model is subadditive; ``tests/test_flush_choice.py`` checks it),
-so no flush is modelled slower than native.
+first three. Every candidate is costed with its host time (``host_cost``): the runtime issues a flush's calls before
+NCCL launches them, so a candidate alone costs its issue plus its device time, and a cut, a stage or a hand-off that
+adds calls must save more latency than its calls cost to issue. ``allreduce`` is always a candidate, and one
+AllReduce of a flush is never modelled slower on the device than the native runtime's one AllReduce per gradient
+(the model is subadditive; ``tests/test_flush_choice.py`` checks it), so no flush is modelled slower than native's
+calls issued by this runtime, and slower than native DeepCompile's own (its C++ loop) at most by what this runtime
+needs to issue one call: Python costs the host more than C++ (``host_cost``'s defaults).
 
 Identical on every rank: the inputs are the flush's layout, the world size, the topology the ranks agreed on at
 init and the dtype; the arithmetic is the same Python on every rank, so the same candidate wins everywhere.
@@ -46,6 +50,8 @@ from .collectives import (
     collectives_of,
 )
 from .flush_plan import ALL, FlushPlan, FlushRange, merge_ranges
+from .host_cost import DEFAULT as DEFAULT_HOST
+from .host_cost import HostCost
 from .two_level import TwoLevel, TwoLevelOption
 
 AUTO = "auto"
@@ -61,14 +67,17 @@ class CallTimes(Protocol):
 
     def p2p_round_us(self, peers: int, max_bytes: int) -> float: ...
 
+    def host_cost(self, default: HostCost) -> HostCost: ...
+
 
 @dataclass(frozen=True)
 class FlushCost:
     """What the choice needs besides the layout: the topology (None: one rank, nothing to cost), bytes per element,
     a forced candidate (``auto``: the cheapest), the hand-off's bandwidth scale (the docs' sensitivity rows), and a
     cluster's measured call times (``calibration``: used in place of NCCL's tables where given), and the node and
-    rail communicators of a two-level flush (None: not a candidate). A calibration times the data-parallel
-    communicator only, so under one the two-level flush is a candidate only when forced (then on NCCL's tables)."""
+    rail communicators of a two-level flush (None: not a candidate), and the host's cost of a call (``host``; a
+    calibration that measured it replaces it: ``host_cost``). A calibration times the data-parallel communicator
+    only, so under one the two-level flush is a candidate only when forced (then on NCCL's tables)."""
 
     topology: Topology | None
     dtype_bytes: int = 2
@@ -76,6 +85,7 @@ class FlushCost:
     p2p_bw_scale: float = 1.0
     calibration: CallTimes | None = None
     two_level: TwoLevel | None = None
+    host: HostCost = DEFAULT_HOST
 
     def __post_init__(self) -> None:
         if self.force not in FORCE_VALUES:
@@ -98,8 +108,36 @@ class FlushCost:
         return group_time_us(in_bytes, self.topology)
 
     def native_us(self, numels: Iterable[int]) -> float:
-        """What DeepCompile's runtime sends for this flush: one AllReduce per gradient, in one group."""
-        return self.calls_us((ALLREDUCE, n) for n in numels if n)
+        """What DeepCompile's runtime sends for this flush, one AllReduce per gradient in one group, alone: its host
+        issue (native's, ``HostCost.native_issue_us``) then its device time."""
+        gpu, issue = self.native_parts(numels)
+        return gpu + issue
+
+    def native_parts(self, numels: Iterable[int]) -> tuple[float, float]:
+        """(device us, host us) of native DeepCompile's calls for a flush of gradients of ``numels`` elements."""
+        counts = [n for n in numels if n]
+        if self.topology is None:
+            return 0.0, 0.0
+        return self.calls_us((ALLREDUCE, n) for n in counts), self.host_cost.native_issue_us(len(counts))
+
+    @property
+    def host_cost(self) -> HostCost:
+        """The host's cost of a call: the calibration's measurement where it has one, else ``host``."""
+        if self.calibration is not None:
+            return self.calibration.host_cost(self.host)
+        return self.host
+
+    def issue_us(self, calls: int, groups: int = 1, stages: int = 0) -> float:
+        """Host time for this runtime to issue ``calls`` calls in ``groups`` groups (none without a topology: one
+        rank issues nothing)."""
+        if self.topology is None:
+            return 0.0
+        return self.host_cost.issue_us(calls, groups, stages)
+
+    def group_us(self, calls: Sequence[tuple[str, int]]) -> float:
+        """One group of (kind, elements) calls issued by this runtime, alone: its issue then its device time (what
+        the cut of Reduces weighs, ``aggregation``)."""
+        return self.calls_us(calls) + self.issue_us(sum(1 for _, n in calls if n))
 
     def handoff_us(self, transfers: Sequence[Transfer]) -> float:
         """Modelled time of the send/recv round that moves ``transfers`` (the busiest sender or receiver)."""
@@ -114,10 +152,11 @@ class FlushCost:
 
     def two_level_options(self, sizes: Sequence[int], max_padding: int | None = None) -> tuple[TwoLevelOption, ...]:
         """The two-level pipelines for owner regions of ``sizes`` elements padding at most ``max_padding`` elements
-        (``TwoLevel.options``), or none where it is not a candidate (see the class docstring)."""
+        (``TwoLevel.options``, each stage with its host issue), or none where it is not a candidate (see the class
+        docstring)."""
         if self.two_level is None or (self.calibration is not None and self.force != TWO_LEVEL):
             return ()
-        return self.two_level.options(sizes, self.dtype_bytes, max_padding)
+        return self.two_level.options(sizes, self.dtype_bytes, max_padding, host=self.host_cost)
 
     def for_dtype_bytes(self, dtype_bytes: int) -> FlushCost:
         return self if dtype_bytes == self.dtype_bytes else replace(self, dtype_bytes=dtype_bytes)
@@ -169,21 +208,21 @@ def all_reduced(plan: FlushPlan, offset: int, span: int) -> FlushPlan:
 
 
 def choose_arrival(plan: FlushPlan, cost: FlushCost, native: Sequence[FlushRange] | None = None) -> ArrivalChoice:
-    """An arrival-order flush (or the pieces of a flush that left its schedule, holes between them): the cheapest
-    of the plan's own calls (one per run of owners, AllReduce for the rest), one AllReduce over the span of its
-    ranges (holes included, so only when they are small), and ``native``: one AllReduce per range of ``native``
-    (an arrival-order flush passes its gradients: exactly what z1.cpp issues) or, by default, per run of pieces
-    present (never the holes). ``handoff`` cannot apply (owners interleave): forcing it leaves the choice to the
-    model."""
+    """An arrival-order flush (or the pieces of a flush that left its schedule, holes between them): the cheapest,
+    host issue included (``FlushCost.group_us``), of the plan's own calls (one per run of owners, AllReduce for the
+    rest), one AllReduce over the span of its ranges (holes included, so only when they are small), and ``native``:
+    one AllReduce per range of ``native`` (an arrival-order flush passes its gradients: exactly what z1.cpp issues)
+    or, by default, per run of pieces present (never the holes). ``handoff`` cannot apply (owners interleave):
+    forcing it leaves the choice to the model."""
     per_run = collectives_of(plan.ranges)
     if all(c.kind == ALLREDUCE for c in per_run) and len(per_run) <= 1:
         return ArrivalChoice(plan, per_run, ALLREDUCE if per_run else "none")
     offset = min(r.offset for r in plan.ranges)
     span = max(r.offset + r.count for r in plan.ranges) - offset
     present = merge_ranges(replace(r, root=ALL) for r in plan.ranges) if native is None else tuple(native)
-    costs = {REDUCE: cost.calls_us((c.kind, c.count) for c in per_run),
-             ALLREDUCE: cost.calls_us([(ALLREDUCE, span)]),
-             NATIVE: cost.calls_us((ALLREDUCE, r.count) for r in present)}
+    costs = {REDUCE: cost.group_us([(c.kind, c.count) for c in per_run]),
+             ALLREDUCE: cost.group_us([(ALLREDUCE, span)]),
+             NATIVE: cost.group_us([(ALLREDUCE, r.count) for r in present])}  # issued by this runtime, one group
     choice = choose(costs, cost.force)
     if choice == ALLREDUCE:
         whole = all_reduced(plan, offset, span)

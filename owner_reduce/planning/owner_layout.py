@@ -19,7 +19,7 @@ offset.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .aggregation import cut, reduce_pieces
@@ -41,7 +41,7 @@ from .collectives import (
 from .flush_choice import AUTO, FlushCost, choose
 from .flush_plan import ALL, BucketEntry, FlushPlan, FlushRange, merge_ranges, plan_flush
 from .owner_map import OwnerMap, Placement
-from .step_plan import FlushTimes, StepPlan, plan_step, schedule
+from .step_plan import FlushTimes, StepPlan, native_step_us, plan_step, schedule
 from .two_level import BALANCED, TwoLevelGeometry, TwoLevelOption, balanced_parts, two_level_calls
 
 __all__ = ["ALLREDUCE", "HANDOFF", "NATIVE", "REDUCE", "REDUCE_SCATTER", "Collective", "OwnerLayout", "PlacedGrad",
@@ -98,8 +98,9 @@ class OwnerLayout:
     total: int  # bucket elements the layout spans, padding included
     transfers: tuple[Transfer, ...] = ()  # the hand-off's (``handoff`` only), by (destination, source)
     choice: str = ""  # the candidate that won (flush_choice.CANDIDATES)
-    modelled_us: float = 0.0  # its alpha-beta time
-    costs: tuple[tuple[str, float], ...] = ()  # every candidate considered and its modelled time
+    modelled_us: float = 0.0  # its alpha-beta time alone: its host issue, then its device time
+    costs: tuple[tuple[str, float], ...] = ()  # every candidate considered and its modelled time (issue included)
+    issue_us: float = 0.0  # the host's time to issue it (``host_cost``), part of ``modelled_us``
     stages: int = 0  # a two-level flush's pipeline stages (0: not two-level)
     ranks_per_node: int = 0  # a two-level flush's node communicator size (0: not two-level)
     rail_step: str = ""  # a two-level flush's rail step (``two_level`` Note (rail step))
@@ -151,10 +152,12 @@ def _packed_transfers(sizes: Sequence[int], chunk: int) -> tuple[Transfer, ...]:
 
 @dataclass(frozen=True)
 class FlushAnalysis:
-    """One flush before a candidate is laid out: its owner regions and every candidate's modelled time (the one-level
-    candidates in ``costs``, the two-level pipelines in ``two_level``, each with the AllReduce of gradients that reach
-    every rank after it: ``everyone_us``). ``plan_owner_layout`` lays out the cheapest for the flush alone; the step's
-    plan (``plan_step_layouts``) chooses among them for the whole step."""
+    """One flush before a candidate is laid out: its owner regions and every candidate's modelled time alone, its host
+    issue included (the one-level candidates in ``costs``, of which ``issue`` is the host's part; the two-level
+    pipelines in ``two_level``, each with the AllReduce of gradients that reach every rank after it: ``everyone_us``
+    on the device, ``everyone_issue`` on the host). ``plan_owner_layout`` lays out the cheapest for the flush alone;
+    the step's plan (``plan_step_layouts``) chooses among them for the whole step. ``native``: native DeepCompile's
+    (device, host) us for the flush, the baseline (``FlushCost.native_parts``)."""
 
     entries: tuple[BucketEntry, ...]
     counted: FlushPlan
@@ -169,6 +172,23 @@ class FlushAnalysis:
     everyone_us: float = 0.0
     force: str = AUTO
     reduce_pieces: tuple[int, ...] = ()  # per rank: the consecutive Reduces its region runs as (``aggregation``)
+    issue: dict[str, float] = field(default_factory=dict)  # the host's part of each one-level candidate's time
+    everyone_issue: float = 0.0
+    native: tuple[float, float] = (0.0, 0.0)
+
+    def times(self, choice: str, option: TwoLevelOption | None = None) -> FlushTimes:
+        """``choice`` (``option``: its two-level pipeline) as the step's schedule sees it (``step_plan.FlushTimes``):
+        device time and host issue."""
+        if choice == TWO_LEVEL and option is not None:
+            return FlushTimes(option.stage_us, self.everyone_us,
+                              (*option.stage_issue, *((self.everyone_issue,) if self.everyone_us else ())))
+        issue = self.issue.get(choice, 0.0)
+        return FlushTimes(world_us=self.costs[choice] - issue, issue_us=(issue,))
+
+    @property
+    def native_times(self) -> FlushTimes:
+        """Native DeepCompile's calls for this flush (the baseline), as the schedule sees them."""
+        return FlushTimes(world_us=self.native[0], issue_us=(self.native[1],))
 
     @property
     def sizes(self) -> list[int]:
@@ -189,7 +209,7 @@ class FlushAnalysis:
 
     def best_two_level(self) -> TwoLevelOption | None:
         """The two-level pipeline fastest for the flush alone (ties: the first, ``TwoLevel.options``' order)."""
-        return min(self.two_level, key=lambda o: o.alone_us, default=None)
+        return min(self.two_level, key=lambda o: self.times(TWO_LEVEL, o).alone_us, default=None)
 
 
 def analyse_flush(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, reduce_to_owner: bool = True, *,
@@ -228,34 +248,56 @@ def analyse_flush(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, reduce_
     owner_elems = sum(sizes)
     all_elems = sum(p[2] for p in everyone)
 
-    # The candidates and their modelled times (see flush_choice). Packed: regions back to back from 0, the
-    # AllReduce region after them; for a hand-off, after world_size equal chunks covering them (its span).
+    # The candidates and their modelled times alone, host issue included (see flush_choice): ``issue`` holds the
+    # host's part, the rest is device time. Packed: regions back to back from 0, the AllReduce region after them; for
+    # a hand-off, after world_size equal chunks covering them (its span).
     chunk = -(-owner_elems // n) if owner_elems else 0
     packed_span = n * chunk if n > 1 else owner_elems
     per_rank = max(sizes, default=0)
     everyone_call = [(ALLREDUCE, all_elems)] if all_elems else []
-    costs: dict[str, float] = {ALLREDUCE: cost.calls_us([(ALLREDUCE, owner_elems + all_elems)]),
-                               NATIVE: cost.native_us(e.numel for e in entries)}
+    native_calls = [(ALLREDUCE, e.numel) for e in entries if e.numel]
+    costs: dict[str, float] = {ALLREDUCE: cost.group_us([(ALLREDUCE, owner_elems + all_elems)]),
+                               NATIVE: cost.group_us(native_calls)}  # native's calls issued by this runtime
+    issue: dict[str, float] = {ALLREDUCE: cost.issue_us(1), NATIVE: cost.issue_us(len(native_calls))}
     transfers: tuple[Transfer, ...] = ()
     pieces: tuple[int, ...] = ()
     if owner_elems:
-        pieces, costs[REDUCE] = reduce_pieces(sizes, everyone_call, cost.calls_us)
+        pieces, costs[REDUCE] = reduce_pieces(sizes, everyone_call, cost.group_us)
+        issue[REDUCE] = cost.issue_us(sum(pieces) + len(everyone_call))
         if n > 1:
             transfers = _packed_transfers(sizes, chunk)
-            costs[HANDOFF] = (cost.calls_us([(REDUCE_SCATTER, packed_span)] + everyone_call)
-                              + cost.handoff_us(transfers))
+            scatter = cost.calls_us([(REDUCE_SCATTER, packed_span)] + everyone_call)
+            # The hand-off's round is a second group, issued while the first runs: only what its issue exceeds the
+            # first group's device time by is exposed (step_plan Note (host)).
+            late = max(0.0, cost.issue_us(_p2p_calls(transfers)) - scatter)
+            issue[HANDOFF] = cost.issue_us(1 + len(everyone_call))
+            costs[HANDOFF] = issue[HANDOFF] + scatter + late + cost.handoff_us(transfers)
             pad = n * per_rank - owner_elems
             fits = capacity is None or n * per_rank + all_elems <= capacity
             if all(sizes) and fits and pad <= max_padding_share * counted.reduced_elems:
-                costs[REDUCE_SCATTER] = cost.calls_us([(REDUCE_SCATTER, n * per_rank)] + everyone_call)
+                costs[REDUCE_SCATTER] = cost.group_us([(REDUCE_SCATTER, n * per_rank)] + everyone_call)
+                issue[REDUCE_SCATTER] = cost.issue_us(1 + len(everyone_call))
     options: tuple[TwoLevelOption, ...] = ()
     everyone_us = cost.calls_us(everyone_call) if everyone_call else 0.0
+    everyone_issue = cost.issue_us(len(everyone_call))
+    analysis = FlushAnalysis(tuple(entries), counted, tuple(tuple(r) for r in regions), tuple(everyone), costs,
+                             transfers, per_rank, chunk, packed_span, options, everyone_us, cost.force, pieces, issue,
+                             everyone_issue, cost.native_parts(e.numel for e in entries))
     if owner_elems and n > 1:
         options = cost.two_level_options(sizes, int(TWO_LEVEL_MAX_PADDING_SHARE * counted.reduced_elems))
         if options:
-            costs[TWO_LEVEL] = min(o.alone_us for o in options) + everyone_us
-    return FlushAnalysis(tuple(entries), counted, tuple(tuple(r) for r in regions), tuple(everyone), costs, transfers,
-                         per_rank, chunk, packed_span, options, everyone_us, cost.force, pieces)
+            analysis = replace(analysis, two_level=options)
+            costs[TWO_LEVEL] = min(analysis.times(TWO_LEVEL, o).alone_us for o in options)
+    return analysis
+
+
+def _p2p_calls(transfers: Sequence[Transfer]) -> int:
+    """The most sends and receives one rank issues in a hand-off round of ``transfers``."""
+    calls: dict[int, int] = {}
+    for t in transfers:
+        calls[t.src] = calls.get(t.src, 0) + 1
+        calls[t.dst] = calls.get(t.dst, 0) + 1
+    return max(calls.values(), default=0)
 
 
 def plan_owner_layout(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, reduce_to_owner: bool = True, *,
@@ -274,12 +316,13 @@ def build_layout(analysis: FlushAnalysis, choice: str, option: TwoLevelOption | 
     entries, counted, costs = analysis.entries, analysis.counted, analysis.costs
     regions, everyone, sizes = analysis.regions, analysis.everyone, analysis.sizes
     if choice == NATIVE:
-        return _native_layout(entries, counted, costs)
+        return replace(_native_layout(entries, counted, costs), issue_us=analysis.issue[NATIVE])
     if choice == TWO_LEVEL:
         if option is None:
             raise ValueError("owner_reduce: a two-level layout needs its pipeline (TwoLevelOption)")
-        return _two_level_layout(entries, counted, costs, regions, sizes, everyone, option,
-                                 option.alone_us + analysis.everyone_us)
+        times = analysis.times(TWO_LEVEL, option)
+        return replace(_two_level_layout(entries, counted, costs, regions, sizes, everyone, option, times.alone_us,
+                                         analysis.everyone_us), issue_us=times.host_us)
     n = len(regions)
     per_rank, chunk, packed_span, transfers = analysis.per_rank, analysis.chunk, analysis.packed_span, \
         analysis.transfers
@@ -326,13 +369,14 @@ def build_layout(analysis: FlushAnalysis, choice: str, option: TwoLevelOption | 
     return OwnerLayout(grads=_placed_grads(entries, placed), plan=plan, collectives=tuple(collectives),
                        padding=tuple(padding), total=offset,
                        transfers=transfers if choice == HANDOFF else (), choice=choice,
-                       modelled_us=costs[choice], costs=tuple(sorted(costs.items())))
+                       modelled_us=costs[choice], costs=tuple(sorted(costs.items())),
+                       issue_us=analysis.issue.get(choice, 0.0))
 
 
 def _two_level_layout(entries: Sequence[BucketEntry], counted: FlushPlan, costs: dict[str, float],
                       regions: Sequence[Sequence[tuple[tuple[int, int], int, int, int]]], sizes: Sequence[int],
                       everyone: Sequence[tuple[int, int, int]], option: TwoLevelOption,
-                      modelled_us: float) -> OwnerLayout:
+                      modelled_us: float, everyone_us: float) -> OwnerLayout:
     """The two-level flush (``two_level``): owner regions in their local rank's block, blocks cut into the option's
     stages (``TwoLevelGeometry``: ReduceScatter stages ``[stage][local rank][slice]``, the shorter blocks zero-padded
     there, then the longer blocks' tails packed), its rail step's calls; the AllReduce region after them."""
@@ -362,7 +406,7 @@ def _two_level_layout(entries: Sequence[BucketEntry], counted: FlushPlan, costs:
                        choice=TWO_LEVEL, modelled_us=modelled_us, costs=tuple(sorted(costs.items())),
                        stages=geo.stages, ranks_per_node=ranks_per_node, rail_step=option.rail_step,
                        rail_layout=option.rail_layout,
-                       stage_us=option.stage_us, everyone_us=modelled_us - option.alone_us)
+                       stage_us=option.stage_us, everyone_us=everyone_us)
 
 
 def _place_balanced(regions: Sequence[Sequence[tuple[tuple[int, int], int, int, int]]], sizes: Sequence[int],
@@ -399,16 +443,15 @@ def plan_step_layouts(flushes: Sequence[tuple[Any, Sequence[tuple[int, int]]]], 
                               capacity=max([capacity] + [n for _, n in grads])) for dtype, grads in flushes]
     options: list[list[tuple[FlushTimes, str, TwoLevelOption | None]]] = []
     for a in analyses:
-        two_level = [(FlushTimes(o.stage_us, a.everyone_us), TWO_LEVEL, o)
-                     for o in sorted(a.two_level, key=lambda o: o.alone_us)]
+        two_level = sorted(((a.times(TWO_LEVEL, o), TWO_LEVEL, o) for o in a.two_level),
+                           key=lambda t: t[0].alone_us)
         if a.force == TWO_LEVEL and two_level:  # forced: two-level only, the fastest alone its fallback
             options.append(two_level)
             continue
         one_level = a.one_level_choice()
-        options.append([(FlushTimes(world_us=a.costs[one_level]), one_level, None)]
-                       + (two_level if a.force == AUTO else []))
+        options.append([(a.times(one_level), one_level, None)] + (two_level if a.force == AUTO else []))
     keys = {dtype: i for i, dtype in enumerate(dict.fromkeys(d for d, _ in flushes))}
-    plan = plan_step([[t for t, _, _ in flush] for flush in options], [a.costs[NATIVE] for a in analyses],
+    plan = plan_step([[t for t, _, _ in flush] for flush in options], [a.native_times for a in analyses],
                      [keys[d] for d, _ in flushes], per_bucket)
     picked = tuple(options[i][j][1:] for i, j in enumerate(plan.picks))
     layouts = tuple(build_layout(a, *pick) for a, pick in zip(analyses, picked, strict=True))
@@ -423,20 +466,20 @@ def cost_step_choices(flushes: Sequence[tuple[Any, Sequence[tuple[int, int]]]], 
     where the network delivers less (the sizing's hand-off sensitivity). ``flushes`` as for ``plan_step_layouts``."""
     order = map_order(owner_map) if order is None else order
     times: list[FlushTimes] = []
-    native: list[float] = []
+    native: list[FlushTimes] = []
     for (dtype, grads), (choice, option) in zip(flushes, step.choices, strict=True):
         cost = cost_of(dtype)
         a = analyse_flush(grads, owner_map, True, order=order, cost=cost,
                           capacity=max([capacity] + [n for _, n in grads]))
-        native.append(a.costs[NATIVE])
+        native.append(a.native_times)
         if choice == TWO_LEVEL and option is not None and cost.two_level is not None:
-            again = cost.two_level.recost(a.sizes, option, cost.dtype_bytes)
-            times.append(FlushTimes(again.stage_us, a.everyone_us))
+            times.append(a.times(TWO_LEVEL, cost.two_level.recost(a.sizes, option, cost.dtype_bytes,
+                                                                  cost.host_cost)))
         else:
-            times.append(FlushTimes(world_us=a.costs[choice]))
+            times.append(a.times(choice))
     keys = {dtype: i for i, dtype in enumerate(dict.fromkeys(d for d, _ in flushes))}
     steps = schedule(times, [keys[d] for d, _ in flushes], step.per_bucket)
-    return StepPlan((0,) * len(times), steps, sum(native))
+    return StepPlan((0,) * len(times), steps, native_step_us(native), tuple(times))
 
 
 @dataclass(frozen=True)

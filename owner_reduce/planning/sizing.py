@@ -36,6 +36,7 @@ from .flush_choice import CallTimes, FlushCost
 from .flush_plan import ALL, BucketEntry, FlushRange, plan_flush
 from .owner_layout import OwnerLayout, StepLayouts, collectives_of, cost_step_choices, map_order, plan_step_layouts
 from .owner_map import OwnerMap, Placement
+from .published_causes import Case, Causes, costed, format_causes
 from .step_plan import runs_alone
 from .two_level import two_level_of
 from .wording import count_noun
@@ -343,6 +344,10 @@ class FlushSizing:
     sliced_us: float = 0.0
     layout_us: float = 0.0
     previous_us: float = 0.0  # the owner-ordered bucket before the per-flush choice (see the module's docstring)
+    # the host's time to issue the flush (``host_cost``), part of ``layout_us`` / ``native_us`` (each alone: its issue,
+    # then its device time)
+    host_us: float = 0.0
+    native_host_us: float = 0.0
     layout_choice: str = ""  # the candidate that won (flush_choice.CANDIDATES)
     costs: tuple[tuple[str, float], ...] = ()  # every candidate's modelled time (us)
     gradients: tuple[int, ...] = ()  # elements of each gradient, in arrival order (native's calls)
@@ -359,8 +364,18 @@ class FlushSizing:
 
     @property
     def layout_over_native(self) -> float:
-        """This flush's own time (its calls, nothing before it in the way) over native's for its gradients."""
+        """This flush's own time (its issue and its calls, nothing before it in the way) over native's for its
+        gradients (native's issue and calls)."""
         return self.layout_us / self.native_us if self.native_us else 1.0
+
+    @property
+    def device_us(self) -> float:
+        """``layout_us`` without the host's issue."""
+        return self.layout_us - self.host_us
+
+    @property
+    def native_device_us(self) -> float:
+        return self.native_us - self.native_host_us
 
 
 @dataclass(frozen=True)
@@ -377,6 +392,7 @@ class BucketSizing:
     schedule_us: float = 0.0  # the step's plan: when its last flush ends (``step_plan``), flushes overlapped
     cross_flush_overlap: bool = False  # some flush's node step runs during the previous flush's rail step
     buckets_per_dtype: int = 2  # buffers a dtype keeps, in turn (double buffering)
+    native_schedule_us: float = 0.0  # native's step: its flushes one after another, each behind its issue
 
     @property
     def native_calls(self) -> int:
@@ -396,10 +412,25 @@ class BucketSizing:
 
     def step_us(self, path: str) -> float:
         """Alpha-beta step time of ``path`` (native, sliced, layout, previous): flushes run one after another, but
-        ``layout`` is the step's plan, whose two-level flushes overlap across the node and rail streams."""
+        ``layout`` is the step's plan, whose two-level flushes overlap across the node and rail streams, and native's
+        is its flushes one after another with each flush's issue hidden behind the previous flush where it can be
+        (``step_plan`` Note (host)); the other two add up every flush alone."""
         if path == "layout" and self.flushes:
             return self.schedule_us
+        if path == "native" and self.flushes and self.native_schedule_us:
+            return self.native_schedule_us
         return sum(getattr(f, f"{path}_us") for f in self.flushes)
+
+    def host_per_flush(self, path: str) -> float:
+        """The host's mean time per flush to issue it (``layout``: reduce_to_owner's runtime; ``native``: native
+        DeepCompile's), microseconds."""
+        attr = "host_us" if path == "layout" else "native_host_us"
+        return sum(getattr(f, attr) for f in self.flushes) / len(self.flushes) if self.flushes else 0.0
+
+    def device_per_flush(self, path: str) -> float:
+        """The device's mean time per flush alone (its calls without the issue), microseconds."""
+        attr = "device_us" if path == "layout" else "native_device_us"
+        return sum(getattr(f, attr) for f in self.flushes) / len(self.flushes) if self.flushes else 0.0
 
     def worst_flush(self) -> FlushSizing | None:
         """Among the flushes that run alone (a flush overlapped with its neighbours is costed with the step), the one
@@ -458,10 +489,11 @@ def size_buckets(owner_map: OwnerMap, grad_order: Sequence[int], bucket_size: in
                                            rail_end_us=at.rail_end, end_us=at.end, alone=alone[index - 1])
         if topo is not None:
             costs = dict(layout.costs)
+            native_device, native_host = cost.native_parts(e.numel for e in entries)
             times.update(
-                native_us=cost.native_us(e.numel for e in entries),
-                sliced_us=cost.calls_us((c.kind, c.count) for c in collectives_of(sliced)),
-                layout_us=layout.modelled_us,
+                native_us=native_device + native_host, native_host_us=native_host,
+                sliced_us=cost.group_us([(c.kind, c.count) for c in collectives_of(sliced)]),
+                layout_us=layout.modelled_us, host_us=layout.issue_us,
                 previous_us=costs.get(REDUCE_SCATTER, costs.get(REDUCE, costs[ALLREDUCE])))
         # Native: each gradient is its own AllReduce, but they share one group, so time adds up as one range.
         sized.append(FlushSizing(index=index, tasks=owner.tasks, elems=owner.reduced_elems,
@@ -483,7 +515,8 @@ def size_buckets(owner_map: OwnerMap, grad_order: Sequence[int], bucket_size: in
     plan = step.plan
     return BucketSizing(bucket_size=int(bucket_size), world_size=n, flushes=tuple(sized), topology=name,
                         schedule_us=plan.end_us if topo is not None else 0.0,
-                        cross_flush_overlap=plan.overlapped, buckets_per_dtype=per_bucket)
+                        cross_flush_overlap=plan.overlapped, buckets_per_dtype=per_bucket,
+                        native_schedule_us=plan.native_us if topo is not None else 0.0)
 
 
 @dataclass(frozen=True)
@@ -524,10 +557,10 @@ def _handoff_row(full: _PlannedStep, owner_map: OwnerMap, grad_order: Sequence[i
     fixed = cost_step_choices(full.grads, owner_map, full.step, capacity=int(bucket_size),
                               cost_of=lambda _: scaled_cost, order=full.order)
     ratios = []
-    for at, by_itself, entries in zip(fixed.steps, runs_alone(fixed.steps), full.flushes, strict=True):
+    for times, by_itself, entries in zip(fixed.times, runs_alone(fixed.steps), full.flushes, strict=True):
         native = scaled_cost.native_us(e.numel for e in entries)
         if native and by_itself:
-            ratios.append((at.end - at.node_start) / native)
+            ratios.append(times.alone_us / native)
     worst = max(ratios, default=None)
     again = size_buckets(owner_map, grad_order, bucket_size, double_buffer, dtype_bytes, scaled).us_ratio("layout")
     return scale, (fixed.end_us / fixed.native_us if fixed.native_us else 1.0), worst, again
@@ -541,7 +574,8 @@ PUBLISHED = {"gpus": "8x A800, NVLink", "params": 402.8e6, "bytes": 806e6, "dtyp
 
 @dataclass(frozen=True)
 class PublishedCheck:
-    """The alpha-beta model against the published 8x A800 measurement (one collective per parameter)."""
+    """The alpha-beta model against the published 8x A800 measurement (one collective per parameter), and each
+    candidate cause of the gap costed on it (``published_causes``)."""
 
     topology: str
     tensors: int
@@ -550,6 +584,7 @@ class PublishedCheck:
     owner_ms: float  # one Reduce per single-owner gradient, one AllReduce per straddler (the proposal)
     measured_allreduce_ms: float
     measured_owner_ms: float
+    causes: Causes | None = None
 
     @property
     def ratio(self) -> float:
@@ -567,12 +602,17 @@ def published_check(owner_map: OwnerMap, total_bytes: float = PUBLISHED["bytes"]
     scale = total_bytes / elems
     tensors = [p for p in owner_map if p.numel]
     # NCCL's own table, either sameChannels: the check compares NCCL's model, as published, with the measurement.
-    allreduce = flush_time_us(((ALLREDUCE, int(p.numel * scale)) for p in tensors), topology, physical=False)
-    owner = flush_time_us(((REDUCE if p.placement is Placement.ONE_OWNER else ALLREDUCE, int(p.numel * scale))
-                           for p in tensors), topology, physical=False)
+    ar_calls = tuple((ALLREDUCE, int(p.numel * scale)) for p in tensors)
+    owner_calls = tuple((REDUCE if p.placement is Placement.ONE_OWNER else ALLREDUCE, int(p.numel * scale))
+                        for p in tensors)
+    allreduce = flush_time_us(ar_calls, topology, physical=False)
+    owner = flush_time_us(owner_calls, topology, physical=False)
+    cases = (Case("AllReduce", ar_calls, PUBLISHED["allreduce_ms"], allreduce / 1000),
+             Case("reduce-to-owner", owner_calls, PUBLISHED["owner_ms"], owner / 1000))
     return PublishedCheck(topology=topology.name, tensors=len(tensors), model_bytes=total_bytes,
                           allreduce_ms=allreduce / 1000, owner_ms=owner / 1000,
-                          measured_allreduce_ms=PUBLISHED["allreduce_ms"], measured_owner_ms=PUBLISHED["owner_ms"])
+                          measured_allreduce_ms=PUBLISHED["allreduce_ms"], measured_owner_ms=PUBLISHED["owner_ms"],
+                          causes=costed(cases, topology))
 
 
 def format_published_check(check: PublishedCheck, model: str) -> str:
@@ -588,6 +628,9 @@ def format_published_check(check: PublishedCheck, model: str) -> str:
         f"  reduce-to-owner model {check.owner_ms:7.2f} ms   measured {check.measured_owner_ms:6.2f} ms   "
         f"({100 * err_ow:+.0f}%)",
         f"  owner / AllReduce: model {check.ratio:.3f}   measured {check.measured_ratio:.3f}",
+        *(format_causes(check.causes, (Case("AllReduce", (), check.measured_allreduce_ms, check.allreduce_ms),
+                                       Case("reduce-to-owner", (), check.measured_owner_ms, check.owner_ms)))
+          if check.causes is not None else []),
     ])
 
 
@@ -610,6 +653,7 @@ class SizingReport:
     ranks_per_node: int = 8  # the cluster modelled (``Cluster``)
     gpu_generation: str = "hopper"
     nvls: bool = True
+    host: str = ""  # the host cost charged (``HostCost.describe``)
 
 
 def size_the_win(owner_map: OwnerMap, grad_order: Sequence[int], bucket_sizes: Sequence[int], *, model: str,
@@ -630,7 +674,13 @@ def size_the_win(owner_map: OwnerMap, grad_order: Sequence[int], bucket_sizes: S
                         summary_line=owner_map.init_line(sliced=True), share=element_share(owner_map),
                         delivered=delivered_bytes(owner_map, b), buckets=tuple(buckets),
                         build_seconds=build_seconds, notes=tuple(notes), ranks_per_node=cluster.ranks_per_node,
-                        gpu_generation=cluster.generation, nvls=cluster.nvls)
+                        gpu_generation=cluster.generation, nvls=cluster.nvls,
+                        host=cluster.cost(owner_map.dp_world_size, b).host_cost.describe())
+
+
+def _host_device(b: BucketSizing, path: str) -> str:
+    """``host + device us`` of a bucket's mean flush alone on ``path``."""
+    return f"{b.host_per_flush(path):,.1f} + {b.device_per_flush(path):,.1f} us"
 
 
 def _worst(ratio: float | None) -> str:
@@ -709,21 +759,26 @@ def format_report(report: SizingReport) -> str:
                 f"    before the per-flush choice: owner-ordered {_ms(b.step_us('previous'))} "
                 f"({b.us_ratio('previous'):.3f})   arrival order {_ms(b.step_us('sliced'))} "
                 f"({b.us_ratio('sliced'):.3f})   (bandwidth-only {b.sliced_time_ratio:.3f})",
+                f"    per flush alone, host issue + device (mean): native {_host_device(b, 'native')}   "
+                f"reduce_to_owner {_host_device(b, 'layout')}",
             ]
             lines += [f"    hand-off at {scale:g}x its network bandwidth: the choices above {ratio:.3f} of native "
                       f"(worst flush alone {_worst(worst_ratio)}); chosen again knowing it {again:.3f}"
                       for scale, ratio, worst_ratio, again in b.handoff_sensitivity]
     lines += ["", "estimates: ring-model time is bandwidth only, per rank; alpha-beta time is NCCL's tuning model "
-              "(planning/collective_time.py; a ring Reduce pays a hop per rank), native's flushes serial, "
-              "reduce_to_owner's the step's plan (two-level flushes overlapped on the node and rail streams), compute "
-              "overlap and host time ignored."]
+              "(planning/collective_time.py; a ring Reduce pays a hop per rank) plus the host's issue where the device "
+              "waits for it (planning/host_cost.py), native's flushes serial, reduce_to_owner's the step's plan "
+              "(two-level flushes overlapped on the node and rail streams), compute overlap ignored."]
+    if report.host:
+        lines.append(f"{report.host}")
     lines += [f"note: {note}" for note in report.notes]
     return "\n".join(lines)
 
 
 SUMMARY_HEADER = ("| model | ws | bucket | flushes | calls per flush: native / reduce_to_owner | algorithms chosen | "
-                  "step, native | before the choice | reduce_to_owner | worst flush alone | last flush |\n"
-                  "|---|---|---|---|---|---|---|---|---|---|---|")
+                  "step, native | before the choice | reduce_to_owner | worst flush alone | last flush | "
+                  "per flush, host + device: native / reduce_to_owner |\n"
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def summary_header(sensitivity: Sequence[float] = ()) -> str:
@@ -745,7 +800,7 @@ def format_summary_rows(report: SizingReport, name: str) -> list[str]:
         worst = b.worst_flush()
         if not b.topology or not b.flushes:
             rows.append(f"| {name} | {report.world_size} | {b.bucket_size:.0e} | {len(b.flushes)} | "
-                        "one rank: nothing to reduce |" + " |" * (6 + len(b.handoff_sensitivity)))
+                        "one rank: nothing to reduce |" + " |" * (7 + len(b.handoff_sensitivity)))
             continue
         sens = "".join(f" {ratio:.3f}x (worst alone {_worst(w)}; chosen again {again:.3f}x) |"
                        for _, ratio, w, again in b.handoff_sensitivity)
@@ -754,7 +809,8 @@ def format_summary_rows(report: SizingReport, name: str) -> list[str]:
         rows.append(f"| {name} | {report.world_size} | {b.bucket_size:.0e} | {len(b.flushes)} | "
                     f"{b.native_calls / per:.1f} / {b.layout_calls / per:.1f} | {_algos(b)}{overlap} | "
                     f"{_ms(b.step_us('native'))} | {b.us_ratio('previous'):.3f}x | "
-                    f"**{b.us_ratio('layout'):.3f}x** | {alone} | {b.last_flush_over_native():.3f}x |" + sens)
+                    f"**{b.us_ratio('layout'):.3f}x** | {alone} | {b.last_flush_over_native():.3f}x | "
+                    f"{_host_device(b, 'native')} / {_host_device(b, 'layout')} |" + sens)
     return rows
 
 
@@ -772,6 +828,9 @@ def report_to_dict(report: SizingReport) -> dict[str, Any]:
                    sliced_time_ratio=b.sliced_time_ratio, layout_calls=b.layout_calls,
                    native_us=b.step_us("native"), sliced_us=b.step_us("sliced"), layout_us=b.step_us("layout"),
                    previous_us=b.step_us("previous"), sliced_us_ratio=b.us_ratio("sliced"),
+                   host_us_per_flush=b.host_per_flush("layout"), native_host_us_per_flush=b.host_per_flush("native"),
+                   device_us_per_flush=b.device_per_flush("layout"),
+                   native_device_us_per_flush=b.device_per_flush("native"),
                    layout_us_ratio=b.us_ratio("layout"), previous_us_ratio=b.us_ratio("previous"),
                    worst_flush_over_native=max((f.layout_over_native for f in b.flushes if f.alone), default=1.0),
                    last_flush_over_native=b.last_flush_over_native(),
@@ -800,6 +859,7 @@ def plan_to_dicts(report: SizingReport) -> list[dict[str, Any]]:
                 "algo": f.layout_algo, "choice": f.layout_choice, "rail_step": f.rail_step or None,
                 "rail_layout": f.rail_layout or None,
                 "modelled_us": f.layout_us, "native_modelled_us": f.native_us,
+                "host_us": f.host_us, "native_host_us": f.native_host_us,
                 "schedule_us": {"node_start": f.node_start_us, "node_end": f.node_end_us, "rail_end": f.rail_end_us,
                                 "end": f.end_us}})
         out.append({"model": report.model, "world_size": report.world_size,

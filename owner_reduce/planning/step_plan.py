@@ -19,14 +19,26 @@ The schedule (``Timeline``), the same rules the runtime's streams follow:
 - a bucket is free when the flush that used it last has ended (its copy-out runs after its last call); a dtype keeps
   ``buckets`` of them, used in turn (``runtime.buckets``: two with DeepSpeed's ``double_buffer``);
 - the gradients are there at the start (compute and copies are not modelled, as in every flush time here): the
-  step's reduction is the schedule's end, native's the sum of its flushes (one stream).
+  step's reduction is the schedule's end, native's its flushes one after another (one stream);
+- the host is a resource too (Note (host)): it issues the flushes in order, each in its own time
+  (``FlushTimes.issue_us``, ``host_cost``), and a flush's device work (a two-level flush's stage ``k``) starts no
+  earlier than the host has issued it (stages ``1..k``); native's flushes likewise, with native's own issue time.
 
 The choice (``plan_step``): the options of every flush, searched in order keeping every schedule state that no other
 beats on every stream and bucket (the cheapest few hundred), so the step's end is minimal up to that bound; then two
 bounds hold or the flush falls back to its best one-level option: a flush that runs alone (its rail step overlaps
 neither neighbour's) is never modelled slower than native's calls for it, and the last flush's own time (its stages,
 nothing before it in the way) is at most ``LAST_FLUSH_BOUND`` x native's for it, its tail being exposed after the
-last gradient. Every rank computes the same plan from the same numbers. Pure: numbers in, indices out.
+last gradient. Both bounds compare times alone with their issue on both sides. Every rank computes the same plan
+from the same numbers. Pure: numbers in, indices out.
+
+Note (host): NCCL launches a group's kernels at ``ncclGroupEnd``, after every call of the group is enqueued
+(src/group.cc 598-760, NVIDIA/nccl v2.30.7-1), so a group's device work cannot start before its issue ends. The
+runtime issues a flush's groups back to back (a two-level flush: stage by stage, its node group then its rail
+group, then its data-parallel calls), without waiting for the device, and the next flush right after. So a flush
+that runs alone costs its issue plus its device time, and a flush queued behind a long one has issued before its
+stream is free: its issue is hidden. A hand-off's second group is issued while the first runs; only what its issue
+exceeds the first group's device time by is exposed (``owner_layout``), charged with its device time.
 """
 
 from __future__ import annotations
@@ -42,30 +54,56 @@ _STATES_KEPT = 256  # schedule states kept per flush in the search (the cheapest
 
 @dataclass(frozen=True)
 class FlushTimes:
-    """One option of one flush as the streams see it: two-level stages (node, rail microseconds), then calls on the
-    data-parallel communicator (``world_us``); a one-level option has no stages."""
+    """One option of one flush as the streams and the host see it: two-level stages (node, rail device
+    microseconds), then calls on the data-parallel communicator (``world_us``, device); a one-level option has no
+    stages. ``issue_us``: the host's microseconds to issue it, in issue order: one per stage (its node and rail
+    groups), then one for its data-parallel calls where it has any (a one-level option: that one only); entries
+    left out cost nothing (Note (host))."""
 
     stages: tuple[tuple[float, float], ...] = ()
     world_us: float = 0.0
+    issue_us: tuple[float, ...] = ()
 
     @property
     def two_level(self) -> bool:
         return bool(self.stages)
 
     @property
+    def host_us(self) -> float:
+        """The host's time to issue the whole flush."""
+        return sum(self.issue_us)
+
+    def stage_issue(self, stage: int) -> float:
+        return self.issue_us[stage] if stage < len(self.issue_us) else 0.0
+
+    @property
+    def world_issue(self) -> float:
+        """The issue of the data-parallel calls (after every stage's)."""
+        return sum(self.issue_us[len(self.stages):])
+
+    @property
     def alone_us(self) -> float:
-        """The flush with nothing before it: its stages pipelined, then its data-parallel calls."""
+        """The flush with nothing before it: issued, its stages pipelined behind their issue, then its
+        data-parallel calls (Note (host))."""
+        return _State().after(self, 0, 1)[1].end
+
+    @property
+    def device_us(self) -> float:
+        """The flush alone without its issue: its stages pipelined, then its data-parallel calls."""
         return (pipelined_us(self.stages) if self.stages else 0.0) + self.world_us
 
 
 @dataclass(frozen=True)
 class Step:
-    """Where one flush of the schedule runs: its node step (start, end), its rail step's end, its end."""
+    """Where one flush of the schedule runs: its node step (start, end), its rail step's end, its end, and when the
+    host began and ended issuing it."""
 
     node_start: float
     node_end: float
     rail_end: float
     end: float
+    issue_start: float = 0.0
+    issue_end: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -74,7 +112,8 @@ class StepPlan:
 
     picks: tuple[int, ...]
     steps: tuple[Step, ...]
-    native_us: float  # native's step: its flushes one after another
+    native_us: float  # native's step: its flushes one after another, each behind its issue
+    times: tuple[FlushTimes, ...] = ()  # the picked option of each flush (device and host times)
 
     @property
     def end_us(self) -> float:
@@ -99,52 +138,77 @@ def schedule(options: Sequence[FlushTimes], buckets: Sequence[int], per_bucket: 
 
 @dataclass(frozen=True)
 class _State:
-    """The streams' ends and, per dtype, when each of its last ``per_bucket`` flushes ended (their buckets free)."""
+    """The streams' ends, the host's (when it has issued everything so far: Note (host)) and, per dtype, when each of
+    its last ``per_bucket`` flushes ended (their buckets free)."""
 
     node: float = 0.0
     rail: float = 0.0
     freed: tuple[tuple[int, tuple[float, ...]], ...] = ()  # (dtype key, ends of its last flushes, oldest first)
+    host: float = 0.0
 
     def after(self, option: FlushTimes, dtype: int, per_bucket: int) -> tuple[_State, Step]:
         ends = dict(self.freed).get(dtype, ())
         free = ends[0] if len(ends) >= per_bucket else 0.0
+        host = self.host
         if not option.two_level:
-            start = max(self.node, self.rail, free)
+            host += option.host_us
+            start = max(self.node, self.rail, free, host)
             end = start + option.world_us
-            step = Step(start, end, end, end)
+            step = Step(start, end, end, end, self.host, host)
             node = rail = end
         else:
-            node = start = max(self.node, free)
-            rail = self.rail
-            for node_us, rail_us in option.stages:
+            node, rail, start = max(self.node, free), self.rail, None
+            for k, (node_us, rail_us) in enumerate(option.stages):
+                host += option.stage_issue(k)
+                node = max(node, host)
+                start = node if start is None else start
                 node += node_us
                 rail = max(rail, node) + rail_us
-            end = max(node, rail) + option.world_us if option.world_us else rail
-            step = Step(start, node, rail, end)
+            if option.world_us:
+                host += option.world_issue
+                end = max(node, rail, host) + option.world_us
+            else:
+                end = rail
+            step = Step(start, node, rail, end, self.host, host)
             if option.world_us:
                 node = rail = end
         ends = (*ends, step.end)[-per_bucket:]
         freed = tuple(sorted({**dict(self.freed), dtype: ends}.items()))
-        return _State(node, rail, freed), step
+        return _State(node, rail, freed, host), step
 
     def key(self) -> tuple[float, ...]:
-        return (self.node, self.rail, *(t for _, ends in self.freed for t in ends))
+        return (self.node, self.rail, self.host, *(t for _, ends in self.freed for t in ends))
 
 
-def plan_step(options: Sequence[Sequence[FlushTimes]], native: Sequence[float], buckets: Sequence[int],
+def native_step_us(native: Sequence[FlushTimes | float]) -> float:
+    """Native's step: its flushes one after another on one stream, each issued in turn by the host (Note (host))."""
+    state = _State()
+    for flush in native:
+        state, _ = state.after(_times(flush), 0, 1)
+    return state.rail
+
+
+def _times(flush: FlushTimes | float) -> FlushTimes:
+    """A flush's times, or a plain number as a one-level flush of that device time without issue."""
+    return flush if isinstance(flush, FlushTimes) else FlushTimes(world_us=float(flush))
+
+
+def plan_step(options: Sequence[Sequence[FlushTimes]], native: Sequence[FlushTimes | float], buckets: Sequence[int],
               per_bucket: int = 2) -> StepPlan:
     """The option per flush whose schedule ends first (see the module docstring). ``options[i][0]`` must be flush
-    ``i``'s best one-level option (the fallback), ``native[i]`` native's time for its gradients, ``buckets[i]`` its
-    dtype's key. Deterministic: the same inputs give the same plan on every rank."""
+    ``i``'s best one-level option (the fallback), ``native[i]`` native's times for its gradients (a number: its device
+    time, without issue), ``buckets[i]`` its dtype's key. Deterministic: the same inputs give the same plan on every
+    rank."""
     if not options:
         return StepPlan((), (), 0.0)
+    native = [_times(n) for n in native]
     last = len(options) - 1
     states: list[tuple[_State, tuple[int, ...]]] = [(_State(), ())]
     for i, flush in enumerate(options):
         grown = []
         for state, picks in states:
             for j, option in enumerate(flush):
-                if i == last and j and option.alone_us > LAST_FLUSH_BOUND * native[i]:
+                if i == last and j and option.alone_us > LAST_FLUSH_BOUND * native[i].alone_us:
                     continue
                 after, _ = state.after(option, buckets[i], per_bucket)
                 grown.append((after, (*picks, j)))
@@ -163,11 +227,11 @@ def plan_step(options: Sequence[Sequence[FlushTimes]], native: Sequence[float], 
     picks = min(states, key=lambda sp: (max(sp[0].node, sp[0].rail), sp[1]))[1]
     picks = _alone_bound(options, native, buckets, per_bucket, picks)
     steps = schedule([options[i][j] for i, j in enumerate(picks)], buckets, per_bucket)
-    native_us = sum(native)
+    native_us = native_step_us(native)
     if max((s.end for s in steps), default=0.0) > native_us:  # the bounded search missed it: every flush one-level
         picks = (0,) * len(options)
         steps = schedule([flush[0] for flush in options], buckets, per_bucket)
-    return StepPlan(tuple(picks), steps, native_us)
+    return StepPlan(tuple(picks), steps, native_us, tuple(options[i][j] for i, j in enumerate(picks)))
 
 
 def runs_alone(steps: Sequence[Step]) -> tuple[bool, ...]:
@@ -177,16 +241,16 @@ def runs_alone(steps: Sequence[Step]) -> tuple[bool, ...]:
                  and (i + 1 == len(steps) or steps[i + 1].node_start >= step.end) for i, step in enumerate(steps))
 
 
-def _alone_bound(options: Sequence[Sequence[FlushTimes]], native: Sequence[float], buckets: Sequence[int],
+def _alone_bound(options: Sequence[Sequence[FlushTimes]], native: Sequence[FlushTimes], buckets: Sequence[int],
                  per_bucket: int, picks: tuple[int, ...]) -> tuple[int, ...]:
     """A two-level flush that runs alone (its node step starts after the previous flush ended, and the next flush
-    starts after it ended) may not be slower than native's calls for it: such a flush takes its one-level option,
-    until none is left."""
+    starts after it ended) may not be slower than native's calls for it (both alone, issue included): such a flush
+    takes its one-level option, until none is left."""
     picks = list(picks)
     while True:
         steps = schedule([options[i][j] for i, j in enumerate(picks)], buckets, per_bucket)
         alone = [i for i, by_itself in enumerate(runs_alone(steps))
-                 if picks[i] and by_itself and options[i][picks[i]].alone_us > native[i]]
+                 if picks[i] and by_itself and options[i][picks[i]].alone_us > native[i].alone_us]
         if not alone:
             return tuple(picks)
         picks[alone[0]] = 0

@@ -32,7 +32,10 @@ its owners' parts in stage ``k`` on the rail topology (``collective_time.rail``)
 and rail step ``k - 1`` have ended: ``node_end[k] = node_end[k-1] + a_k``,
 ``rail_end[k] = max(node_end[k], rail_end[k-1]) + b_k``. Assumed: the levels use disjoint links (NVLink / NVSwitch
 for the node, the NIC for the rail), and the SMs both levels' kernels take (one block per channel) are free; neither
-is in NCCL's model, which costs one call at a time.
+is in NCCL's model, which costs one call at a time. The host issues the stages back to back, each its node group, its
+rail group(s) and (balanced) its node hand-off round, and node step ``k`` starts no earlier than the host has issued
+stages ``1..k`` (``step_plan`` Note (host)): each stage pays its groups' and calls' issue (``host_cost``,
+``TwoLevelOption.stage_issue``), so more stages hide more of the rail step but pay more issue as well as latency.
 
 Rank order (``requires``): global rank = node x ranks_per_node + local rank, as torchrun and DeepSpeed's launcher set
 it, whole nodes only. Pure: numbers in, a layout out; no torch.distributed, no cupy.
@@ -58,6 +61,8 @@ from .collective_time import (
 )
 from .collectives import HANDOFF, NODE, NODE_HANDOFF, RAIL, Collective, Transfer
 from .flush_plan import ALL, FlushRange
+from .host_cost import NONE as NO_HOST_COST
+from .host_cost import HostCost
 
 STAGE_COUNTS = (1, 2, 4, 8, 16, 32)  # the pipeline depths the model compares (ties: fewer stages)
 RAIL_REDUCE, RAIL_SCATTER = "reduce", "scatter"  # a two-level flush's rail step: Note (rail step)
@@ -90,13 +95,13 @@ class TwoLevel:
         g = self.ranks_per_node
         return tuple(tuple(m * g + local for m in range(self.nodes)) for local in range(g))
 
-    def options(self, sizes: Sequence[int], dtype_bytes: int, max_padding: int | None = None
-                ) -> tuple[TwoLevelOption, ...]:
+    def options(self, sizes: Sequence[int], dtype_bytes: int, max_padding: int | None = None,
+                host: HostCost = NO_HOST_COST) -> tuple[TwoLevelOption, ...]:
         """Every pipeline worth comparing for owner regions of ``sizes`` elements (by rank) that pads at most
         ``max_padding`` elements (None: any): per stage count of ``STAGE_COUNTS`` and rail step (Note (rail step)),
         the one whose flush alone is fastest (for the Reduce chains: over how many leading stages run a node
-        ReduceScatter, see Note (unequal blocks); ties: more of them). The step's plan picks among them
-        (``step_plan``), as the flush alone does (``time_us``)."""
+        ReduceScatter, see Note (unequal blocks); ties: more of them), each stage's issue costed by ``host``. The
+        step's plan picks among them (``step_plan``), as the flush alone does (``time_us``)."""
         out: list[TwoLevelOption] = []
         for layout in RAIL_LAYOUTS:
             owners = balanced_sizes(sizes, self.ranks_per_node) if layout == BALANCED else sizes
@@ -116,41 +121,45 @@ class TwoLevel:
                         continue
                     tried.add(stages)
                     option = self._best_option(step, blocks, lengths, width, stages, dtype_bytes, max_padding,
-                                               sizes if layout == BALANCED else None)
+                                               sizes if layout == BALANCED else None, host)
                     if option is not None:
                         out.append(option)
         return tuple(out)
 
-    def time_us(self, sizes: Sequence[int], dtype_bytes: int, max_padding: int | None = None
-                ) -> tuple[float, TwoLevelOption | None]:
+    def time_us(self, sizes: Sequence[int], dtype_bytes: int, max_padding: int | None = None,
+                host: HostCost = NO_HOST_COST) -> tuple[float, TwoLevelOption | None]:
         """(modelled time, option) of the fastest pipeline for a flush alone (``options``); ties go to the Reduce
         chains, then fewer stages."""
         best: TwoLevelOption | None = None
-        for option in self.options(sizes, dtype_bytes, max_padding):
+        for option in self.options(sizes, dtype_bytes, max_padding, host):
             if best is None or option.alone_us < best.alone_us:
                 best = option
         return (best.alone_us, best) if best is not None else (0.0, None)
 
-    def recost(self, sizes: Sequence[int], option: TwoLevelOption, dtype_bytes: int) -> TwoLevelOption:
+    def recost(self, sizes: Sequence[int], option: TwoLevelOption, dtype_bytes: int,
+               host: HostCost = NO_HOST_COST) -> TwoLevelOption:
         """``option``'s pipeline (its geometry and rail step, as chosen under another model) costed on this one's
         topology: what a choice made at one bandwidth costs at another (the sizing's hand-off sensitivity)."""
         geometry = option.geometry
         balanced = option.rail_layout == BALANCED
         blocks = rail_blocks(balanced_sizes(sizes, self.ranks_per_node) if balanced else sizes, self.ranks_per_node)
-        node_rs, node_tail, rail_us = self._stage_costs(option.rail_step, blocks, geometry.lengths, geometry.width,
-                                                        geometry.stages, dtype_bytes)
-        handoff = self._node_handoff_us(sizes, geometry.width, geometry.stages, dtype_bytes) if balanced else None
+        node_rs, node_tail, rail_us, rail_issue = self._stage_costs(option.rail_step, blocks, geometry.lengths,
+                                                                    geometry.width, geometry.stages, dtype_bytes)
+        handoff = (self._node_handoff_us(sizes, geometry.width, geometry.stages, dtype_bytes) if balanced
+                   else None)
         return replace(option, stage_us=_with_handoff(
             [(node_rs if stage < geometry.scattered else node_tail[stage], rail_us[stage])
-             for stage in range(geometry.stages)], handoff))
+             for stage in range(geometry.stages)], handoff[0] if handoff else None),
+            stage_issue=_stage_issue(host, geometry, rail_issue, handoff[1] if handoff else None))
 
     def _best_option(self, step: str, blocks: Sequence[Sequence[int]], lengths: Sequence[int], width: int,
                      stages: int, dtype_bytes: int, max_padding: int | None,
-                     balanced: Sequence[int] | None = None) -> TwoLevelOption | None:
-        """The fastest option of ``stages`` stages of ``width`` for this rail step, or None where every one pads past
-        ``max_padding``. A rail ReduceScatter needs every block's slice whole: node ReduceScatter stages only.
-        ``balanced``: the owner regions' sizes, the blocks being their balanced parts (Note (balanced rails))."""
-        node_rs, node_tail, rail_us = self._stage_costs(step, blocks, lengths, width, stages, dtype_bytes)
+                     balanced: Sequence[int] | None = None, host: HostCost = NO_HOST_COST) -> TwoLevelOption | None:
+        """The fastest option of ``stages`` stages of ``width`` for this rail step, alone with its issue, or None where
+        every one pads past ``max_padding``. A rail ReduceScatter needs every block's slice whole: node ReduceScatter
+        stages only. ``balanced``: the owner regions' sizes, the blocks being their balanced parts (Note (balanced
+        rails))."""
+        node_rs, node_tail, rail_us, rail_issue = self._stage_costs(step, blocks, lengths, width, stages, dtype_bytes)
         handoff = self._node_handoff_us(balanced, width, stages, dtype_bytes) if balanced is not None else None
         layout = BY_OWNER if balanced is None else BALANCED
         best: TwoLevelOption | None = None
@@ -158,18 +167,21 @@ class TwoLevel:
             if max_padding is not None and sum(max(0, scattered * width - n) for n in lengths) > max_padding:
                 continue
             stage_us = _with_handoff([(node_rs if stage < scattered else node_tail[stage], rail_us[stage])
-                                      for stage in range(stages)], handoff)
-            option = TwoLevelOption(TwoLevelGeometry(self.ranks_per_node, stages, width, scattered, tuple(lengths)),
-                                    step, stage_us, layout)
+                                      for stage in range(stages)], handoff[0] if handoff else None)
+            geometry = TwoLevelGeometry(self.ranks_per_node, stages, width, scattered, tuple(lengths))
+            option = TwoLevelOption(geometry, step, stage_us, layout,
+                                    _stage_issue(host, geometry, rail_issue, handoff[1] if handoff else None))
             if best is None or option.alone_us < best.alone_us:
                 best = option
         return best
 
-    def _node_handoff_us(self, sizes: Sequence[int], width: int, stages: int, dtype_bytes: int) -> list[float]:
+    def _node_handoff_us(self, sizes: Sequence[int], width: int, stages: int, dtype_bytes: int
+                         ) -> tuple[list[float], list[int]]:
         """Per stage of a balanced layout (Note (balanced rails)): the NVLink hand-off round that moves each owner's
         parts from the other local ranks of its node to it, as the busiest rank of any node sends or receives (one
         grouped send/recv round on the node, ``p2p_round_us`` on the node topology: NVLink bytes, incast counted). Not
-        scaled by ``p2p_bw_scale``: that is the sizing's sensitivity to the network's point-to-point bandwidth."""
+        scaled by ``p2p_bw_scale``: that is the sizing's sensitivity to the network's point-to-point bandwidth. Also,
+        per stage, the most sends and receives one rank issues in it (its host issue)."""
         g = self.ranks_per_node
         sent = [[0] * len(sizes) for _ in range(stages)]
         received = [[0] * len(sizes) for _ in range(stages)]
@@ -184,23 +196,28 @@ class TwoLevel:
                 received[stage][owner] += moved
                 peers[stage][holder] += 1
                 peers[stage][len(sizes) + owner] += 1
-        out = []
+        out, calls = [], []
+        n = len(sizes)
         for stage in range(stages):
             busiest = max(max(sent[stage], default=0), max(received[stage], default=0))
             load = P2pLoad(max(peers[stage], default=0), 0, busiest * dtype_bytes)
             out.append(p2p_round_us(load, self.node) if busiest else 0.0)
-        return out
+            calls.append(max((peers[stage][r] + peers[stage][n + r] for r in range(n)), default=0))
+        return out, calls
 
     def _stage_costs(self, step: str, blocks: Sequence[Sequence[int]], lengths: Sequence[int], width: int,
-                     stages: int, dtype_bytes: int) -> tuple[float, list[float], list[float]]:
+                     stages: int, dtype_bytes: int
+                     ) -> tuple[float, list[float], list[float], list[tuple[int, int]]]:
         """Per stage of ``width``: the node ReduceScatter's time (the same in every stage), the node Reduces' time if
-        the stage is a tail stage, and the slowest rail's step (the same either way): its grouped Reduces, or its
-        ReduceScatter of the stage's slice and then its hand-off round."""
+        the stage is a tail stage, the slowest rail's step (the same either way): its grouped Reduces, or its
+        ReduceScatter of the stage's slice and then its hand-off round; and the busiest rail's (calls, groups) a rank
+        issues for it (a hand-off's sends and receives bounded by twice its busiest rank's peers)."""
         g = self.ranks_per_node
         node_rs = group_time_us([(REDUCE_SCATTER, g * width * dtype_bytes)], self.node)
         node_tail = [group_time_us([(REDUCE, _slice(n, stage, width) * dtype_bytes) for n in lengths
                                     if _slice(n, stage, width)], self.node) for stage in range(stages)]
         rail_us = [0.0] * stages
+        issued = [(0, 0)] * stages
         if step == RAIL_SCATTER:
             scatter = group_time_us([(REDUCE_SCATTER, width * dtype_bytes)], self.rail)
             for block in blocks:
@@ -208,7 +225,8 @@ class TwoLevel:
                     load = _rail_handoff_load(block, stage, width, self.nodes, dtype_bytes)
                     handoff = p2p_round_us(load, self.rail, self.p2p_bw_scale) if load.peers else 0.0
                     rail_us[stage] = max(rail_us[stage], scatter + handoff)
-            return node_rs, node_tail, rail_us
+                    issued[stage] = max(issued[stage], (1 + 2 * load.peers, 1 + (load.peers > 0)))
+            return node_rs, node_tail, rail_us, issued
         for block in blocks:
             parts: list[list[tuple[str, int]]] = [[] for _ in range(stages)]
             for stage, _, count in _parts(block, width):
@@ -216,7 +234,8 @@ class TwoLevel:
             for stage, calls in enumerate(parts):
                 if calls:
                     rail_us[stage] = max(rail_us[stage], group_time_us(calls, self.rail))
-        return node_rs, node_tail, rail_us
+                    issued[stage] = max(issued[stage], (len(calls), 1))
+        return node_rs, node_tail, rail_us, issued
 
 
 @dataclass(frozen=True)
@@ -228,11 +247,28 @@ class TwoLevelOption:
     rail_step: str
     stage_us: tuple[tuple[float, float], ...]
     rail_layout: str = BY_OWNER  # where an owner's region crosses the nodes: Note (balanced rails)
+    stage_issue: tuple[float, ...] = ()  # the host's us to issue each stage (``host_cost``; empty: none charged)
 
     @property
     def alone_us(self) -> float:
-        """The flush alone: ``pipelined_us`` of its stages."""
-        return pipelined_us(self.stage_us)
+        """The flush alone: ``pipelined_us`` of its stages behind their issue."""
+        return pipelined_us(self.stage_us, self.stage_issue)
+
+
+def _stage_issue(host: HostCost, geometry: TwoLevelGeometry, rail: Sequence[tuple[int, int]],
+                 handoff: Sequence[int] | None) -> tuple[float, ...]:
+    """The host's us to issue each stage: the node group (one ReduceScatter, or a tail stage's node Reduces, one per
+    block reaching it), the busiest rail's group(s) (``rail``: (calls, groups) per stage) and a balanced layout's node
+    hand-off round (``handoff``: its busiest rank's sends and receives per stage), ``host_cost.HostCost.issue_us``."""
+    out = []
+    for stage in range(geometry.stages):
+        node_calls = 1 if stage < geometry.scattered else sum(
+            1 for n in geometry.lengths if _slice(n, stage, geometry.width))
+        calls, groups = node_calls + rail[stage][0], 1 + rail[stage][1]
+        if handoff is not None and handoff[stage]:
+            calls, groups = calls + handoff[stage], groups + 1
+        out.append(host.issue_us(calls, groups, stages=1))
+    return tuple(out)
 
 
 def _with_handoff(stage_us: Sequence[tuple[float, float]], handoff: Sequence[float] | None
@@ -278,12 +314,14 @@ def balanced_parts(sizes: Sequence[int], ranks_per_node: int) -> list[tuple[int,
     return out
 
 
-def pipelined_us(stage_us: Sequence[tuple[float, float]]) -> float:
-    """Stages of (node, rail) microseconds, node steps back to back, rail step ``k`` after node step ``k`` and rail
-    step ``k - 1``: when the last rail step ends."""
-    node_end = rail_end = 0.0
-    for node, rail_ in stage_us:
-        node_end += node
+def pipelined_us(stage_us: Sequence[tuple[float, float]], issue: Sequence[float] = ()) -> float:
+    """Stages of (node, rail) microseconds, node steps back to back, node step ``k`` no earlier than the host has
+    issued stages ``1..k`` (``issue``: the host's us per stage, none where left out), rail step ``k`` after node step
+    ``k`` and rail step ``k - 1``: when the last rail step ends (``step_plan`` Note (host))."""
+    node_end = rail_end = host = 0.0
+    for k, (node, rail_) in enumerate(stage_us):
+        host += issue[k] if k < len(issue) else 0.0
+        node_end = max(node_end, host) + node
         rail_end = max(node_end, rail_end) + rail_
     return rail_end
 

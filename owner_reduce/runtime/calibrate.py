@@ -8,7 +8,11 @@ the regions it overlaps, and chunks and regions are both laid out in rank order:
 ``peer_stride`` s puts the partners at distance s..k*s instead (s = ranks per node: every partner on another node,
 to time the network rather than NVLink). Each call is issued as the flush issues it: inside
 ``comm.group()``, on the communicator ``comm_select.select_comm`` gives (cupy NCCL on GPUs, torch.distributed
-otherwise), waited for with ``comm.wait_until`` (bounded by the runtime's deadline).
+otherwise), waited for with ``comm.wait_until`` (bounded by the runtime's deadline). And the host's cost of a call
+(``host``, ``planning.calibration`` Note (host)): one group of ``n`` AllReduces splitting ``host_bytes`` into ``n``
+equal parts, for each ``n`` of ``host_calls``, each group timed alone (the device idle before it, one group per
+timed repeat), so that its issue is in its time; per extra call the slope, per group the intercept less one
+AllReduce of the same bytes.
 
 Note (timing): on a GPU, CUDA events on the stream the calls run on (a high-priority side stream, as the runtime's
 reduce stream), around ``inner`` calls issued back to back (so the host's issue time overlaps the previous call,
@@ -32,15 +36,17 @@ from typing import Any
 
 import torch
 
-from ..planning.calibration import Calibration, KindFit, P2pFit, fit_kind, fit_p2p
+from ..planning.calibration import Calibration, KindFit, P2pFit, fit_host, fit_kind, fit_p2p
 from ..planning.wording import ranks_phrase
 from .comm import ReduceComm
 
-ALLREDUCE, REDUCE, REDUCE_SCATTER, P2P = "allreduce", "reduce", "reduce_scatter", "p2p"
-MEASURED = (ALLREDUCE, REDUCE, REDUCE_SCATTER, P2P)
+ALLREDUCE, REDUCE, REDUCE_SCATTER, P2P, HOST = "allreduce", "reduce", "reduce_scatter", "p2p", "host"
+MEASURED = (ALLREDUCE, REDUCE, REDUCE_SCATTER, P2P, HOST)
 GPU_SIZES = tuple((4 << 10) << (2 * i) for i in range(8))  # 4 KiB .. 64 MiB
 CPU_SIZES = tuple((4 << 10) << (2 * i) for i in range(6))  # 4 KiB .. 4 MiB (gloo: under a minute on 4 ranks)
 MAX_PEERS = 8
+HOST_CALLS = (1, 2, 4, 8, 16)  # calls per group of the per-call measurement
+HOST_BYTES = 64 << 10  # the bytes every one of those groups moves: latency-bound, so its time is its calls'
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,8 @@ class CalibrationOptions:
     dtype: str | None = None
     kinds: tuple[str, ...] = MEASURED
     peer_stride: int = 1
+    host_calls: tuple[int, ...] = HOST_CALLS
+    host_bytes: int = HOST_BYTES
 
     def __post_init__(self) -> None:
         if self.peer_stride < 1:
@@ -71,6 +79,13 @@ class CalibrationOptions:
         unknown = [k for k in self.kinds if k not in MEASURED]
         if unknown or not self.kinds:
             raise ValueError(f"owner_reduce: calibration kinds must be among {', '.join(MEASURED)}, got {self.kinds}")
+        if HOST in self.kinds:
+            if ALLREDUCE not in self.kinds:
+                raise ValueError("owner_reduce: calibration kind host needs allreduce too (its per-group cost is what "
+                                 "a group costs beyond one AllReduce of the same bytes)")
+            if len(set(self.host_calls)) < 2 or min(self.host_calls) < 1 or self.host_bytes < 1:
+                raise ValueError(f"owner_reduce: calibration host_calls must be at least two distinct call counts >= 1 "
+                                 f"and host_bytes positive, got {self.host_calls}, {self.host_bytes}")
 
 
 def default_peers(world_size: int, cap: int = MAX_PEERS) -> tuple[int, ...]:
@@ -87,8 +102,16 @@ def default_peers(world_size: int, cap: int = MAX_PEERS) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class _Measurement:
     kind: str
-    nbytes: int  # the whole input of the call (p2p: the bytes each rank sends in the round)
+    nbytes: int  # the whole input of the call (p2p: the bytes each rank sends in the round; host: of the group)
     peers: int = 0
+    calls: int = 0  # host: AllReduces in the group
+
+    def describe(self) -> str:
+        """One line of ``--dry-run``."""
+        what = {HOST: f"one group of {self.calls} AllReduce{'s' if self.calls > 1 else ''}, timed alone",
+                P2P: f"a send/recv round, {self.peers} peer{'s' if self.peers > 1 else ''} each way"}.get(self.kind,
+                                                                                                  f"one {self.kind}")
+        return f"{self.kind:<15} {self.nbytes:>12,} bytes   {what}"
 
 
 def plan_measurements(options: CalibrationOptions, world_size: int, element_size: int,
@@ -104,6 +127,10 @@ def plan_measurements(options: CalibrationOptions, world_size: int, element_size
                          f"{options.peer_stride}), got {bad}")
     out: list[_Measurement] = []
     for kind in options.kinds:
+        if kind == HOST:
+            elems = options.host_bytes // element_size
+            out += [_Measurement(HOST, elems // n * n * element_size, calls=n) for n in sorted(set(options.host_calls))]
+            continue
         for size in sorted(set(sizes)):
             elems = size // element_size
             if kind == REDUCE_SCATTER:
@@ -118,7 +145,8 @@ def plan_measurements(options: CalibrationOptions, world_size: int, element_size
 def _fingerprint(measurements: Sequence[_Measurement], options: CalibrationOptions, element_size: int) -> int:
     value = 17 + 31 * options.warmup + 37 * options.repeats + 41 * element_size + 43 * options.peer_stride
     for i, m in enumerate(measurements):
-        value = (value * 1_000_003 + (i + 1) * (m.nbytes * 131 + m.peers * 7 + MEASURED.index(m.kind))) % (1 << 61)
+        value = (value * 1_000_003 + (i + 1) * (m.nbytes * 131 + m.peers * 7 + m.calls * 11 + MEASURED.index(m.kind))
+                 ) % (1 << 61)
     return value
 
 
@@ -134,6 +162,10 @@ class _HostTimer:
             issue()
         self.comm.wait_until(lambda: True, "calibration")
         return (time.perf_counter() - start) * 1e6 / inner
+
+    def time_alone_us(self, issue: Callable[[], None]) -> float:
+        """One issue, from an idle device to its end (gloo's calls end before they return)."""
+        return self.time_us(issue, 1)
 
 
 class _CudaTimer:
@@ -152,12 +184,30 @@ class _CudaTimer:
         self.comm.wait_until(end.query, "calibration")
         return start.elapsed_time(end) * 1000.0 / inner
 
+    def time_alone_us(self, issue: Callable[[], None]) -> float:
+        """One issue, from an idle stream (the ranks' meeting waited for first): the start event completes at once,
+        the group's kernel only after its issue, so the time holds the issue (``planning.calibration`` Note
+        (host))."""
+        idle = torch.cuda.Event()
+        idle.record()
+        self.comm.wait_until(idle.query, "calibration")
+        return self.time_us(issue, 1)
+
 
 def _issuer(comm: ReduceComm, m: _Measurement, send: torch.Tensor, recv: torch.Tensor,
             stride: int = 1) -> Callable[[], None]:
     """One call (or round) of ``m`` as the flush issues it: in a group of its own."""
     elems = m.nbytes // send.element_size()
     rank, n = comm.rank, comm.world_size
+    if m.kind == HOST:
+        part = elems // m.calls
+        parts = [send.narrow(0, i * part, part) for i in range(m.calls)]
+
+        def grouped() -> None:
+            with comm.group():
+                for buf in parts:
+                    comm.all_reduce(buf)
+        return grouped
     if m.kind == P2P:
         piece = elems // m.peers
 
@@ -214,7 +264,7 @@ def measure(comm: ReduceComm, options: CalibrationOptions, device: torch.device,
             times = []
             for _ in range(options.repeats):
                 comm.all_reduce(meet)  # the ranks meet: see Note (timing)
-                times.append(timer.time_us(issue, inner))
+                times.append(timer.time_alone_us(issue) if m.kind == HOST else timer.time_us(issue, inner))
             medians_ns.append(round(statistics.median(times) * 1000))
             last = i + 1 == len(measurements) or measurements[i + 1].kind != m.kind
             if last and log is not None:
@@ -231,9 +281,11 @@ def measure(comm: ReduceComm, options: CalibrationOptions, device: torch.device,
             fits.append(fit_kind(kind, points))
     p2p_points = [(m.peers, m.nbytes, t) for m, t in zip(measurements, worst, strict=True) if m.kind == P2P]
     p2p: P2pFit | None = fit_p2p(p2p_points) if p2p_points else None
+    host_points = [(m.calls, m.nbytes, t) for m, t in zip(measurements, worst, strict=True) if m.kind == HOST]
+    host = fit_host(host_points, next(f for f in fits if f.kind == ALLREDUCE)) if host_points else None
     return Calibration(world_size=comm.world_size, backend=backend, device=device_name, fits=tuple(fits), p2p=p2p,
                        measured_at=measured_at, dtype=str(dtype).removeprefix("torch."), warmup=options.warmup,
-                       repeats=options.repeats, software=tuple(software))
+                       repeats=options.repeats, software=tuple(software), host=host)
 
 
 def describe(comm: ReduceComm, process_group: Any = None) -> tuple[torch.device, str, str, tuple[tuple[str, str], ...]]:

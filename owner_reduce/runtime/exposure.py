@@ -85,7 +85,8 @@ class OwnerPathModel:
         grads = list(zip(pending.ids, pending.numels, strict=True))
         owner_us = owner_path_us(grads, self._owner_map, cost, order=self._order,
                                  capacity=max([pending.bucket.capacity, *pending.numels]))
-        ran_us = cost.calls_us((c.kind, c.count) for c in cached.collectives if c.kind != HANDOFF)
+        # What ran, alone and issued by this runtime as the owner path's choice would be: issue on both sides.
+        ran_us = cost.group_us([(c.kind, c.count) for c in cached.collectives if c.kind != HANDOFF])
         ratio = owner_ratio(owner_us, ran_us)
         if len(self._cache) >= _RATIO_CACHE_LIMIT:
             self._cache.clear()

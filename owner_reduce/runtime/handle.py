@@ -45,6 +45,7 @@ from ..planning.settings import (
     key_name,
     settings_line,
 )
+from ..planning.step_plan import FlushTimes, native_step_us
 from ..planning.two_level import TwoLevel, two_level_of
 from ..planning.verdict_book import (
     ScheduleVerdicts,
@@ -422,7 +423,8 @@ class OwnerReduceRuntime:
         detail = None
         if cost.topology is not None:
             chosen = schedule.modelled_us or sum(f.layout.modelled_us for f in flushes)
-            native = sum(cost.for_dtype_bytes(f.dtype.itemsize).native_us(f.numels) for f in flushes)
+            native = native_step_us([FlushTimes(world_us=device, issue_us=(host,)) for device, host in (
+                cost.for_dtype_bytes(f.dtype.itemsize).native_parts(f.numels) for f in flushes)])
             ratio = chosen / native if native else 1.0
             calibrated = isinstance(cost.calibration, Calibration)
             basis = (f"call times of calibration {cost.calibration.digest()}" if calibrated
