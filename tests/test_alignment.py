@@ -15,11 +15,13 @@ from __future__ import annotations
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
+import torch
 from fakes import flat_map
 
 from owner_reduce.harness.launch import fresh_process_context
 from owner_reduce.planning.alignment import align_elems, align_up, aligned_cut
 from owner_reduce.planning.collectives import ALLREDUCE, HANDOFF, NATIVE, REDUCE, REDUCE_SCATTER, TWO_LEVEL
+from owner_reduce.planning.flush_plan import FlushRange
 from owner_reduce.planning.owner_layout import (
     MAX_PADDING_SHARE,
     TWO_LEVEL_MAX_PADDING_SHARE,
@@ -185,3 +187,30 @@ def test_an_aligned_cut_shares_packs_and_shortens_only_its_last_part(align):
             assert all(parts[i] % align == 0 for i in filled[:-1])
             assert not filled or align_up(parts[filled[-1]], align) - parts[filled[-1]] < align
             assert max(parts) - min(parts) < 2 * align
+
+
+@pytest.mark.parametrize("zeroed", [True, False])
+def test_the_runtime_zeroes_the_padding_its_calls_reduce(zeroed, monkeypatch):
+    """The runtime's flush (a mirror communicator, in process) zeroes every padding range of the layout before its
+    calls: the hand-off's ReduceScatter reads zeros there on every rank, so no stale bucket contents reach a sum.
+    Regions of 15 and 15 fp32 elements in slots of 16. Negative control: the flush's padding step skipped in the
+    product's path, the learning step's values are still there."""
+    from fakes import mirror_runtime
+
+    from owner_reduce.runtime.flush import Flusher
+
+    if not zeroed:
+        prepare = Flusher._prepare
+        monkeypatch.setattr(Flusher, "_prepare", lambda self, cached, buffer, pads: prepare(self, cached, buffer, []))
+    owner_map = flat_map([5, 7, 3, 9, 6], 2)
+    rt, comm = mirror_runtime(owner_map, rank=0, bucket=64, algo="handoff")
+    for scale in (1.0, 2.0):  # learn in arrival order, then follow the schedule
+        rt.start_backward(True)
+        for p in reversed(list(owner_map)):
+            rt.reduce_grad(torch.arange(1, p.numel + 1, dtype=torch.float32) * scale, 11, p.param_id)
+        rt.end_backward(11, False)
+    (flush,) = rt.placer._schedules[11].flushes[torch.float32]
+    assert rt.stats.scheduled_flushes == 1 and flush.layout.choice == HANDOFF
+    assert flush.layout.padding == (FlushRange(15, 1, 0), FlushRange(31, 1, 1))
+    read = [comm._scattered[p.offset:p.offset + p.count] for p in flush.layout.padding]  # the ReduceScatter's input
+    assert all(bool((r == 0).all()) for r in read) == zeroed, read

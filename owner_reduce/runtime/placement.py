@@ -162,6 +162,16 @@ class GradPlacer:
         pending.numels.append(numel)
         pending.count += 1
 
+    def _room_for(self, schedules: Sequence[Schedule]) -> None:
+        """Note (trial room): before a trial's first step, each dtype's buckets grow to hold the largest flush of
+        either variant (native's gradients start aligned, ``planning.alignment``, so its layout can outgrow the
+        bucket where the model's does not): one wait here, at the end of the learning backward, and none inside the
+        timed steps, where a growth's host wait would stall the variant being measured."""
+        for dtype in {d for s in schedules for d in s.flushes}:
+            need = max(f.layout.total for s in schedules for f in s.flushes.get(dtype, ()))
+            if need > self.buckets.capacity_for(dtype):
+                self._grow(dtype, need)
+
     def _grow(self, dtype: torch.dtype, numel: int) -> None:
         """Both buffers of ``dtype``'s pair to ``numel`` elements, kept across releases (``buckets`` Note (growth)):
         only when a flush needs more than any before it, so never in a steady-state step."""
@@ -280,6 +290,7 @@ class GradPlacer:
         elif trial is not None and trial.needed:
             self._trials[graph] = trial
             self._timed_changed()
+            self._room_for(trial.schedules)
 
     # ---- checkpoints: Note (resumed schedules) -------------------------------------------------------------
 
