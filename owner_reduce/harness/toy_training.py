@@ -79,6 +79,9 @@ class TrainSpec:
     # cover each one where the model would pick another at their sizes.
     rail_steps: tuple[str, ...] = ()
     rail_layouts: tuple[str, ...] = ()  # the two-level layouts the model may choose (``two_level.RAIL_LAYOUTS``)
+    # The padding a two-level flush may add, as a share of the flush (``owner_layout.TWO_LEVEL_MAX_PADDING_SHARE``;
+    # None: the product's): a toy flush of a hundred elements pads its blocks to 16-byte slices past an eighth.
+    two_level_max_padding_share: float | None = None
     gradient_clipping: float = 0.0  # DeepSpeed's ``gradient_clipping`` (0: off)
     check_grad_overflow: bool = False  # bf16's ``check_grad_overflow``: a step with inf or nan gradients is skipped
     inf_at: tuple[int, int] | None = None  # (step, rank), 1-based step: that rank's first micro-step loss times inf
@@ -340,6 +343,10 @@ def train(rank: int, world_size: int, spec: TrainSpec,
 
         two_level.RAIL_STEPS = spec.rail_steps or two_level.RAIL_STEPS
         two_level.RAIL_LAYOUTS = spec.rail_layouts or two_level.RAIL_LAYOUTS
+    if spec.two_level_max_padding_share is not None:
+        from ..planning import owner_layout
+
+        owner_layout.TWO_LEVEL_MAX_PADDING_SHARE = spec.two_level_max_padding_share
     model, batch = _model_and_batches(spec, rank)
     if spec.mode == "owner":
         owner_reduce.install()
