@@ -103,11 +103,14 @@ def padding_problems(layout, sizes: list[int], align: int, option=None) -> list[
 
 
 def growth_problems(layout, sizes: list[int], align: int, flush_elems: int, gradients: int) -> list[str]:
-    """The bucket grows by the layout's padding at most, within design.md's bounds for its candidate."""
+    """The bucket grows by the layout's padding at most, within design.md's bounds for its candidate (section 4: a
+    ReduceScatter 1% of the flush plus under ``align`` per rank, a hand-off under ``2 align`` per rank, Reduces under
+    ``align`` per region, a two-level flush an eighth plus under ``align`` per region, native under ``align`` per
+    gradient)."""
     n = len(sizes)
     grown = layout.total - flush_elems
     bound = {REDUCE_SCATTER: MAX_PADDING_SHARE * flush_elems + n * (align - 1),
-             REDUCE: n * (align - 1), HANDOFF: 2 * n * align - 1, ALLREDUCE: 0,
+             REDUCE: n * (align - 1), HANDOFF: n * (2 * align - 1) - 1, ALLREDUCE: 0,
              TWO_LEVEL: TWO_LEVEL_MAX_PADDING_SHARE * flush_elems + n * (align - 1),
              NATIVE: gradients * (align - 1)}[layout.choice]
     return [f"{layout.choice}: the bucket grows by {grown} > {bound}"] if not 0 <= grown <= bound else []
