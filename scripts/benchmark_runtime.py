@@ -265,7 +265,7 @@ def _two_level_issue_costs(rounds: int, stage_counts: tuple[int, ...] = (1, 8, 3
     buffer = torch.zeros(max(stage_counts) * per_node * width)
     out = {}
     for stages in stage_counts:
-        plan = types.SimpleNamespace(copy_out=(), split_sizes=[], stages=tuple(
+        plan = types.SimpleNamespace(copy_out=(), split_sizes=[], span=buffer.numel(), padding=(), stages=tuple(
             ((Collective(REDUCE_SCATTER, s * per_node * width, per_node * width, per_rank=width, comm=NODE,
                          stage=s),),
              tuple(Collective(REDUCE, s * per_node * width + 10 * i, 10, root=i, comm=RAIL, rail=0, stage=s)
@@ -279,7 +279,7 @@ def _two_level_issue_costs(rounds: int, stage_counts: tuple[int, ...] = (1, 8, 3
                 if not kept:
                     bucket.views.clear()
                 start = time.perf_counter_ns()
-                _, views = Flusher._views(plan, bucket, buffer)
+                _, views, _ = Flusher._views(plan, bucket, buffer)
                 flusher._two_level(plan, views, streams, 1, buffer)
                 samples[kept].append(time.perf_counter_ns() - start)
         out[stages] = tuple(statistics.median(samples[kept]) / 1e3 / stages for kept in (True, False))

@@ -38,7 +38,8 @@ NUMELS = [3 + (7 * i) % 11 for i in range(40)]  # 40 gradients of 3..13 elements
 
 
 def _steps(rank, bucket, steps=4, algo="auto", measure=False):
-    """``steps`` backwards of rank ``rank`` of 2 on the sim; per step (CUDA calls, copies into buckets, flushes)."""
+    """``steps`` backwards of rank ``rank`` of 2 on the sim; per step (CUDA calls, copies into buckets, flushes).
+    ``rt.growth_per_step``: each step's host waits before a bucket grows (``buckets`` Note (growth))."""
     m = flat_map(NUMELS, 2)
     with Sim(max_ranks=1) as sim:
         rt = make_runtime(m, rank, lambda group: MirrorComm(rank=rank, world_size=2), algo=algo, bucket=bucket,
@@ -51,17 +52,23 @@ def _steps(rank, bucket, steps=4, algo="auto", measure=False):
             CudaStreams.copy(dst, src)
 
         streams.copy = counting_copy
+        growth = Counter()
+        sync = rt.placer._sync
+        rt.placer._sync = lambda call: (growth.update([call]), sync(call))
+        rt.growth_per_step = []
 
         grads = {p.param_id: torch.arange(1.0, p.numel + 1, device="cuda") for p in m}
         per_step = []
         for _ in range(steps):
             before_calls, before_copies, before_flushes = sum(_calls(sim).values()), copies["copy"], rt.stats.flushes
+            grown = growth["bucket growth"]
             rt.start_backward(True)
             for pid in reversed(range(len(NUMELS))):
                 rt.reduce_grad(grads[pid], 11, pid)
             rt.end_backward(11, False)
             per_step.append((sum(_calls(sim).values()) - before_calls, copies["copy"] - before_copies,
                              rt.stats.flushes - before_flushes))
+            rt.growth_per_step.append(growth["bucket growth"] - grown)
         for p in m:  # the values are right as well (identical data on both ranks, pre-divided, summed)
             buf = rt._params[p.param_id].grad_buffer.cpu()
             assert torch.equal(buf, grads[p.param_id].cpu()[rt._params[p.param_id].offset:][:buf.numel()])
@@ -95,14 +102,17 @@ def test_no_cuda_call_per_gradient_only_per_flush(rank, bucket):
 def test_the_measured_guard_times_each_trial_flush_with_two_events_and_stops_after_its_trial():
     """With the guard on (the product's default): in each of the six trial steps every timed flush adds two timing
     events on the reduce stream and one elapsed-time read after the bounded wait, nothing per gradient; from the
-    step after the verdict the calls are the steady state's again."""
-    steady, _, _, _ = _steps(0, 1 << 20, steps=3)
+    step after the verdict the calls are the steady state's again. The buckets grow once, for both variants, at the
+    end of the learning step, never in a timed step (``placement`` Note (trial room)); a growth's wait is one call."""
+    steady, _, _, steady_rt = _steps(0, 1 << 20, steps=3)
     per_step, calls_total, _, rt = _steps(0, 1 << 20, steps=10, measure=True)
     assert rt.stats.trial_steps == 6 and rt.stats.trials_decided == 1
     assert calls_total["Event.elapsed_time"] == 6 * per_step[1][2]
+    assert rt.growth_per_step[0] == 1 and rt.growth_per_step[1:] == [0] * 9, rt.growth_per_step
     for step in range(1, 7):  # learned in step 0; steps 1-6 alternate the model's choice and native's calls
         calls, _, flushes = per_step[step]  # (double-buffered: a bucket's free event is waited for from step 2 on)
-        assert calls == steady[min(step, 2)][0] + 5 * flushes, (step, per_step, steady)
+        without_growth = steady[min(step, 2)][0] - steady_rt.growth_per_step[min(step, 2)]
+        assert calls == without_growth + 5 * flushes, (step, per_step, steady, steady_rt.growth_per_step)
     assert all(calls == steady[-1][0] for calls, _, _ in per_step[7:]), (per_step, steady)
 
 

@@ -1,7 +1,8 @@
 """The owner-ordered bucket layout as pure logic: placement, the calls per flush for each candidate algorithm
 (one Reduce per owner, one ReduceScatter, ReduceScatter + hand-off, one AllReduce), and a simulated flush that
 proves the layout delivers every rank exactly its partition (with negative controls: a layout off by one slice,
-a hand-off piece sent to the wrong owner)."""
+a hand-off piece sent to the wrong owner). The cost model here is bf16's: regions start at multiples of 8 elements
+(16 bytes, ``planning.alignment``; ``tests/test_alignment.py`` checks it at scale)."""
 
 from __future__ import annotations
 
@@ -77,6 +78,8 @@ def simulate(layout: OwnerLayout, owner_map: OwnerMap, seed: int = 0) -> None:
             buckets[rank][pad.offset:pad.offset + pad.count] = [0] * pad.count
     received = [[None] * size for _ in range(n)]
     for c in layout.collectives:
+        for rank in range(n):  # alignment gaps a call covers are padding (zeros), never stale bucket contents
+            assert None not in buckets[rank][c.offset:c.offset + c.count], f"{c} reduces elements nobody wrote"
         if c.kind == HANDOFF:  # last: every transfer reads what its source holds after the calls before it
             assert c is layout.collectives[-1]
             moved = [(t, received[t.src][t.offset:t.offset + t.count]) for t in layout.transfers]
@@ -108,14 +111,16 @@ def test_owners_ascend_and_straddler_slices_join_their_owners():
     layout = plan_owner_layout(_arrival(m), m, capacity=100, cost=_forced(m, REDUCE))
     # Regions 10 / 9 / 3: padding them to 10 would cost 8 > 1% of 22: no padded ReduceScatter.
     assert REDUCE_SCATTER not in dict(layout.costs)
-    assert layout.collectives == (Collective(REDUCE, 0, 10, 0), Collective(REDUCE, 10, 9, 1),
-                                  Collective(REDUCE, 19, 3, 2))
-    assert layout.plan.ranges == (FlushRange(0, 10, 0), FlushRange(10, 9, 1), FlushRange(19, 3, 2))
-    assert layout.algo == "reduce" and layout.calls == 3 and layout.total == 22 and layout.padding == ()
+    # Each region starts at a multiple of 8 elements, in a slot of its size rounded up to 8; the gaps are not reduced
+    # (no padding to zero).
+    assert layout.collectives == (Collective(REDUCE, 0, 10, 0), Collective(REDUCE, 16, 9, 1),
+                                  Collective(REDUCE, 32, 3, 2))
+    assert layout.plan.ranges == (FlushRange(0, 10, 0), FlushRange(16, 9, 1), FlushRange(32, 3, 2))
+    assert layout.algo == "reduce" and layout.calls == 3 and layout.total == 40 and layout.padding == ()
     by_id = {g.param_id: g for g in layout.grads}
     assert [g.param_id for g in layout.grads] == [5, 4, 3, 2, 1, 0]  # arrival order kept
     assert by_id[0].pieces == (PlacedPiece(0, 0, 4, 0, 0),) and by_id[1].pieces == (PlacedPiece(1, 0, 4, 4, 0),)
-    assert by_id[2].pieces == (PlacedPiece(2, 0, 2, 8, 0), PlacedPiece(2, 2, 4, 10, 1))
+    assert by_id[2].pieces == (PlacedPiece(2, 0, 2, 8, 0), PlacedPiece(2, 2, 4, 16, 1))
     assert by_id[5].pieces == ()
     assert (layout.plan.tasks, layout.plan.reduced_elems, layout.plan.owner_elems) == (6, 22, 22)
     simulate(layout, m)
@@ -124,8 +129,10 @@ def test_owners_ascend_and_straddler_slices_join_their_owners():
 def test_equal_partitions_take_one_reduce_scatter():
     m = _map2()
     layout = plan_owner_layout(_arrival(m), m)
-    assert layout.collectives == (Collective(REDUCE_SCATTER, 0, 18, per_rank=9),)
-    assert layout.algo == "reduce_scatter" and layout.total == 18
+    # Equal regions of 9: each rank's block of 16 (aligned), its last 7 zeros.
+    assert layout.collectives == (Collective(REDUCE_SCATTER, 0, 32, per_rank=16),)
+    assert layout.padding == (FlushRange(9, 7, 0), FlushRange(25, 7, 1))
+    assert layout.algo == "reduce_scatter" and layout.total == 32
     simulate(layout, m)
     # The flush of only part of the model does not cover both ranks: no ReduceScatter without a hand-off.
     part = plan_owner_layout([(3, 3), (2, 5)], m)
@@ -133,11 +140,12 @@ def test_equal_partitions_take_one_reduce_scatter():
 
 
 def test_padding_is_bounded_and_must_fit_the_bucket():
-    m = flat_map([50, 50, 50, 49], 2)  # partitions 100 / 99: one pad element, 0.5% of the flush
-    layout = plan_owner_layout(_arrival(m), m, capacity=200)
-    assert layout.algo == "reduce_scatter" and layout.padding == (FlushRange(199, 1, 1),) and layout.total == 200
+    m = flat_map([50, 50, 50, 49], 2)  # partitions 100 / 99: one pad element, 0.5% of the flush; blocks of 104
+    layout = plan_owner_layout(_arrival(m), m, capacity=208)
+    assert layout.algo == "reduce_scatter" and layout.total == 208
+    assert layout.padding == (FlushRange(100, 4, 0), FlushRange(203, 5, 1))  # the one, and 4 each to align
     simulate(layout, m)
-    assert REDUCE_SCATTER not in dict(plan_owner_layout(_arrival(m), m, capacity=199).costs)  # the pad won't fit
+    assert REDUCE_SCATTER not in dict(plan_owner_layout(_arrival(m), m, capacity=207).costs)  # the pad won't fit
     assert REDUCE_SCATTER not in dict(plan_owner_layout(_arrival(m), m, max_padding_share=0.001).costs)
 
 
@@ -152,12 +160,13 @@ def test_allreduce_region_after_the_owner_regions():
     assert layout.algo == "allreduce" and layout.collectives == (Collective(ALLREDUCE, 0, 44),)  # latency-bound
     simulate(layout, m)
     layout = plan_owner_layout(_arrival(m, [5, 4, 2, 1]), m, cost=_forced(m, HANDOFF))
-    assert layout.algo == "reduce_scatter+handoff+allreduce" and layout.collectives[1] == Collective(ALLREDUCE, 16, 12)
+    # 16 owner elements in 4 chunks of 8 (aligned): the AllReduce region after their span of 32.
+    assert layout.algo == "reduce_scatter+handoff+allreduce" and layout.collectives[1] == Collective(ALLREDUCE, 32, 12)
     simulate(layout, m)
     muon = _map3(whole=frozenset({2}))
     layout = plan_owner_layout(_arrival(muon), muon, cost=_forced(muon, REDUCE))
-    assert layout.algo == "reduce+allreduce"
-    assert layout.collectives[-1] == Collective(ALLREDUCE, 16, 6) and layout.grads[3].pieces[0].root is ALL
+    assert layout.algo == "reduce+allreduce"  # regions 8 / 5 / 3 at 0, 8 and 16; the AllReduce region aligned after
+    assert layout.collectives[-1] == Collective(ALLREDUCE, 24, 6) and layout.grads[3].pieces[0].root is ALL
     simulate(layout, muon)
 
 
@@ -213,16 +222,21 @@ def _uncut_reduce_us(layout, m, algo):
 
 
 def test_handoff_cuts_the_flush_into_equal_chunks_and_moves_each_piece_to_its_owner():
-    m = flat_map([10] * 12, 4)  # partitions of 30: rank 0 keeps p0-p2, rank 1 p3-p5, ...
-    layout = plan_owner_layout(_arrival(m, [7, 6, 5, 4]), m, cost=_forced(m, HANDOFF))  # ranks 1 and 2, 20 each
-    # Regions packed: rank 1's p4 p5 at [0, 20), rank 2's p6 p7 at [20, 40); 4 chunks of 10: chunk i on rank i.
-    assert layout.collectives == (Collective(REDUCE_SCATTER, 0, 40, per_rank=10), Collective(HANDOFF, 0, 40))
-    assert layout.transfers == (Transfer(0, 1, 0, 10), Transfer(3, 2, 30, 10))
-    assert layout.algo == "reduce_scatter+handoff" and layout.total == 40 and layout.padding == ()
-    assert layout.plan.ranges == (FlushRange(0, 20, 1), FlushRange(20, 20, 2))
+    m = flat_map([16] * 12, 4)  # partitions of 48: rank 0 keeps p0-p2, rank 1 p3-p5, ...
+    layout = plan_owner_layout(_arrival(m, [7, 6, 5, 4]), m, cost=_forced(m, HANDOFF))  # ranks 1 and 2, 32 each
+    # Regions packed: rank 1's p4 p5 at [0, 32), rank 2's p6 p7 at [32, 64); 4 chunks of 16: chunk i on rank i.
+    assert layout.collectives == (Collective(REDUCE_SCATTER, 0, 64, per_rank=16), Collective(HANDOFF, 0, 64))
+    assert layout.transfers == (Transfer(0, 1, 0, 16), Transfer(3, 2, 48, 16))
+    assert layout.algo == "reduce_scatter+handoff" and layout.total == 64 and layout.padding == ()
+    assert layout.plan.ranges == (FlushRange(0, 32, 1), FlushRange(32, 32, 2))
     simulate(layout, m)
-    uneven = plan_owner_layout(_arrival(m, [4, 3, 2]), m, cost=_forced(m, HANDOFF))  # 30 elements: chunks of 8
-    assert uneven.padding == (FlushRange(30, 2, ALL),) and uneven.total == 32
+    # Regions of 10 (rank 0: p2) and 20 (rank 1: p3 p4) in slots of 16 and 24; 40 elements in 4 chunks of 16 (each
+    # a multiple of 8): each slot's tail and the last chunk's are zeros, and no hand-off piece starts unaligned.
+    m = flat_map([10] * 12, 4)
+    uneven = plan_owner_layout(_arrival(m, [4, 3, 2]), m, cost=_forced(m, HANDOFF))
+    assert uneven.padding == (FlushRange(10, 6, 0), FlushRange(36, 4, 1), FlushRange(40, 24, ALL))
+    assert uneven.total == 64 and uneven.collectives[0] == Collective(REDUCE_SCATTER, 0, 64, per_rank=16)
+    assert uneven.transfers == (Transfer(2, 1, 32, 4),)  # chunks 0 and 1 lie in their own ranks' regions
     simulate(uneven, m)
 
 
@@ -259,8 +273,9 @@ def test_partial_flush_plans_the_pieces_present():
     layout = plan_owner_layout(_arrival(m), m, cost=_forced(m, REDUCE))
     by_id = {g.param_id: g for g in layout.grads}
     plan = plan_placed([by_id[4], by_id[3], by_id[2]], m, reduce_to_owner=True)
-    # p2 lies at [8, 14) split 0 | 1, p3 at [14, 19) -> rank 1, p4 at [19, 22) -> rank 2; the hole [0, 8) skipped.
-    assert plan.ranges == (FlushRange(8, 2, 0), FlushRange(10, 9, 1), FlushRange(19, 3, 2))
+    # p2 lies at [8, 10) -> rank 0 and [16, 20) -> rank 1, p3 at [20, 25) -> rank 1, p4 at [32, 35) -> rank 2; the
+    # hole [0, 8) and the alignment gaps skipped.
+    assert plan.ranges == (FlushRange(8, 2, 0), FlushRange(16, 9, 1), FlushRange(32, 3, 2))
     assert (plan.tasks, plan.reduced_elems) == (3, 14)
 
 

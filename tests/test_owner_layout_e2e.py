@@ -12,10 +12,11 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 from test_runtime_e2e import _max_param_diff, _run_with_reference, _scheduled_run_matching_plain
 
 from owner_reduce.harness.toy_training import TrainSpec
-from owner_reduce.planning.aggregation import cut
+from owner_reduce.planning.alignment import align_elems, aligned_cut
 
 ALGO_RE = re.compile(r" calls=(\d+) .* algo=(\S+)$")
 
@@ -78,10 +79,10 @@ def test_reduces_cut_so_that_nccl_aggregates_them_train_bitwise_equal_to_plain_z
     """ws 4 in one node, 13 matrices of 302,500 elements, buckets of 1.9M: the middle flush of a step touches ranks 0,
     1 and 2 with regions of 680,625, 983,125 and 151,250 elements. One Reduce each would be two aggregates in NCCL's
     planner (983,125 is not under 4x 151,250), two latencies; the model cuts the larger regions into 2 and 3
-    consecutive Reduces (``planning.aggregation``) and the six run as one aggregate: 3 more calls to issue, one
-    latency saved (issue 39: the cut pays for its calls). Reduce is forced (``compile.reduce_to_owner_algo:
-    "reduce"``, the guard off): with the calls' issue charged, the model's own choice for this flush is another
-    candidate, and this test is about the cut Reduces running end to end."""
+    consecutive Reduces (``planning.aggregation``; each starting 16-byte aligned, ``planning.alignment``) and the six
+    run as one aggregate: 3 more calls to issue, one latency saved (issue 39: the cut pays for its calls). Reduce is
+    forced (``compile.reduce_to_owner_algo: "reduce"``, the guard off): with the calls' issue charged, the model's own
+    choice for this flush is another candidate, and this test is about the cut Reduces running end to end."""
     spec = TrainSpec(mode="owner", backend="eager", model="few_big_tensors", model_kwargs=BIG, steps=2,
                      reduce_bucket_size=1_900_000, record_collectives=True, flush_algo="reduce")
     owner = _scheduled_run_matching_plain(4, spec)
@@ -92,9 +93,11 @@ def test_reduces_cut_so_that_nccl_aggregates_them_train_bitwise_equal_to_plain_z
         assert len(found) == spec.steps - 1, (rank, calls)  # every scheduled step's middle flush (the first: arrival)
         middle = calls[found[0]:found[0] + 6]
         assert all(name == "reduce" for name, _, _ in middle), middle
-        for root, pieces in ((0, 2), (1, 3)):  # consecutive parts of the root's region, cut as ``aggregation.cut``
+        dtype = {d for _, _, _, d in r["collective_log"]}.pop()
+        align = align_elems(getattr(torch, dtype.removeprefix("torch.")).itemsize)
+        for root, pieces in ((0, 2), (1, 3)):  # consecutive parts of the root's region, cut as ``aligned_cut``
             counts = tuple(count for _, at, count in middle if at == root)
-            assert counts == cut(sum(counts), pieces), middle
+            assert counts == aligned_cut(sum(counts), pieces, align), middle
         s = r["stats"]
         assert s.schedules_learned >= 1 and s.trial_steps == 0, (rank, s)
         lines = [ALGO_RE.search(line) for line in s.probe_lines]

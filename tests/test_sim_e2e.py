@@ -64,6 +64,10 @@ def _run(sim, ws, stage, ga, algo, bucket, dtype=torch.float32):
     for step in range(STEPS):
         train_step(sim, runtimes, NUMELS, step, ga, dtype_of=dtype_of)
         assert check_buffers(sim, runtimes, owner_map, NUMELS, step, ga, dtype_of) > 0
+        if step == 0:  # the learning step's arrival-order flushes: DeepCompile's packing, gradients back to back
+            learning = sim.counters["nccl misaligned"]
+    # Every NCCL call of the owner-ordered steps got 16-byte aligned pointers (``planning.alignment``): NCCL's packs.
+    assert sim.counters["nccl misaligned"] == learning, sim.nccl.misaligned[learning:learning + 5]
     for rank, rt in enumerate(runtimes):  # the product's cupy path ran: its communicator, its CUDA streams
         assert isinstance(rt.comm, CupyNcclComm) and isinstance(rt.placer.streams, CudaStreams), rank
         assert rt.stats.scheduled_flushes > 0, rt.stats

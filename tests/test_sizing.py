@@ -325,14 +325,16 @@ def test_owner_ordered_calls_per_flush():
     # ReduceScatter; 10 elements are latency-bound. Two Reduces would be two aggregates in NCCL's planner (9 is not
     # under 4x 1), two latencies; cut into four Reduces (rank 0's region in three of 3, ``aggregation``) they run
     # as one aggregate and cost on the device what one AllReduce does at 2 ranks, but three more calls to issue
-    # (issue 39): one AllReduce. Without the host's cost it was a tie, which went to the fewer calls.
-    assert (second.layout_calls, second.layout_algo, second.owners) == (1, "allreduce", 2)
+    # (issue 39). Cheaper still: the hand-off's chunks, 16 elements each (16-byte aligned, ``planning.alignment``),
+    # start where the regions' slots do (16 and 8 elements), so nothing is handed off: one ReduceScatter of 32 elements.
     costs = dict(second.costs)
     cost = Cluster().cost(2, 2)
-    assert costs["allreduce"] == second.layout_us < costs["reduce"]
     assert costs["reduce"] - costs["allreduce"] == pytest.approx(cost.issue_us(4) - cost.issue_us(1))
     uncut = cost.group_us([("reduce", 9), ("reduce", 1)])
-    assert uncut > second.layout_us and second.host_us == cost.issue_us(1) and second.native_host_us == 0.0
+    assert uncut > costs["reduce"]
+    assert (second.layout_calls, second.layout_algo, second.owners) == (1, "reduce_scatter", 2)
+    assert second.layout_choice == "handoff" and costs["handoff"] == second.layout_us < costs["allreduce"]
+    assert second.host_us == cost.issue_us(1) and second.native_host_us == 0.0
     (whole,) = size_buckets(_map(), backward_order([0, 1, 2, 3]), bucket_size=100).flushes
     assert (whole.sliced_calls, whole.layout_calls, whole.layout_algo) == (4, 1, "reduce_scatter")
     # ws 2: one NVLink node; 4 calls -> 1 (on the device; on the host native's C++ loop is charged nothing)

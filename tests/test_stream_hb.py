@@ -492,7 +492,8 @@ def test_the_checker_orders_by_events_streams_and_host_waits():
 @pytest.mark.parametrize("release", [False, True], ids=["kept", "released"])
 def test_bucket_growth_waits_once_per_run(release):
     """Issue 23 (4): ws 7, forced hand-off, twelve equal 10-element gradients and a 60-element bucket: each flush holds
-    six gradients and spans 7 x 9 = 63 elements (the last chunk's padding), so both buffers of the pair must grow.
+    six gradients and spans 7 x 12 = 84 elements (its regions in slots of multiples of 4 fp32 elements, 16 bytes, then
+    the last chunk's padding), so both buffers of the pair must grow.
     They grow together, at one host wait in the first scheduled step (not one per buffer, the second draining the
     first flush mid-backward), and the grown capacity survives the buckets' release: no wait in any later step."""
     params = [(10, torch.float32)] * 12
@@ -504,7 +505,7 @@ def test_bucket_growth_waits_once_per_run(release):
         buckets = rt.placer.buckets
         buckets.get(torch.float32, torch.device("cuda", 0))  # released: the pair the next step gets
         for bucket in (buckets.current(torch.float32), buckets._shadow[torch.float32]):
-            assert (bucket.size, bucket.capacity, bucket.buffer.numel()) == (60, 63, 63)
+            assert (bucket.size, bucket.capacity, bucket.buffer.numel()) == (60, 84, 84)
     assert not hb.races, hb.hb_report()
     assert rt.stats.handoff_rounds >= 10 and rt.stats.scheduled_flushes == 10, rt.stats
     assert rt.growth_per_step == [0, 1, 0, 0, 0, 0], rt.growth_per_step

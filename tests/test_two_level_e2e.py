@@ -84,6 +84,9 @@ def test_two_level_matches_plain_zero_bitwise(world_size, ranks_per_node, stage,
                                rail_steps=(rail_step,), rail_layouts=(layout,))
     if world_size > 4:
         spec = dataclasses.replace(spec, model="exact_linear", same_data=False, reduce_bucket_size=BUCKET)
+    if (rail_step, layout) == ("scatter", "balanced"):  # flushes of 114-276 elements: 8-element slices (2 nodes x 4
+        # fp32, aligned) over blocks that differ by an aligned part pad past an eighth; the bound is not this test's
+        spec = dataclasses.replace(spec, two_level_max_padding_share=4.0)
     run, plain = _run(world_size, spec)
     _assert_two_level_ran(run, spec, world_size)
     for rank, r in enumerate(run):  # the node hand-off ran on its own communicator, and only where balanced

@@ -11,7 +11,7 @@ import torch
 from fakes import flat_map
 
 from owner_reduce.harness.faults import wrong_rail
-from owner_reduce.planning import two_level
+from owner_reduce.planning import owner_layout, two_level
 from owner_reduce.planning.collective_time import rail, topology_of
 from owner_reduce.planning.collectives import NODE, NODE_HANDOFF, RAIL, TWO_LEVEL, WORLD
 from owner_reduce.planning.flush_choice import FlushCost
@@ -261,6 +261,8 @@ def test_balanced_rails_carry_every_region_on_every_rail_and_hand_each_part_to_i
     sum, every rail carries a part of every region. Negative control: one part handed to the wrong local rank."""
     monkeypatch.setattr(two_level, "RAIL_LAYOUTS", (BALANCED,))
     monkeypatch.setattr(two_level, "RAIL_STEPS", (rail_step,))
+    if rail_step == "scatter":  # a flush of 299 elements: slices of nodes x 4 (aligned) pad past an eighth of it
+        monkeypatch.setattr(owner_layout, "TWO_LEVEL_MAX_PADDING_SHARE", 4.0)
     owner_map = flat_map([37, 5, 64, 3, 90, 11, 26, 8, 55], world_size)
     grads = [(p.param_id, p.numel) for p in owner_map][::-1]
     layout = plan_owner_layout(grads, owner_map, cost=_cost(world_size, per_node))
@@ -303,7 +305,8 @@ def test_the_balanced_hand_off_is_costed_on_both_streams_and_chosen_where_rails_
     assert balanced.alone_us < 0.6 * by_owner.alone_us  # 3 of 8 rails carried it
     again = cost.two_level.recost(sizes, balanced, cost.dtype_bytes)
     assert again.stage_us == balanced.stage_us
-    bare = cost.two_level._stage_costs(balanced.rail_step, rail_blocks(balanced_sizes(sizes, 8), 8),
+    align = balanced.geometry.align  # 4 fp32 elements: these regions' slots are their sizes, cut at multiples of 4
+    bare = cost.two_level._stage_costs(balanced.rail_step, rail_blocks(balanced_sizes(sizes, 8, align), 8),
                                        balanced.geometry.lengths, balanced.geometry.width, balanced.geometry.stages,
                                        cost.dtype_bytes)
     handoff, handoff_calls = cost.two_level._node_handoff_us(sizes, balanced.geometry.width, balanced.geometry.stages,

@@ -79,6 +79,9 @@ class TrainSpec:
     # cover each one where the model would pick another at their sizes.
     rail_steps: tuple[str, ...] = ()
     rail_layouts: tuple[str, ...] = ()  # the two-level layouts the model may choose (``two_level.RAIL_LAYOUTS``)
+    # The padding a two-level flush may add, as a share of the flush (``owner_layout.TWO_LEVEL_MAX_PADDING_SHARE``;
+    # None: the product's): a toy flush of a hundred elements pads its blocks to 16-byte slices past an eighth.
+    two_level_max_padding_share: float | None = None
     # DeepSpeed's ``gradient_clipping``: None leaves the key out, so DeepSpeed's default applies (1.0: clipping on);
     # 0 is off (a negative control's bound assumes an unclipped step)
     gradient_clipping: float | None = None
@@ -342,6 +345,10 @@ def train(rank: int, world_size: int, spec: TrainSpec,
 
         two_level.RAIL_STEPS = spec.rail_steps or two_level.RAIL_STEPS
         two_level.RAIL_LAYOUTS = spec.rail_layouts or two_level.RAIL_LAYOUTS
+    if spec.two_level_max_padding_share is not None:
+        from ..planning import owner_layout
+
+        owner_layout.TWO_LEVEL_MAX_PADDING_SHARE = spec.two_level_max_padding_share
     model, batch = _model_and_batches(spec, rank)
     if spec.mode == "owner":
         owner_reduce.install()

@@ -14,6 +14,12 @@ Pure and deterministic: the layout is a function of (the flush's gradients in ar
 the bucket capacity, the cost model) only, so every rank computes the same one without communicating. Within
 an owner region pieces follow the owner map's parameter order (the order of ZeRO's flat buffer), then their
 offset.
+
+Aligned (``alignment``): every call a layout issues starts 16-byte aligned in the bucket, so NCCL moves 16-byte packs.
+A region starts at a multiple of the alignment (``align``: 8 bf16 / 4 fp32 elements; the cost model's dtype) and
+takes a slot of its size rounded up to it; a ReduceScatter's ``per_rank`` and a hand-off's chunk are multiples of it;
+a region cut into Reduces is cut at multiples of it. The padding is zero-filled where a call reduces it (``padding``).
+One AllReduce of the whole flush starts at 0 and needs none; native's gradients each start aligned.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .aggregation import cut, reduce_pieces
+from .aggregation import reduce_pieces
+from .alignment import align_elems, align_up, aligned_cut, slots
 from .collective_time import named_topology
 from .collectives import (
     ALLREDUCE,
@@ -94,7 +101,8 @@ class OwnerLayout:
     grads: tuple[PlacedGrad, ...]  # in arrival order
     plan: FlushPlan  # counters as plan_flush counts them; ranges = the regions actually reduced (no padding)
     collectives: tuple[Collective, ...]
-    padding: tuple[FlushRange, ...]  # zero-filled before the collectives (a ReduceScatter's short regions)
+    padding: tuple[FlushRange, ...]  # zero-filled before the collectives: bucket elements a call reduces that
+    # hold no gradient (a ReduceScatter's short regions, a hand-off's last chunk, alignment: ``alignment``)
     total: int  # bucket elements the layout spans, padding included
     transfers: tuple[Transfer, ...] = ()  # the hand-off's (``handoff`` only), by (destination, source)
     choice: str = ""  # the candidate that won (flush_choice.CANDIDATES)
@@ -131,13 +139,15 @@ def _entries(grads: Sequence[tuple[int, int]]) -> list[BucketEntry]:
     return entries
 
 
-def _packed_transfers(sizes: Sequence[int], chunk: int) -> tuple[Transfer, ...]:
-    """The hand-off after a ReduceScatter of owner regions packed back to back (region r of ``sizes[r]`` elements,
-    ascending r) cut into chunks of ``chunk`` elements, chunk i reduced on rank i: each piece of a chunk that lies
-    in another rank's region moves to that rank. Ordered by (destination, source)."""
+def _packed_transfers(sizes: Sequence[int], chunk: int, slot_sizes: Sequence[int] | None = None
+                      ) -> tuple[Transfer, ...]:
+    """The hand-off after a ReduceScatter of owner regions packed back to back in their slots (region r of
+    ``sizes[r]`` elements in a slot of ``slot_sizes[r]``, default its size; ascending r) cut into chunks of ``chunk``
+    elements, chunk i reduced on rank i: each piece of a chunk that holds elements of another rank's region moves to
+    that rank (its elements only, never the slot's padding). Ordered by (destination, source)."""
     transfers = []
     start = 0
-    for owner, size in enumerate(sizes):
+    for owner, (size, slot) in enumerate(zip(sizes, sizes if slot_sizes is None else slot_sizes, strict=True)):
         end = start + size
         at = start
         while at < end:
@@ -146,7 +156,7 @@ def _packed_transfers(sizes: Sequence[int], chunk: int) -> tuple[Transfer, ...]:
             if holder != owner:
                 transfers.append(Transfer(holder, owner, at, stop - at))
             at = stop
-        start = end
+        start += slot
     return tuple(transfers)
 
 
@@ -189,6 +199,7 @@ class FlushAnalysis:
     def native_times(self) -> FlushTimes:
         """Native DeepCompile's calls for this flush (the baseline), as the schedule sees them."""
         return FlushTimes(world_us=self.native[0], issue_us=(self.native[1],))
+    align: int = 1  # elements per 16 bytes of the flush's dtype: where regions, blocks and chunks start (``alignment``)
 
     @property
     def sizes(self) -> list[int]:
@@ -249,11 +260,14 @@ def analyse_flush(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, reduce_
     all_elems = sum(p[2] for p in everyone)
 
     # The candidates and their modelled times alone, host issue included (see flush_choice): ``issue`` holds the
-    # host's part, the rest is device time. Packed: regions back to back from 0, the AllReduce region after them; for
-    # a hand-off, after world_size equal chunks covering them (its span).
-    chunk = -(-owner_elems // n) if owner_elems else 0
-    packed_span = n * chunk if n > 1 else owner_elems
-    per_rank = max(sizes, default=0)
+    # host's part, the rest is device time. Packed: regions back to back from 0 in aligned slots, the AllReduce region
+    # after them; for a hand-off, after world_size equal aligned chunks covering them (its span). A ReduceScatter's
+    # blocks: the largest region, aligned. The padding these reduce is costed with them.
+    align = align_elems(cost.dtype_bytes)
+    slotted = sum(slots(sizes, align))
+    chunk = align_up(-(-slotted // n), align) if owner_elems else 0
+    packed_span = n * chunk if n > 1 else slotted
+    per_rank = align_up(max(sizes, default=0), align)
     everyone_call = [(ALLREDUCE, all_elems)] if all_elems else []
     native_calls = [(ALLREDUCE, e.numel) for e in entries if e.numel]
     costs: dict[str, float] = {ALLREDUCE: cost.group_us([(ALLREDUCE, owner_elems + all_elems)]),
@@ -265,14 +279,14 @@ def analyse_flush(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, reduce_
         pieces, costs[REDUCE] = reduce_pieces(sizes, everyone_call, cost.group_us)
         issue[REDUCE] = cost.issue_us(sum(pieces) + len(everyone_call))
         if n > 1:
-            transfers = _packed_transfers(sizes, chunk)
+            transfers = _packed_transfers(sizes, chunk, slots(sizes, align))
             scatter = cost.calls_us([(REDUCE_SCATTER, packed_span)] + everyone_call)
             # The hand-off's round is a second group, issued while the first runs: only what its issue exceeds the
             # first group's device time by is exposed (step_plan Note (host)).
             late = max(0.0, cost.issue_us(_p2p_calls(transfers)) - scatter)
             issue[HANDOFF] = cost.issue_us(1 + len(everyone_call))
             costs[HANDOFF] = issue[HANDOFF] + scatter + late + cost.handoff_us(transfers)
-            pad = n * per_rank - owner_elems
+            pad = n * max(sizes) - owner_elems  # the bound is on equalising the regions; alignment adds < align each
             fits = capacity is None or n * per_rank + all_elems <= capacity
             if all(sizes) and fits and pad <= max_padding_share * counted.reduced_elems:
                 costs[REDUCE_SCATTER] = cost.group_us([(REDUCE_SCATTER, n * per_rank)] + everyone_call)
@@ -282,7 +296,7 @@ def analyse_flush(grads: Sequence[tuple[int, int]], owner_map: OwnerMap, reduce_
     everyone_issue = cost.issue_us(len(everyone_call))
     analysis = FlushAnalysis(tuple(entries), counted, tuple(tuple(r) for r in regions), tuple(everyone), costs,
                              transfers, per_rank, chunk, packed_span, options, everyone_us, cost.force, pieces, issue,
-                             everyone_issue, cost.native_parts(e.numel for e in entries))
+                             everyone_issue, cost.native_parts(e.numel for e in entries), align)
     if owner_elems and n > 1:
         options = cost.two_level_options(sizes, int(TWO_LEVEL_MAX_PADDING_SHARE * counted.reduced_elems))
         if options:
@@ -316,7 +330,7 @@ def build_layout(analysis: FlushAnalysis, choice: str, option: TwoLevelOption | 
     entries, counted, costs = analysis.entries, analysis.counted, analysis.costs
     regions, everyone, sizes = analysis.regions, analysis.everyone, analysis.sizes
     if choice == NATIVE:
-        return replace(_native_layout(entries, counted, costs), issue_us=analysis.issue[NATIVE])
+        return replace(_native_layout(entries, counted, costs, analysis.align), issue_us=analysis.issue[NATIVE])
     if choice == TWO_LEVEL:
         if option is None:
             raise ValueError("owner_reduce: a two-level layout needs its pipeline (TwoLevelOption)")
@@ -332,6 +346,7 @@ def build_layout(analysis: FlushAnalysis, choice: str, option: TwoLevelOption | 
     collectives: list[Collective] = []
     padding: list[FlushRange] = []
     owner_root = choice != ALLREDUCE  # AllReduce: every rank receives the owner regions too
+    align = analysis.align if owner_root else 1  # one AllReduce from 0: no region needs to start aligned
     offset = 0
     for rank, region in enumerate(regions):
         start = rank * per_rank if choice == REDUCE_SCATTER else offset
@@ -343,12 +358,17 @@ def build_layout(analysis: FlushAnalysis, choice: str, option: TwoLevelOption | 
             ranges.append(FlushRange(start, sizes[rank], rank if owner_root else ALL))
             if choice == REDUCE:  # one Reduce per owner, or its region cut so NCCL aggregates them (``aggregation``)
                 at = start
-                for part in cut(sizes[rank], analysis.reduce_pieces[rank]):
-                    collectives.append(Collective(REDUCE, at, part, rank))
+                for part in aligned_cut(sizes[rank], analysis.reduce_pieces[rank], align):
+                    if part:
+                        collectives.append(Collective(REDUCE, at, part, rank))
                     at += part
         if choice == REDUCE_SCATTER and sizes[rank] < per_rank:
             padding.append(FlushRange(offset, per_rank - sizes[rank], rank))
             offset = start + per_rank
+        elif offset % align:  # the region's slot: the next region starts aligned
+            if choice == HANDOFF:  # inside the ReduceScatter's span: reduced, so zeros
+                padding.append(FlushRange(offset, align_up(offset, align) - offset, rank))
+            offset = align_up(offset, align)
     if choice == REDUCE_SCATTER:
         collectives.insert(0, Collective(REDUCE_SCATTER, 0, n * per_rank, per_rank=per_rank))
     elif choice == HANDOFF:
@@ -377,9 +397,10 @@ def _two_level_layout(entries: Sequence[BucketEntry], counted: FlushPlan, costs:
                       regions: Sequence[Sequence[tuple[tuple[int, int], int, int, int]]], sizes: Sequence[int],
                       everyone: Sequence[tuple[int, int, int]], option: TwoLevelOption,
                       modelled_us: float, everyone_us: float) -> OwnerLayout:
-    """The two-level flush (``two_level``): owner regions in their local rank's block, blocks cut into the option's
-    stages (``TwoLevelGeometry``: ReduceScatter stages ``[stage][local rank][slice]``, the shorter blocks zero-padded
-    there, then the longer blocks' tails packed), its rail step's calls; the AllReduce region after them."""
+    """The two-level flush (``two_level``): owner regions in their local rank's block (each in its aligned slot),
+    blocks cut into the option's stages (``TwoLevelGeometry``: ReduceScatter stages ``[stage][local rank][slice]``, the
+    shorter blocks zero-padded there, then the longer blocks' tails packed), its rail step's calls; the AllReduce
+    region after them."""
     geo = option.geometry
     ranks_per_node = geo.ranks_per_node
     placed: dict[int, list[PlacedPiece]] = {e.param_id: [] for e in entries}
@@ -394,7 +415,7 @@ def _two_level_layout(entries: Sequence[BucketEntry], counted: FlushPlan, costs:
                 for offset, position, count in geo.segments(local, at, length):
                     placed[param_id].append(PlacedPiece(param_id, src_offset + position - at, count, offset, owner))
                 at += length
-            positions[local] = at
+            positions[local] = align_up(at, geo.align)  # the region's slot
     collectives, ranges, padding, transfers = two_level_calls(sizes, geo, option.rail_step, option.rail_layout)
     collectives, ranges = list(collectives), list(ranges)
     all_elems = sum(p[2] for p in everyone)
@@ -411,10 +432,11 @@ def _two_level_layout(entries: Sequence[BucketEntry], counted: FlushPlan, costs:
 
 def _place_balanced(regions: Sequence[Sequence[tuple[tuple[int, int], int, int, int]]], sizes: Sequence[int],
                     geo: TwoLevelGeometry, placed: dict[int, list[PlacedPiece]]) -> None:
-    """Each owner region's pieces in a balanced layout (``two_level`` Note (balanced rails)): the region cut into
-    ``G`` parts in region order, part ``j`` at its position in block ``j`` (``balanced_parts``)."""
+    """Each owner region's pieces in a balanced layout (``two_level`` Note (balanced rails)): the region's slot cut
+    into ``G`` parts in region order, part ``j`` at its position in block ``j`` (``balanced_parts``); the region fills
+    its parts in order, the slot's padding ends its last one."""
     parts: dict[int, list[tuple[int, int, int]]] = {}  # owner -> (block, position, elements) of its parts, in order
-    for owner, _, part, position, count in balanced_parts(sizes, geo.ranks_per_node):
+    for owner, _, part, position, count in balanced_parts(slots(sizes, geo.align), geo.ranks_per_node, geo.align):
         parts.setdefault(owner, []).append((part, position, count))
     for owner, region in enumerate(regions):
         cursor = iter(parts.get(owner, ()))
@@ -511,19 +533,22 @@ def _placed_grads(entries: Sequence[BucketEntry], placed: dict[int, list[PlacedP
                  for e in entries)
 
 
-def _native_layout(entries: Sequence[BucketEntry], counted: FlushPlan, costs: dict[str, float]) -> OwnerLayout:
+def _native_layout(entries: Sequence[BucketEntry], counted: FlushPlan, costs: dict[str, float],
+                   align: int = 1) -> OwnerLayout:
     """What DeepCompile's own runtime sends (z1.cpp / z2.cpp): every gradient whole, in arrival order, one
-    AllReduce each, in one group; every rank receives everything and keeps its share."""
-    grads, collectives, offset = [], [], 0
+    AllReduce each, in one group; every rank receives everything and keeps its share. Each gradient starts aligned
+    (``alignment``; DeepCompile packs them back to back); the gaps are never reduced."""
+    grads, collectives, offset, end = [], [], 0, 0
     for e in entries:
+        offset = align_up(end, align)
         pieces = (PlacedPiece(e.param_id, 0, e.numel, offset, ALL),) if e.numel else ()
         grads.append(PlacedGrad(e.param_id, e.numel, pieces))
         if e.numel:
             collectives.append(Collective(ALLREDUCE, offset, e.numel))
-        offset += e.numel
-    ranges = (FlushRange(0, offset, ALL),) if offset else ()
-    plan = replace(counted, ranges=ranges, owner_tasks=0, owner_elems=0)
-    return OwnerLayout(grads=tuple(grads), plan=plan, collectives=tuple(collectives), padding=(), total=offset,
+            end = offset + e.numel
+    plan = replace(counted, ranges=merge_ranges(FlushRange(c.offset, c.count, ALL) for c in collectives),
+                   owner_tasks=0, owner_elems=0)
+    return OwnerLayout(grads=tuple(grads), plan=plan, collectives=tuple(collectives), padding=(), total=end,
                        choice=NATIVE, modelled_us=costs[NATIVE], costs=tuple(sorted(costs.items())))
 
 

@@ -37,6 +37,12 @@ rail group(s) and (balanced) its node hand-off round, and node step ``k`` starts
 stages ``1..k`` (``step_plan`` Note (host)): each stage pays its groups' and calls' issue (``host_cost``,
 ``TwoLevelOption.stage_issue``), so more stages hide more of the rail step but pay more issue as well as latency.
 
+Aligned (``alignment``): every owner region takes a slot of its size rounded up to 16 bytes (``align`` elements) in its
+block, the slice width is a multiple of the alignment (a rail ReduceScatter's: of ``nodes`` alignments, so its parts
+are too), and a balanced layout cuts a slot at multiples of it; so every node and rail call and every hand-off piece
+starts 16-byte aligned. The layout and its cost see the slots: a slot's padding (fewer than ``align`` elements) is
+reduced with its region, zero-filled, never received.
+
 Rank order (``requires``): global rank = node x ranks_per_node + local rank, as torchrun and DeepSpeed's launcher set
 it, whole nodes only. Pure: numbers in, a layout out; no torch.distributed, no cupy.
 """
@@ -47,7 +53,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from .aggregation import cut
+from .alignment import align_elems, align_up, aligned_cut, slots
 from .collective_time import (
     REDUCE,
     REDUCE_SCATTER,
@@ -101,10 +107,13 @@ class TwoLevel:
         ``max_padding`` elements (None: any): per stage count of ``STAGE_COUNTS`` and rail step (Note (rail step)),
         the one whose flush alone is fastest (for the Reduce chains: over how many leading stages run a node
         ReduceScatter, see Note (unequal blocks); ties: more of them), each stage's issue costed by ``host``. The
-        step's plan picks among them (``step_plan``), as the flush alone does (``time_us``)."""
+        step's plan picks among them (``step_plan``), as the flush alone does (``time_us``). Laid out and costed on
+        the regions' aligned slots (``alignment``), slices a multiple of the alignment."""
         out: list[TwoLevelOption] = []
+        align = align_elems(dtype_bytes)
+        slotted = slots(sizes, align)
         for layout in RAIL_LAYOUTS:
-            owners = balanced_sizes(sizes, self.ranks_per_node) if layout == BALANCED else sizes
+            owners = balanced_sizes(slotted, self.ranks_per_node, align) if layout == BALANCED else slotted
             blocks = rail_blocks(owners, self.ranks_per_node)
             lengths = tuple(sum(b) for b in blocks)
             longest = max(lengths, default=0)
@@ -113,15 +122,15 @@ class TwoLevel:
             for step in RAIL_STEPS:
                 tried = set()
                 for count in STAGE_COUNTS:
-                    width = -(-longest // count)
-                    if step == RAIL_SCATTER:
-                        width = -(-width // self.nodes) * self.nodes  # every rail rank gets an equal part
+                    width = align_up(-(-longest // count), align)
+                    if step == RAIL_SCATTER:  # every rail rank gets an equal, aligned part
+                        width = align_up(width, self.nodes * align)
                     stages = -(-longest // width)  # every stage holds part of the longest block
                     if stages in tried:
                         continue
                     tried.add(stages)
                     option = self._best_option(step, blocks, lengths, width, stages, dtype_bytes, max_padding,
-                                               sizes if layout == BALANCED else None, host)
+                                               slotted if layout == BALANCED else None, host)
                     if option is not None:
                         out.append(option)
         return tuple(out)
@@ -142,7 +151,9 @@ class TwoLevel:
         topology: what a choice made at one bandwidth costs at another (the sizing's hand-off sensitivity)."""
         geometry = option.geometry
         balanced = option.rail_layout == BALANCED
-        blocks = rail_blocks(balanced_sizes(sizes, self.ranks_per_node) if balanced else sizes, self.ranks_per_node)
+        sizes = slots(sizes, geometry.align)
+        blocks = rail_blocks(balanced_sizes(sizes, self.ranks_per_node, geometry.align) if balanced else sizes,
+                             self.ranks_per_node)
         node_rs, node_tail, rail_us, rail_issue = self._stage_costs(option.rail_step, blocks, geometry.lengths,
                                                                     geometry.width, geometry.stages, dtype_bytes)
         handoff = (self._node_handoff_us(sizes, geometry.width, geometry.stages, dtype_bytes) if balanced
@@ -168,7 +179,8 @@ class TwoLevel:
                 continue
             stage_us = _with_handoff([(node_rs if stage < scattered else node_tail[stage], rail_us[stage])
                                       for stage in range(stages)], handoff[0] if handoff else None)
-            geometry = TwoLevelGeometry(self.ranks_per_node, stages, width, scattered, tuple(lengths))
+            geometry = TwoLevelGeometry(self.ranks_per_node, stages, width, scattered, tuple(lengths),
+                                        align_elems(dtype_bytes))
             option = TwoLevelOption(geometry, step, stage_us, layout,
                                     _stage_issue(host, geometry, rail_issue, handoff[1] if handoff else None))
             if best is None or option.alone_us < best.alone_us:
@@ -186,7 +198,7 @@ class TwoLevel:
         sent = [[0] * len(sizes) for _ in range(stages)]
         received = [[0] * len(sizes) for _ in range(stages)]
         peers = [[0] * (2 * len(sizes)) for _ in range(stages)]
-        for owner, local, part, position, count in balanced_parts(sizes, g):
+        for owner, local, part, position, count in balanced_parts(sizes, g, align_elems(dtype_bytes)):
             if part == local:
                 continue
             holder = owner - local + part
@@ -281,24 +293,24 @@ def _with_handoff(stage_us: Sequence[tuple[float, float]], handoff: Sequence[flo
     return tuple((node + extra, rail_ + extra) for (node, rail_), extra in zip(stage_us, handoff, strict=True))
 
 
-def balanced_sizes(sizes: Sequence[int], ranks_per_node: int) -> list[int]:
+def balanced_sizes(sizes: Sequence[int], ranks_per_node: int, align: int = 1) -> list[int]:
     """Per data-parallel rank ``node x G + j``: the elements of rail ``j``'s share of node ``node``'s owner regions
-    in a balanced layout (part ``j`` of each, ``aggregation.cut`` into ``G`` parts): what a two-level layout of these
-    sizes reduces to that rank (Note (balanced rails))."""
+    in a balanced layout (part ``j`` of each, ``alignment.aligned_cut`` into ``G`` parts): what a two-level layout of
+    these sizes reduces to that rank (Note (balanced rails))."""
     out = [0] * len(sizes)
     for owner, size in enumerate(sizes):
         if size:
             first = owner - owner % ranks_per_node
-            for part, count in enumerate(cut(size, ranks_per_node)):
+            for part, count in enumerate(aligned_cut(size, ranks_per_node, align)):
                 out[first + part] += count
     return out
 
 
-def balanced_parts(sizes: Sequence[int], ranks_per_node: int) -> list[tuple[int, int, int, int, int]]:
+def balanced_parts(sizes: Sequence[int], ranks_per_node: int, align: int = 1) -> list[tuple[int, int, int, int, int]]:
     """(owner, its local rank, part ``j``, position in block ``j``, elements) of every non-empty part of every owner
     region in a balanced layout: block ``j`` holds, node by node, node ``m``'s chunk (``balanced_sizes``' rank
     ``m x G + j``): part ``j`` of each of node ``m``'s owners, by local rank. Part ``j`` of a region is its ``j``-th
-    slice of ``aggregation.cut(size, G)``, in region order."""
+    slice of ``alignment.aligned_cut(size, G, align)``, in region order (of a slot: every part aligned)."""
     g = ranks_per_node
     at = [0] * g  # where the next chunk part starts in each block
     out = []
@@ -307,7 +319,7 @@ def balanced_parts(sizes: Sequence[int], ranks_per_node: int) -> list[tuple[int,
             size = sizes[first + local]
             if not size:
                 continue
-            for part, count in enumerate(cut(size, g)):
+            for part, count in enumerate(aligned_cut(size, g, align)):
                 if count:
                     out.append((first + local, local, part, at[part], count))
                     at[part] += count
@@ -448,17 +460,24 @@ class TwoLevelGeometry:
     every block to the longest would grow the bucket and the node step by up to a third; so the stages past
     ``scattered`` carry only the longer blocks' tails, each reduced to its local rank by a node Reduce (grouped, one
     per block that reaches the stage), and the rail step is the same either way. The cost model picks ``scattered``
-    (all stages: today's padded layout where its padding is within the bound; none: Reduces only)."""
+    (all stages: today's padded layout where its padding is within the bound; none: Reduces only).
+
+    ``align``: the alignment the blocks were laid out for (``alignment``): the width and each block's length (its
+    regions' slots) are multiples of it, so every slice and tail starts aligned."""
 
     ranks_per_node: int
     stages: int
     width: int  # elements of one block's slice per stage (the node ReduceScatter's per-rank count)
     scattered: int  # the leading stages that run a node ReduceScatter; the rest run node Reduces
-    lengths: tuple[int, ...]  # each block's elements (local rank order)
+    lengths: tuple[int, ...]  # each block's elements (local rank order): its regions' slots
+    align: int = 1  # elements per 16 bytes of the flush's dtype
     tail_starts: tuple[tuple[int, ...], ...] = field(init=False)  # tail stage, local rank -> bucket offset
     span: int = field(init=False)  # the bucket elements the blocks take, padding included
 
     def __post_init__(self) -> None:
+        if self.width % self.align or any(n % self.align for n in self.lengths):
+            raise ValueError(f"owner_reduce: a two-level layout of width {self.width} and blocks {self.lengths} is not "
+                             f"aligned to {self.align} elements")
         at = self.scattered * self.ranks_per_node * self.width
         starts = []
         for stage in range(self.scattered, self.stages):
@@ -497,11 +516,13 @@ def two_level_calls(sizes: Sequence[int], geo: TwoLevelGeometry, rail_step: str 
     """The calls (per stage: the node ReduceScatter or the node Reduces of the blocks that reach a tail stage, then
     every rail's step: its Reduces, or its ReduceScatter and hand-off; balanced: then the node hand-off round), the
     ranges each owner receives, the padding and the hand-offs' transfers of owner regions of ``sizes`` laid out by
-    ``geo``."""
+    ``geo``. Each region lies in its slot (``alignment``): the calls and the hand-offs cover the slot, the owner
+    receives the region, and the slot's tail is padding (its owner as root)."""
     if rail_layout == BALANCED:
         return _balanced_calls(sizes, geo, rail_step)
     g, w = geo.ranks_per_node, geo.width
     nodes = len(sizes) // g
+    slotted = slots(sizes, geo.align)
     calls: list[list[Collective]] = [[Collective(REDUCE_SCATTER, s * g * w, g * w, per_rank=w, comm=NODE, stage=s)]
                                      for s in range(geo.scattered)]
     for s in range(geo.scattered, geo.stages):
@@ -510,7 +531,7 @@ def two_level_calls(sizes: Sequence[int], geo: TwoLevelGeometry, rail_step: str 
     received: list[FlushRange] = []
     padding: list[FlushRange] = []
     transfers: list[Transfer] = []
-    for local, block in enumerate(rail_blocks(sizes, g)):
+    for local, block in enumerate(rail_blocks(slotted, g)):
         if rail_step == RAIL_SCATTER:
             for stage in range(geo.stages):
                 at = geo.offset(local, stage * w)
@@ -522,14 +543,17 @@ def two_level_calls(sizes: Sequence[int], geo: TwoLevelGeometry, rail_step: str 
                     calls[stage].append(Collective(HANDOFF, at, w, comm=RAIL, rail=local, stage=stage))
                     transfers += moves
         at = 0
-        for node, size in enumerate(block):
+        for node, slot in enumerate(block):
             owner = node * g + local
-            for offset, position, count in geo.segments(local, at, size):
-                if rail_step == RAIL_REDUCE:
+            if rail_step == RAIL_REDUCE:
+                for offset, position, count in geo.segments(local, at, slot):
                     calls[position // w].append(Collective(REDUCE, offset, count, root=node, comm=RAIL, rail=local,
                                                            stage=position // w))
-                received.append(FlushRange(offset, count, owner))
-            at += size
+            size = sizes[owner]
+            received += [FlushRange(offset, count, owner) for offset, _, count in geo.segments(local, at, size)]
+            padding += [FlushRange(offset, count, owner) for offset, _, count in geo.segments(local, at + size,
+                                                                                              slot - size)]
+            at += slot
         for offset, _, count in geo.segments(local, at, geo.padding(local)):
             padding.append(FlushRange(offset, count, ALL))
     return (tuple(c for stage in calls for c in stage), tuple(sorted(received, key=lambda r: r.offset)),
@@ -543,18 +567,25 @@ def _balanced_calls(sizes: Sequence[int], geo: TwoLevelGeometry, rail_step: str
     owners are the parts' ranks (``balanced_sizes``: rail ``j`` reduces node ``m``'s chunk to local rank ``j`` of node
     ``m``), then per stage one node hand-off round (a ``handoff`` marker on ``node_handoff``) that moves each part to
     its owner at the same bucket offsets; each owner receives its parts where they lie."""
-    g, w = geo.ranks_per_node, geo.width
-    calls, _, padding, transfers = two_level_calls(balanced_sizes(sizes, g), geo, rail_step)
+    g, w, align = geo.ranks_per_node, geo.width, geo.align
+    slotted = slots(sizes, align)
+    calls, _, block_padding, transfers = two_level_calls(balanced_sizes(slotted, g, align), geo, rail_step)
+    padding = list(block_padding)
     received: list[FlushRange] = []
     moves: list[Transfer] = []
-    for owner, local, part, position, count in balanced_parts(sizes, g):
+    before = [0] * len(sizes)  # elements of the owner's slot in its earlier parts
+    for owner, local, part, position, count in balanced_parts(slotted, g, align):
+        held = min(count, max(0, sizes[owner] - before[owner]))  # the region's elements in this part; then padding
+        before[owner] += count
         for offset, at, n in geo.segments(part, position, count):
-            received.append(FlushRange(offset, n, owner))
             if part != local:
                 moves.append(Transfer(owner - local + part, owner, offset, n, comm=NODE_HANDOFF, stage=at // w))
+        received += [FlushRange(offset, n, owner) for offset, _, n in geo.segments(part, position, held)]
+        padding += [FlushRange(offset, n, owner) for offset, _, n in geo.segments(part, position + held, count - held)]
     markers = [Collective(HANDOFF, 0, 0, comm=NODE_HANDOFF, stage=stage) for stage in sorted({t.stage for t in moves})]
     ordered = sorted((*calls, *markers), key=lambda c: c.stage)  # stable: each stage's node, rail, then hand-off
-    return (tuple(ordered), tuple(sorted(received, key=lambda r: r.offset)), padding,
+    return (tuple(ordered), tuple(sorted(received, key=lambda r: r.offset)), tuple(sorted(padding,
+                                                                                         key=lambda r: r.offset)),
             (*transfers, *sorted(moves, key=lambda t: (t.dst, t.src, t.offset))))
 
 
@@ -568,13 +599,13 @@ send/recv round along the rail (the rail hand-off) that moves each piece to its 
 Note (balanced rails): an owner's local rank fixes the rail its region crosses the nodes on, so a flush whose owners
 fall unevenly on the local ranks loads its rails unevenly (Llama-13B at ws 1024: the busiest block 6% above the mean;
 a flush of 2-3 owners at ws 64 crosses the network on 2-3 of a node's 8 rails), and the busiest rail bounds the
-flush. Balanced (``BALANCED``), every owner region is cut into ``G`` parts (``aggregation.cut``), part ``j`` laid out
-in block ``j`` (node by node, a node's owners by local rank: ``balanced_parts``), so every rail carries a ``G``-th of
-every region; the node and rail steps are those of a layout whose owners are the parts' ranks (``balanced_sizes``),
-and after each stage's rail step one grouped send/recv round inside each node moves every part to its owner over
-NVLink (local rank ``j`` of the owner's node holds part ``j``, reduced there by rail ``j``), at the same bucket
-offsets. That round runs on the rail stream (after the rail step it reads) on a node communicator of its own, which
-the node stream never uses: NCCL serialises the calls of one communicator across streams, so on the node
+flush. Balanced (``BALANCED``), every owner region's slot is cut into ``G`` parts (``alignment.aligned_cut``), part
+``j`` laid out in block ``j`` (node by node, a node's owners by local rank: ``balanced_parts``), so every rail carries
+a ``G``-th of every region; the node and rail steps are those of a layout whose owners are the parts' ranks
+(``balanced_sizes``), and after each stage's rail step one grouped send/recv round inside each node moves every part to
+its owner over NVLink (local rank ``j`` of the owner's node holds part ``j``, reduced there by rail ``j``), at the same
+bucket offsets. That round runs on the rail stream (after the rail step it reads) on a node communicator of its own,
+which the node stream never uses: NCCL serialises the calls of one communicator across streams, so on the node
 communicator the next flush's node step would wait for this flush's rail step, the overlap that pays for the chain
 (``step_plan``). Costed as the busiest rank of any node sends or receives (``p2p_round_us``, NVLink), on both
 streams (``_with_handoff``); the model chooses it like any option, per flush.

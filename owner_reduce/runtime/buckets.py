@@ -19,6 +19,14 @@ remembered per dtype across ``release()``: the pair allocated after a release al
 step grows nothing and waits for nothing. The cost: with a gradient larger than the bucket, both buffers hold it
 (the native runtime grows one, and frees and grows it again after every release).
 
+Note (alignment): a scheduled layout starts every NCCL call at a bucket offset that is a multiple of 16 bytes
+(``planning.alignment``), so a call's pointer is 16-byte aligned exactly when the buffer's first element is. Each
+buffer here (and the staging buffer) is its own ``torch.empty`` of the whole capacity, never a view into another
+tensor, so its first element is the start of an allocation: on CUDA a block of torch's caching allocator, whose
+blocks are carved out of ``cudaMalloc`` segments (256-byte aligned) at multiples of 512 bytes (``kMinBlockSize``,
+c10/core/AllocatorConfig.h), so at least 256-byte aligned; on CPU, c10's allocator aligns to 64 bytes (``gAlignment``,
+c10/core/alignment.h). A buffer must stay so: never narrow, offset or share it.
+
 Note (views): ``views`` keeps, per scheduled flush, the views of this bucket's buffer that each gradient is copied
 into, and per flush plan the views its copy-out reads (made at first use), so that a step makes none; they live and
 die with the buffer (``reserve`` drops them). Each entry holds the object it is keyed by the id of.
@@ -102,6 +110,10 @@ class DoubleBufferedBuckets:
         """min(reduce_bucket_size, registered gradient elements of ``dtype``)."""
         registered = self._registered_elems(dtype) if self._registered_elems is not None else None
         return min(self.size, registered) if registered else self.size
+
+    def capacity_for(self, dtype: torch.dtype) -> int:
+        """The elements every buffer of ``dtype`` holds at least, allocated or not (Note (growth))."""
+        return max(self.size_for(dtype), self._capacity.get(dtype, 0))
 
     def get(self, dtype: torch.dtype, device: torch.device) -> ReduceBucket:
         bucket = self._current.get(dtype)

@@ -13,9 +13,10 @@ stream too; on gloo: the first group's works are waited).
 
 Note (staging): a flush that left its schedule holds only some of its gradients, at the layout's offsets, a
 straddler's slices in several owner regions, holes between. When the model prefers native's calls for it, the
-pieces present are first copied, each gradient whole and in arrival order, into the bucket's staging buffer, and
-the AllReduces run there, one per gradient as z1.cpp issues them: the flush then costs native's calls plus one
-device copy, never an AllReduce over the holes or one call per scattered piece (issue 23 item 7).
+pieces present are first copied, each gradient whole and in arrival order (each starting 16-byte aligned:
+``planning.alignment``), into the bucket's staging buffer, and the AllReduces run there, one per gradient as z1.cpp
+issues them: the flush then costs native's calls plus one device copy, never an AllReduce over the holes or one call
+per scattered piece (issue 23 item 7).
 
 Note (flush plan cache): a graph's buckets hold the same gradients in the same order every step, so the plan and
 the copy-out list are computed once per distinct bucket content and reused: for an owner-ordered flush, the
@@ -33,6 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..planning.alignment import align_elems, align_up
 from ..planning.collectives import (
     ALLREDUCE,
     HANDOFF,
@@ -213,8 +215,8 @@ class Flusher:
                     probe.flush_started(streams)
                 if cached.staged:
                     buffer = self._staged(cached, bucket)
-                used = self._prepare(cached, buffer)
-                sources, _ = self._views(cached, bucket, used)
+                sources, _, pads = self._views(cached, bucket, buffer)
+                self._prepare(cached, buffer, pads)
                 if cached.calls:
                     self._world_calls(comm, cached, buffer, index)
                 if cached.p2p:
@@ -238,8 +240,8 @@ class Flusher:
             start = streams.mark(NODE) if key is not None else None
             if probe is not None:
                 probe.flush_started(streams, NODE)
-            used = self._prepare(cached, buffer)
-            sources, views = self._views(cached, bucket, used)
+            sources, views, pads = self._views(cached, bucket, buffer)
+            self._prepare(cached, buffer, pads)
             self._two_level(cached, views, streams, index, buffer)
             with streams.level(RAIL):
                 if cached.calls:
@@ -251,14 +253,13 @@ class Flusher:
                     return None
                 return streams.bucket_released(bucket, RAIL, timing=True)
 
-    def _prepare(self, cached: _CachedFlush, buffer: torch.Tensor) -> torch.Tensor:
-        """Zero the padding and pre-divide the span the flush reduces (as the native runtime); the span's view."""
-        used = buffer.narrow(0, 0, cached.span)
-        for pad in cached.padding:
-            buffer.narrow(0, pad.offset, pad.count).zero_()
+    def _prepare(self, cached: _CachedFlush, buffer: torch.Tensor, pads: list[torch.Tensor]) -> None:
+        """Zero the padding (its views: one kernel for all of them, however many regions an aligned layout pads) and
+        pre-divide the span the flush reduces (as the native runtime)."""
+        if pads:
+            torch._foreach_zero_(pads)
         if self.pre_div:
-            used.div_(self.comm.world_size)
-        return used
+            buffer.narrow(0, 0, cached.span).div_(self.comm.world_size)
 
     def _marked(self, key: Any, start: Any, streams: Any, level: str | None = None) -> None:
         """A timed flush's marks (``trial`` Note (timing)); a step timed as a whole keeps its start for the end of
@@ -345,22 +346,26 @@ class Flusher:
         return staging
 
     @staticmethod
-    def _views(cached: _CachedFlush, bucket: Any, used: torch.Tensor
-               ) -> tuple[Sequence[torch.Tensor], _LevelViews]:
-        """The bucket views ``cached`` reads: its copy-out's sources and (two-level) every stage's call buffers, made
-        once per (bucket buffer, plan) and kept with the bucket (``ReduceBucket.views``, which holds the plan too, so
-        its id is not reused meanwhile): a two-level flush of 32 stages would otherwise make a view per call."""
-        if not cached.copy_out and not cached.stages:
-            return (), ()
+    def _views(cached: _CachedFlush, bucket: Any, buffer: torch.Tensor
+               ) -> tuple[Sequence[torch.Tensor], _LevelViews, list[torch.Tensor]]:
+        """The views of ``buffer`` (the bucket's, or its staging buffer) that ``cached`` reads or writes: its
+        copy-out's sources, (two-level) every stage's call buffers and its padding, made once per (bucket buffer,
+        plan) and kept with the bucket (``ReduceBucket.views``, which holds the plan too, so its id is not reused
+        meanwhile): a two-level flush of 32 stages would otherwise make a view per call, an aligned layout one per
+        padded region."""
+        if not cached.copy_out and not cached.stages and not cached.padding:
+            return (), (), []
         entry = bucket.views.get(id(cached))
         if entry is not None and entry[0] is cached:
             return entry[1]
         if len(bucket.views) >= _VIEWS_PER_BUCKET_LIMIT:  # contents that keep changing: start over
             bucket.views.clear()
+        used = buffer.narrow(0, 0, cached.span)
         sources = used.split_with_sizes(cached.split_sizes)[1::2] if cached.copy_out else ()
         levels = tuple((tuple(used.narrow(0, c.offset, c.count) for c in node),
                         tuple(used.narrow(0, c.offset, c.count) for c in rail)) for node, rail, _, _ in cached.stages)
-        views = (sources, levels)
+        pads = [buffer.narrow(0, pad.offset, pad.count) for pad in cached.padding]
+        views = (sources, levels, pads)
         bucket.views[id(cached)] = (cached, views)
         return views
 
@@ -398,11 +403,12 @@ class Flusher:
         if present == len(flush.ids):
             plan, collectives, padding, transfers = layout.plan, layout.collectives, layout.padding, layout.transfers
         else:
-            packed, at = [], 0  # native's layout of what is present: each gradient whole, in arrival order
+            # Native's layout of what is present: each gradient whole, in arrival order, starting 16-byte aligned.
+            packed, at, align = [], 0, align_elems(pending.bucket.buffer.element_size())
             for g in grads:
                 if g.numel:
                     packed.append(FlushRange(at, g.numel, None))
-                at += g.numel
+                at = align_up(at + g.numel, align)
             choice = choose_arrival(plan_placed(grads, self._owner_map, self._owner),
                                     self.cost.for_dtype_bytes(pending.bucket.buffer.element_size()), packed)
             plan, collectives, padding, transfers = choice.plan, choice.collectives, (), ()
@@ -411,7 +417,7 @@ class Flusher:
                 for g in grads:
                     moves += [(p.bucket_offset, at + p.src_offset, p.length) for p in g.pieces]
                     locate[g.param_id] = lambda offset, numel, at=at: [(at + offset, numel)]
-                    at += g.numel
+                    at = align_up(at + g.numel, align)
                 staged = tuple(moves)
         copy_out = self._copy_outs((g.param_id, locate[g.param_id]) for g in grads)
         cached = self._make(flush, list(flush.numels[:present]), plan, copy_out, collectives, padding, transfers,

@@ -8,9 +8,9 @@ algorithm the cost model chose for that flush. A bucket that is complete goes to
 way, placement to flush, never back.
 
 Note (owner-ordered buckets): a flush's layout spans at most the bucket plus its padding (a ReduceScatter's short
-regions, or the last of a hand-off's equal chunks), so the bucket's buffer grows by that much at most, in the first
-step that needs it (both buffers of the pair at one wait, kept across releases: ``buckets`` Note (growth)); no
-other buffer. A
+regions, the last of a hand-off's equal chunks, the regions' 16-byte slots: ``planning.alignment``), so the bucket's
+buffer grows by that much at most, in the first step that needs it (both buffers of the pair at one wait, kept across
+releases: ``buckets`` Note (growth); a schedule on trial: Note (trial room)); no other buffer. A
 backward that leaves the recorded order flushes what it placed and continues in arrival order, identically on every
 rank (see ``schedule``), and the graph learns its schedule again.
 
@@ -52,6 +52,12 @@ is a restored schedule's first gradient learns that schedule at once and follows
 ``verdict_book``), as the saved run did. The match is the same on every rank (the same arrival sequence); a backward
 that then leaves the schedule falls back and learns again, as any backward does (``schedule`` Note (identical on
 every rank)). A recompile forgets learned schedules, not the restored ones.
+
+Note (trial room): a schedule on trial (``trial``) alternates the model's layouts with native's, and native's can be
+the larger (each gradient starts 16-byte aligned: ``planning.alignment``; DeepCompile packs them). So when the trial
+starts, at the end of the learning backward, each dtype's buckets grow to hold the largest flush of either variant: one
+host wait there, just before ``end_backward``'s own, and none in a timed step, where it would stall the variant being
+measured. A schedule not on trial grows in its first step, as any flush does (``buckets`` Note (growth)).
 """
 
 
@@ -161,6 +167,13 @@ class GradPlacer:
         pending.ids.append(ds_id)
         pending.numels.append(numel)
         pending.count += 1
+
+    def _room_for(self, schedules: Sequence[Schedule]) -> None:
+        """Each dtype's buckets grown to hold the largest flush of any of ``schedules`` (Note (trial room))."""
+        for dtype in {d for s in schedules for d in s.flushes}:
+            need = max(f.layout.total for s in schedules for f in s.flushes.get(dtype, ()))
+            if need > self.buckets.capacity_for(dtype):
+                self._grow(dtype, need)
 
     def _grow(self, dtype: torch.dtype, numel: int) -> None:
         """Both buffers of ``dtype``'s pair to ``numel`` elements, kept across releases (``buckets`` Note (growth)):
@@ -280,6 +293,7 @@ class GradPlacer:
         elif trial is not None and trial.needed:
             self._trials[graph] = trial
             self._timed_changed()
+            self._room_for(trial.schedules)
 
     # ---- checkpoints: Note (resumed schedules) -------------------------------------------------------------
 
