@@ -8,12 +8,13 @@ communicator, and a region reduced on the wrong rail (negative control) must sho
 
 What these launches cover is what only gloo processes under DeepSpeed and DeepCompile have: the torch.distributed node,
 rail and node hand-off groups, each kind of call on them (node ReduceScatter and tail Reduce, rail Reduce, rail
-ReduceScatter and its hand-off, the balanced node hand-off), two optimizer groups, ZeRO stages 1 and 2, gradient
-accumulation, and the two-level line. Two nodes of two ranks suffice for each. Three nodes, four ranks per node and the
-layouts' combinations with them run in process: ``test_two_level_exchange.py`` (ranks that really exchange data over
-their node, rail and hand-off communicators: ws 4, 6 and 8, by owner and balanced, with its negative controls) and
-``test_sim_e2e.py`` (the cupy path on the simulated device: ws 4, 6 and 8, each rail step and layout, stages 1 and 2,
-gradient accumulation 1 and 2).
+ReduceScatter and its hand-off, the balanced node hand-off), each rail step with each layout, two optimizer groups,
+ZeRO stages 1 and 2, gradient accumulation, and the two-level line: three runs at ws 4 (two nodes of two) and one at
+ws 8 (two nodes of four, whose node ReduceScatter adds four shares in another order than gloo's ring). Three nodes,
+and the other combinations of stage, accumulation, rail step and layout with four ranks per node, run in process:
+``test_two_level_exchange.py`` (ranks that really exchange data over their node, rail and hand-off communicators:
+ws 4, 6 and 8, by owner and balanced, with its negative controls) and ``test_sim_e2e.py`` (the cupy path on the
+simulated device: ws 4, 6 and 8, each rail step and layout, stages 1 and 2, gradient accumulation 1 and 2).
 """
 
 from __future__ import annotations
@@ -73,29 +74,31 @@ def _assert_two_level_ran(run: tuple, spec: TrainSpec, world_size: int) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("stage", "grad_accum", "rail_step", "layout", "exact"),
-                         [(1, 1, "scatter", "by_owner", False), (2, 2, "reduce", "by_owner", True),
-                          (1, 2, "reduce", "balanced", True)],
-                         ids=["z1-ga1-scatter-by_owner-mlp", "z2-ga2-reduce-by_owner-exact",
-                              "z1-ga2-reduce-balanced-exact"])
-def test_two_level_matches_plain_zero_bitwise(stage, grad_accum, rail_step, layout, exact):
-    """Two nodes of two ranks, stages 1 and 2, GA 1 and 2, two optimizer groups, straddling gradients; bitwise equal to
-    plain ZeRO on the same data.
+@pytest.mark.parametrize(("world_size", "ranks_per_node", "stage", "grad_accum", "rail_step", "layout", "exact"),
+                         [(4, 2, 1, 1, "scatter", "by_owner", False), (4, 2, 2, 2, "reduce", "by_owner", True),
+                          (4, 2, 1, 2, "reduce", "balanced", True), (8, 4, 2, 1, "scatter", "balanced", True)],
+                         ids=["ws4-z1-ga1-scatter-by_owner-mlp", "ws4-z2-ga2-reduce-by_owner-exact",
+                              "ws4-z1-ga2-reduce-balanced-exact", "ws8-nodes4-z2-ga1-scatter-balanced-exact"])
+def test_two_level_matches_plain_zero_bitwise(world_size, ranks_per_node, stage, grad_accum, rail_step, layout, exact):
+    """Nodes of 2 (ws 4) and 4 (ws 8), stages 1 and 2, GA 1 and 2, two optimizer groups, straddling gradients; bitwise
+    equal to plain ZeRO on the same data.
 
     Two nodes of two add each element's shares as ``(a + b) + (c + d)``, which with identical data on every rank
-    rounds exactly as gloo's AllReduce does (the tanh MLP). The exact cases make every gradient exact (``ExactLinear``:
-    inputs of a few bits, a loss linear in the outputs) and give every rank its own data, so any order of addition
-    gives the same bits and any share lost, doubled or sent to the wrong owner shows; their small buckets make flushes
-    of a few owners, whose longer node blocks end in node Reduces (tail stages). Each rail step runs (the Reduce
-    chains, or a rail ReduceScatter and its hand-off), and consecutive flushes overlap their levels (the step's plan:
-    every flush two-level). Balanced: every region cut over every rail, then handed to its owner inside its node on
-    the node hand-off group (``two_level`` Note (balanced rails))."""
-    spec = dataclasses.replace(TWO_LEVEL, zero_stage=stage, grad_accum=grad_accum, rail_steps=(rail_step,),
-                               rail_layouts=(layout,))
+    rounds exactly as gloo's AllReduce does (the tanh MLP). Four ranks per node add them in another order than gloo's
+    ring, which may round the last bit differently with arbitrary data, as NCCL itself does between algorithms. The
+    exact cases make every gradient exact (``ExactLinear``: inputs of a few bits, a loss linear in the outputs) and
+    give every rank its own data, so any order of addition gives the same bits and any share lost, doubled or sent to
+    the wrong owner shows; their small buckets make flushes of a few owners, whose longer node blocks end in node
+    Reduces (tail stages). Each rail step runs (the Reduce chains, or a rail ReduceScatter and its hand-off), and
+    consecutive flushes overlap their levels (the step's plan: every flush two-level). Balanced: every region cut over
+    every rail, then handed to its owner inside its node on the node hand-off group (``two_level`` Note (balanced
+    rails))."""
+    spec = dataclasses.replace(TWO_LEVEL, ranks_per_node=ranks_per_node, zero_stage=stage, grad_accum=grad_accum,
+                               rail_steps=(rail_step,), rail_layouts=(layout,))
     if exact:
         spec = dataclasses.replace(spec, model="exact_linear", same_data=False, reduce_bucket_size=BUCKET)
-    run, plain = _run(4, spec)
-    _assert_two_level_ran(run, spec, 4)
+    run, plain = _run(world_size, spec)
+    _assert_two_level_ran(run, spec, world_size)
     for rank, r in enumerate(run):  # the node hand-off ran on its own communicator, and only where balanced
         s = r["stats"]
         names = {name for name, *_ in r["collective_log"]}
