@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(tmp_path, *extra):
-    return subprocess.run([sys.executable, "scripts/acceptance.py", "--steps", "6", "--world-size", "2", "--out",
+    return subprocess.run([sys.executable, "scripts/acceptance.py", "--steps", "12", "--world-size", "2", "--out",
                            str(tmp_path), "--timeout", "240", *extra], cwd=ROOT, capture_output=True, text=True,
                           timeout=280)
 
@@ -22,7 +22,7 @@ def test_clean_run_is_inside_the_band(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "PASS: inside the band" in proc.stdout
     result = json.loads((tmp_path / "acceptance.json").read_text())
-    assert result["inside_band"] and len(result["losses"]["owner"]) == 6
+    assert result["inside_band"] and len(result["losses"]["owner"]) == 12
     assert (tmp_path / "acceptance.png").stat().st_size > 10_000
 
 
