@@ -1,14 +1,14 @@
 """A small DeepSpeed training script that knows nothing of owner_reduce (it never imports it): the tests start it
-through ``python -m owner_reduce.run`` under torchrun, DeepSpeed's launcher and ``accelerate launch``.
+through ``python -m owner_reduce.run`` under ``accelerate launch`` (and ``launched_trainer.py`` builds its model).
 
 A tiny Llama built from a config (no download) trains a few steps on random tokens (different on every rank) for
 each variant (ZeRO stage, gradient accumulation), first with the DeepSpeed config as given (DeepCompile, the two
 keys), then, in the same process group, as plain ZeRO of the same stage without ``compile`` (the reference). Each
 rank writes its losses, final parameters, what DeepCompile's handle was and its counters to ``--out``.
 
-``--api deepspeed``: ``deepspeed.initialize`` with ``--deepspeed_config`` (a JSON file), then ``engine.compile()``.
 ``--api accelerate``: ``Accelerator`` + ``prepare`` with the DeepSpeed config file that ``accelerate launch``'s
 config names (``deepspeed_config_file``), then ``model.compile()`` as DeepSpeed's DeepCompile benchmark does.
+(DeepSpeed's own launcher runs ``launched_settings.py``.)
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 
 import torch
 
@@ -70,18 +69,6 @@ def config_variant(config: dict, stage: int, grad_accum: int, compiled: bool) ->
     return out
 
 
-def run_deepspeed(config: dict, stage: int, grad_accum: int, compiled: bool, args: argparse.Namespace) -> dict:
-    import deepspeed
-
-    model = build_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                      config=config_variant(config, stage, grad_accum, compiled))
-    if compiled:
-        engine.compile(backend=args.backend)
-    return finish(engine, grad_accum, args)
-
-
 def run_accelerate(config: dict, stage: int, grad_accum: int, compiled: bool, args: argparse.Namespace) -> dict:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
@@ -109,49 +96,26 @@ def finish(engine, grad_accum: int, args: argparse.Namespace) -> dict:  # noqa: 
     return {"losses": losses, "params": params, **report}
 
 
-def _accepts(config_class, config: dict) -> bool:  # noqa: ANN001
-    """Whether DeepSpeed's config parsing takes this config (with the two keys: only after owner_reduce.install())."""
-    try:
-        config_class(config_variant(config, 1, 1, compiled=True))
-    except ValueError:
-        return False
-    return True
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--api", choices=("deepspeed", "accelerate"), required=True)
-    parser.add_argument("--deepspeed_config", help="--api deepspeed: the DeepSpeed config (JSON)")
+    parser.add_argument("--api", choices=("accelerate",), required=True)
     parser.add_argument("--variants", default="1:1", help="stage:grad_accum,... ('' trains nothing)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--backend", default="eager")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--local_rank", type=int, default=None, help="set by DeepSpeed's launcher")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    if args.api == "deepspeed":
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="gloo")
-        with open(args.deepspeed_config) as f:
-            config = json.load(f)
-        run = run_deepspeed
-    else:
-        with open(os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"]) as f:
-            config = json.load(f)
-        run = run_accelerate
+    with open(os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"]) as f:
+        config = json.load(f)
     import deepspeed.comm as dist
-    from deepspeed.runtime.config import DeepSpeedConfig
 
-    results = {"argv": sys.argv, "local_rank_arg": args.local_rank, "env_local_rank": os.environ.get("LOCAL_RANK"),
-               "world_size": None, "runs": {},
-               "keys_accepted": _accepts(DeepSpeedConfig, config) if args.api == "deepspeed" else None}
+    results = {"world_size": None, "runs": {}}
     for variant in filter(None, args.variants.split(",")):
         stage, grad_accum = (int(x) for x in variant.split(":"))
         for compiled in (True, False):
-            results["runs"][f"{variant}:{'dc' if compiled else 'plain'}"] = run(config, stage, grad_accum, compiled,
-                                                                                 args)
+            results["runs"][f"{variant}:{'dc' if compiled else 'plain'}"] = run_accelerate(config, stage, grad_accum,
+                                                                                            compiled, args)
     results["world_size"] = dist.get_world_size()
     os.makedirs(args.out, exist_ok=True)
     torch.save(results, os.path.join(args.out, f"rank{dist.get_rank()}.pt"))

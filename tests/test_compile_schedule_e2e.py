@@ -6,11 +6,17 @@ checkpoint's step), each bitwise equal to plain ZeRO, which never recompiles.
 Four cases cover ZeRO stages 1 and 2 and gradient accumulation 1 and 2 at ws 2, each resumed at step 3 and trained to
 step 8 in new processes (a process that ran an engine before has DeepCompile's passes already set, which hides the
 failure). Two resume a checkpoint written with the flags on, and also resume it with the flags off (plain ZeRO); two
-resume one written with the flags off (plain ZeRO). DeepCompile's own runtime (flags off, compiled) cannot run on CPU,
-and upstream it fails to resume in a fresh process the same way; owner_reduce is not wired in then (see the guide).
+resume one written with the flags off (plain ZeRO), one of them loading it before ``engine.compile()``. DeepCompile's
+own runtime (flags off, compiled) cannot run on CPU, and upstream it fails to resume in a fresh process the same way;
+owner_reduce is not wired in then (see the guide).
 
-Each case is two launches: one writes the checkpoint and the uninterrupted references (plain ZeRO to step 8; for the
-flags-on writer also the owner path to step 8 through a recompile), one resumes.
+The resumed owner runs also read ``deepspeed.utils.safe_get_full_grad`` of every parameter between each boundary
+backward and its step, and must get plain ZeRO's full gradients of the same steps bitwise, on every rank: after a
+resume, in either order of ``load_checkpoint`` and ``engine.compile()`` (``full_grad`` Note (re-links): before that
+fix, a crash on the ranks holding a fragment, a hang on the others). Without a resume: ``test_full_grad_e2e.py``.
+
+Each case is two launches: one writes the checkpoint and the uninterrupted references (plain ZeRO to step 8, with its
+full gradients; for the flags-on writer also the owner path to step 8 through a recompile), one resumes.
 """
 
 from __future__ import annotations
@@ -36,12 +42,14 @@ class Case(NamedTuple):
     writer: str  # "owner": the checkpoint is written with the flags on; "plain": with them off (plain ZeRO)
     compile_steps: tuple[int, ...] = ()  # the owner path's compile schedule (also in the resumed run)
     reuse_graph_ids: bool = False  # rank 0 reuses its graph ids after a recompile, rank 1 does not (graph_ids.py)
+    load_before_compile: bool = False  # the owner run resumes with load_checkpoint before engine.compile()
 
     @property
     def name(self) -> str:
         return f"stage{self.stage}-ga{self.grad_accum}-{self.writer}-ckpt" + \
             (f"-compile-at-{'-'.join(map(str, self.compile_steps))}" if self.compile_steps else "") + \
-            ("-ids-reused-on-rank-0" if self.reuse_graph_ids else "")
+            ("-ids-reused-on-rank-0" if self.reuse_graph_ids else "") + \
+            ("-loaded-before-compile" if self.load_before_compile else "")
 
 
 CASES = (
@@ -51,7 +59,7 @@ CASES = (
     # old graph's id, rank 1's a new one (what id(gm.graph) allows): before the reset forgot what was learned per
     # graph id, rank 0 followed the old graph's schedule while rank 1 recorded in arrival order.
     Case(2, 2, "owner", (0, 5), reuse_graph_ids=True),
-    Case(1, 2, "plain"),
+    Case(1, 2, "plain", load_before_compile=True),
     Case(2, 1, "plain"),
 )
 OWNER_CASES = tuple(c for c in CASES if c.writer == "owner")
@@ -64,9 +72,10 @@ def _specs(case: Case, checkpoint_dir: str) -> dict[str, TrainSpec]:
                                 reuse_graph_ids=case.reuse_graph_ids)
     save = {"save_at": SAVE_AT}
     return {
-        "plain": dataclasses.replace(base, **(save if case.writer == "plain" else {})),
+        "plain": dataclasses.replace(base, full_grads=True, **(save if case.writer == "plain" else {})),
         "owner": dataclasses.replace(owner, **save),
-        "owner resumed": dataclasses.replace(owner, resume=True),
+        "owner resumed": dataclasses.replace(owner, resume=True, full_grads=True,
+                                             load_before_compile=case.load_before_compile),
         "plain resumed": dataclasses.replace(base, resume=True),
     }
 
@@ -137,17 +146,26 @@ def test_multi_step_compile_schedule_trains_bitwise_equal_to_plain_zero_across_t
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_resume_in_fresh_ranks_trains_bitwise_equal_to_an_uninterrupted_run(runs, case):
-    """``install()``, ``deepspeed.initialize``, ``engine.compile()``, ``engine.load_checkpoint`` (step 3), then
-    training to step 8 in new ranks: the first forward is at step 3 and the owner path's compile schedule starts
-    there (DeepCompile's default schedule launches only at step 0: the first forward failed with ``TypeError:
-    'NoneType' object is not iterable``). Bitwise equal to plain ZeRO's uninterrupted run; a checkpoint written with
-    the flags on also resumes with them off."""
+    """``install()``, ``deepspeed.initialize``, ``engine.compile()``, ``engine.load_checkpoint`` (step 3; or loaded
+    before ``engine.compile()``), then training to step 8 in new ranks: the first forward is at step 3 and the owner
+    path's compile schedule starts there (DeepCompile's default schedule launches only at step 0: the first forward
+    failed with ``TypeError: 'NoneType' object is not iterable``). Bitwise equal to plain ZeRO's uninterrupted run,
+    and so are the full gradients ``safe_get_full_grad`` returns; a checkpoint written with the flags on also resumes
+    with them off."""
     results = {**runs(case, "write"), **runs(case, "resume")}
     resumed = results["owner resumed"]
     _assert_bitwise(resumed, results["plain"], SAVE_AT, case.grad_accum, f"owner path resumed from a {case.writer} "
                     "checkpoint")
     launches = 1 + sum(step > SAVE_AT for step in case.compile_steps)  # at the first step, then any later entry
     _assert_owner_ran(resumed, STEPS - SAVE_AT, case.grad_accum, resets=launches, stage=case.stage)
+    # safe_get_full_grad after the resume: plain ZeRO's full gradients of the same steps, on every rank
+    for rank, (o, p) in enumerate(zip(resumed, results["plain"], strict=True)):
+        assert len(o["full_grads"]) == STEPS - SAVE_AT and len(p["full_grads"]) == STEPS, rank
+        for step, (og, pg) in enumerate(zip(o["full_grads"], p["full_grads"][SAVE_AT:], strict=True), SAVE_AT + 1):
+            assert og.keys() == pg.keys()
+            for name in pg:
+                assert og[name].abs().sum() > 0, (rank, step, name)
+                assert torch.equal(og[name], pg[name]), (rank, step, name, (og[name] - pg[name]).abs().max())
     if case.writer == "owner":
         _assert_bitwise(results["plain resumed"], results["plain"], SAVE_AT, case.grad_accum,
                         "plain ZeRO resumed from an owner checkpoint")

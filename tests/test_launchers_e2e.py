@@ -1,8 +1,8 @@
 """``python -m owner_reduce.run`` under the launchers users have, on 2 gloo ranks, with training scripts that never
 import owner_reduce (``launched_train.py``, ``launched_trainer.py``): ``accelerate launch`` with a DeepSpeed config
-file (ZeRO-1 with gradient accumulation 1 and 2, ZeRO-2 with 1, one launch), ``torchrun`` with the transformers
-Trainer (ZeRO-2, gradient accumulation 2), and DeepSpeed's own launcher (``--module``, which puts ``--local_rank=N``
-before the script).
+file (ZeRO-1 with gradient accumulation 1 and 2, ZeRO-2 with 1, one launch) and ``torchrun`` with the transformers
+Trainer (ZeRO-2, gradient accumulation 2). DeepSpeed's own launcher (``--module``, which puts ``--local_rank=N`` before
+the script): ``test_settings_e2e.py``, whose launch goes through it and checks what each rank's script gets.
 
 The reference ("flags off") is plain DeepSpeed ZeRO of the same stage on the same model and data, in the same process
 group right after the owner run: DeepCompile's native runtime is the other flags-off run, but it needs its C++/CUDA
@@ -152,24 +152,3 @@ def test_torchrun_with_the_transformers_trainer(tmp_path):
         assert dc["compiled"] and not plain["compiled"]
         assert_owner_run_equals_plain(dc, plain, rank, STEPS, grad_accum, stage)
     _assert_lines(log, engines=1)
-
-
-@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
-def test_deepspeed_launcher_module_mode_hands_local_rank_to_the_script(tmp_path):
-    """``deepspeed --num_gpus 2 --module owner_reduce.run launched_train.py --api deepspeed``: DeepSpeed's launcher
-    runs ``python -u -m owner_reduce.run --local_rank=N launched_train.py ...``; the script gets ``--local_rank=N``
-    right after its name, as if the launcher had started it, and DeepSpeed's config parsing there accepts the two
-    keys (install() ran in that process). It trains nothing: what this launcher changes is the command line and the
-    environment; training under a launcher is the two tests above, and ``deepspeed.initialize`` + ``engine.compile()``
-    the rest of the suite (test_runtime_e2e.py and others), so the suite pays this launcher's start-up only."""
-    ds = _write(tmp_path / "ds_config.json", DS_CONFIG)
-    out = tmp_path / "out"
-    script = str(TESTS / "launched_train.py")
-    _, results = _launch([
-        str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-        "--module", "owner_reduce.run", script, "--api", "deepspeed", "--deepspeed_config", str(ds),
-        "--variants", "", "--out", str(out)], out)
-    for rank, r in enumerate(results):
-        assert r["argv"][:2] == [script, f"--local_rank={rank}"] and r["local_rank_arg"] == rank
-        assert r["env_local_rank"] == str(rank) and r["world_size"] == 2
-        assert r["keys_accepted"], f"rank {rank}: DeepSpeed rejected compile.reduce_to_owner: install() did not run"

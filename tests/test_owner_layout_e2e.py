@@ -4,7 +4,8 @@ From the second backward on, every flush is laid out by owner (learned schedule)
 owner region, or one ReduceScatter when it covers every rank. gloo's ReduceScatter sums the ranks in the same
 order as its Reduce and AllReduce here: the comparison is bitwise. Cases are combined so that few runs cover
 ws 2/3/4, eager and inductor, ZeRO stages 1 and 2, gradient accumulation, several flushes per step and one
-flush holding the whole model, straddling parameters, two parameter groups and tied weights.
+flush holding the whole model, straddling parameters, two parameter groups and tied weights; each asserts that the
+runtime ran (``test_runtime_e2e._assert_runtime_ran``): the ws-4 inductor case is the suite's stage-2 inductor run.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import re
 
 import pytest
 import torch
-from test_runtime_e2e import _max_param_diff, _run_with_reference, _scheduled_run_matching_plain
+from test_runtime_e2e import _assert_runtime_ran, _max_param_diff, _run_with_reference, _scheduled_run_matching_plain
 
 from owner_reduce.harness.toy_training import TrainSpec
 from owner_reduce.planning.alignment import align_elems, aligned_cut
@@ -29,8 +30,9 @@ CASES = {
     "ws4-inductor-z2-ga2-whole-bucket": (4, TrainSpec(
         mode="owner", backend="inductor", zero_stage=2, grad_accum=2, steps=3, record_collectives=True),
         "reduce_scatter"),
-    "ws2-inductor-z1-whole-bucket-straddlers": (2, TrainSpec(
-        mode="owner", backend="inductor", model="few_big_tensors", steps=3, record_collectives=True),
+    # eager: inductor's stage 1 runs in tests/test_frozen_and_empty_params.py, its stage 2 in the case above
+    "ws2-eager-z1-whole-bucket-straddlers": (2, TrainSpec(
+        mode="owner", backend="eager", model="few_big_tensors", steps=3, record_collectives=True),
         "reduce_scatter"),
 }
 
@@ -40,6 +42,7 @@ CASES = {
 def test_owner_ordered_flushes_bitwise_equal_to_plain_zero(case):
     world_size, spec, whole_model_algo = CASES[case]
     owner = _scheduled_run_matching_plain(world_size, spec)
+    _assert_runtime_ran(owner, spec, owner_path=True, n_params=len(owner[0]["params"]))
     micro_steps = spec.steps * spec.grad_accum
     for rank, r in enumerate(owner):
         s = r["stats"]

@@ -1,6 +1,7 @@
 """The owner map of real DeepSpeed ZeRO-1 engines on gloo ranks, checked against the optimizer itself."""
 
 import dataclasses
+import functools
 
 import pytest
 
@@ -56,11 +57,18 @@ def _map_worker(rank, world_size, two_groups):
     }
 
 
+@functools.cache
+def _maps(world_size: int, two_groups: bool) -> list[dict]:
+    """``_map_worker``'s results by rank, launched once per session (the negative control reads the ws-2 two-group
+    engine's tampered maps from the launch its agreement test made)."""
+    return run_ranks(_map_worker, world_size, args=(two_groups,), timeout=200)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("two_groups", [True, False])
 def test_map_agrees_with_optimizer_on_every_rank(world_size, two_groups):
-    results = run_ranks(_map_worker, world_size, args=(two_groups,), timeout=200)
+    results = _maps(world_size, two_groups)
     first = results[0]
     assert first["n_groups"] == (2 if two_groups else 1)
     for rank, r in enumerate(results):
@@ -81,7 +89,7 @@ def test_map_agrees_with_optimizer_on_every_rank(world_size, two_groups):
 
 @pytest.mark.timeout(240)
 def test_negative_control_wrong_maps_are_caught():
-    results = run_ranks(_map_worker, 2, args=(True,), timeout=200)
+    results = _maps(2, True)
     for how in ("wrong_owner", "shifted_boundary"):
         assert any(r["tampered"][how] for r in results), f"a {how} map went unnoticed"
 

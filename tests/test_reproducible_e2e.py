@@ -28,8 +28,8 @@ VERDICTS_KEY = "reduce_to_owner_verdicts"
 WS = 3
 LEARNED = 1  # the first backward learns the schedule (arrival order)
 DECIDED_AFTER = LEARNED + 2 * TRIAL_ROUNDS  # steps until the trial's verdict
-SAVE_AT = DECIDED_AFTER + 1
-STEPS = SAVE_AT + 2
+STEPS = DECIDED_AFTER + 1  # the measuring run: its trial, then a step with the winners
+REPLAY_STEPS = LEARNED + 3  # a replaying run: the schedule learned, then three steps on the file's verdicts
 
 # Four flushes of many gradients: native's calls (one AllReduce per gradient) take several times the model's choice on
 # gloo, so the verdict is no coin toss (``measured`` Note (beyond the noise)); where the two are within the noise a new
@@ -45,9 +45,8 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def _spec(stage: int, workdir: Path, **changes) -> TrainSpec:
-    base = dict(mode="owner", backend="eager", model="tiny_transformer", zero_stage=stage, steps=STEPS,
-                same_data=False, bf16=True, reduce_probe=False, reduce_bucket_size=BUCKET,
-                checkpoint_dir=str(workdir / f"ckpt-z{stage}"))
+    base = dict(mode="owner", backend="eager", model="tiny_transformer", zero_stage=stage, steps=REPLAY_STEPS,
+                same_data=False, bf16=True, reduce_probe=False, reduce_bucket_size=BUCKET)
     return TrainSpec(**{**base, **changes})
 
 
@@ -61,8 +60,7 @@ def _run(stage: int, name: str, workdir: Path) -> tuple:
     if key not in _RUNS:
         verdicts = _verdict_file(workdir)
         if name == "saving":  # also writes the verdict file (it does not exist yet): recording changes nothing
-            spec = _spec(stage, workdir, save_at=SAVE_AT,
-                         compile_keys=((VERDICTS_KEY, verdicts),) if stage == 1 else ())
+            spec = _spec(stage, workdir, steps=STEPS, compile_keys=((VERDICTS_KEY, verdicts),) if stage == 1 else ())
         elif name in ("replaying", "replaying again"):
             _run(stage, "saving", workdir)
             spec = _spec(stage, workdir, compile_keys=((VERDICTS_KEY, verdicts),))

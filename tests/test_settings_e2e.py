@@ -1,5 +1,7 @@
 """Issue 38 end to end: every setting from a DeepSpeed config file, through DeepSpeed's own launcher, with no
-``OWNER_REDUCE_*`` variable in any rank's environment; and the probe's lines at ws 8 from rank 0 only.
+``OWNER_REDUCE_*`` variable in any rank's environment; and the probe's lines at ws 8 from rank 0 only. The launch is
+also the suite's test of DeepSpeed's launcher in module mode (``--module owner_reduce.run``): the command line and
+``LOCAL_RANK`` each rank's script gets, and the keys accepted in that process before any run.
 
 One launch of ``deepspeed --num_gpus 4 --module owner_reduce.run launched_settings.py`` (gloo, CPU) runs, in one
 process group, four runs of one exact model (every sum exact: any order of addition gives the same bits, a lost or
@@ -103,6 +105,13 @@ def test_every_setting_from_a_config_file_through_deepspeeds_launcher_without_ow
                             str(free_port()), "--module", "owner_reduce.run", str(TESTS / "launched_settings.py"),
                             "--runs", json.dumps(runs), "--out", str(out)], env, out)
     assert all(r["world_size"] == WS and r["owner_reduce_env"] == [] for r in results), "the environment was scrubbed"
+    # DeepSpeed's launcher runs ``python -u -m owner_reduce.run --local_rank=N launched_settings.py ...``: the script
+    # gets ``--local_rank=N`` right after its name, as if the launcher had started it, and DeepSpeed's config parsing
+    # there takes the owner runs' keys before any run (install() ran in that process: owner_reduce.run).
+    for rank, r in enumerate(results):
+        assert r["argv"][:2] == [str(TESTS / "launched_settings.py"), f"--local_rank={rank}"], r["argv"]
+        assert r["local_rank_arg"] == rank and r["env_local_rank"] == str(rank), r
+        assert r["keys_accepted"] == [True, True, True], f"rank {rank}: DeepSpeed rejected the keys: no install()"
     by_run = {name: [r["runs"][name] for r in results] for name, _ in runs}
     for name in ("auto", "forced", "replay"):
         _assert_bitwise(by_run[name], by_run["plain"], name)

@@ -5,6 +5,16 @@ runtime makes its node and rail communicators (torch.distributed groups over glo
 ``compile.reduce_to_owner_algo: "two_level"``, runs every owner-ordered flush as a node ReduceScatter then rail Reduces,
 pipelined. Each run is compared bitwise with plain ZeRO on the same data, the two-level calls are counted on each
 communicator, and a region reduced on the wrong rail (negative control) must show as a difference.
+
+What these launches cover is what only gloo processes under DeepSpeed and DeepCompile have: the torch.distributed node,
+rail and node hand-off groups, each kind of call on them (node ReduceScatter and tail Reduce, rail Reduce, rail
+ReduceScatter and its hand-off, the balanced node hand-off), each rail step with each layout, two optimizer groups,
+ZeRO stages 1 and 2, gradient accumulation, and the two-level line: three runs at ws 4 (two nodes of two) and one at
+ws 8 (two nodes of four, whose node ReduceScatter adds four shares in another order than gloo's ring). Three nodes,
+and the other combinations of stage, accumulation, rail step and layout with four ranks per node, run in process:
+``test_two_level_exchange.py`` (ranks that really exchange data over their node, rail and hand-off communicators:
+ws 4, 6 and 8, by owner and balanced, with its negative controls) and ``test_sim_e2e.py`` (the cupy path on the
+simulated device: ws 4, 6 and 8, each rail step and layout, stages 1 and 2, gradient accumulation 1 and 2).
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ import torch
 from owner_reduce.harness.launch import run_ranks
 from owner_reduce.harness.toy_training import TrainSpec, train_each
 
-BUCKET = 200  # elements: flushes of 2-3 owners at ws 6 and 8
+BUCKET = 200  # elements: flushes of a few owners, whose longer node blocks end in node Reduces (tail stages)
 TWO_LEVEL = TrainSpec(flush_algo="two_level", steps=4, record_collectives=True, reduce_probe=True, ranks_per_node=2,
                       param_groups=2)
 
@@ -64,25 +74,28 @@ def _assert_two_level_ran(run: tuple, spec: TrainSpec, world_size: int) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("world_size", "ranks_per_node", "stage", "grad_accum", "rail_step", "layout"),
-                         [(4, 2, 1, 1, "scatter", "by_owner"), (4, 2, 2, 2, "reduce", "by_owner"),
-                          (6, 2, 2, 2, "reduce", "by_owner"), (8, 4, 1, 2, "scatter", "by_owner"),
-                          (6, 2, 1, 2, "reduce", "balanced"), (8, 4, 2, 1, "scatter", "balanced")])
-def test_two_level_matches_plain_zero_bitwise(world_size, ranks_per_node, stage, grad_accum, rail_step, layout):
-    """Nodes of 2 (ws 4, 6) and 4 (ws 8), stages 1 and 2, GA 1 and 2, two optimizer groups, straddling gradients;
-    bitwise equal to plain ZeRO on the same data.
+@pytest.mark.parametrize(("world_size", "ranks_per_node", "stage", "grad_accum", "rail_step", "layout", "exact"),
+                         [(4, 2, 1, 1, "scatter", "by_owner", False), (4, 2, 2, 2, "reduce", "by_owner", True),
+                          (4, 2, 1, 2, "reduce", "balanced", True), (8, 4, 2, 1, "scatter", "balanced", True)],
+                         ids=["ws4-z1-ga1-scatter-by_owner-mlp", "ws4-z2-ga2-reduce-by_owner-exact",
+                              "ws4-z1-ga2-reduce-balanced-exact", "ws8-nodes4-z2-ga1-scatter-balanced-exact"])
+def test_two_level_matches_plain_zero_bitwise(world_size, ranks_per_node, stage, grad_accum, rail_step, layout, exact):
+    """Nodes of 2 (ws 4) and 4 (ws 8), stages 1 and 2, GA 1 and 2, two optimizer groups, straddling gradients; bitwise
+    equal to plain ZeRO on the same data.
 
     Two nodes of two add each element's shares as ``(a + b) + (c + d)``, which with identical data on every rank
-    rounds exactly as gloo's AllReduce does (the tanh MLP). Three nodes, or four ranks per node, add them in another
-    order than gloo's ring, which may round the last bit differently with arbitrary data, as NCCL itself does between
-    algorithms (seen: 3e-8 after 4 steps). There every gradient is made exact (``ExactLinear``: inputs of a few bits,
-    a loss linear in the outputs) and every rank's data differ, so any order gives the same bits and any share lost,
-    doubled or sent to the wrong owner shows. Each rail step runs (the Reduce chains, or a rail ReduceScatter and its
-    hand-off), and consecutive flushes overlap their levels (the step's plan: every flush two-level). Balanced: every
-    region cut over every rail, then handed to its owner inside its node (``two_level`` Note (balanced rails))."""
+    rounds exactly as gloo's AllReduce does (the tanh MLP). Four ranks per node add them in another order than gloo's
+    ring, which may round the last bit differently with arbitrary data, as NCCL itself does between algorithms. The
+    exact cases make every gradient exact (``ExactLinear``: inputs of a few bits, a loss linear in the outputs) and
+    give every rank its own data, so any order of addition gives the same bits and any share lost, doubled or sent to
+    the wrong owner shows; their small buckets make flushes of a few owners, whose longer node blocks end in node
+    Reduces (tail stages). Each rail step runs (the Reduce chains, or a rail ReduceScatter and its hand-off), and
+    consecutive flushes overlap their levels (the step's plan: every flush two-level). Balanced: every region cut over
+    every rail, then handed to its owner inside its node on the node hand-off group (``two_level`` Note (balanced
+    rails))."""
     spec = dataclasses.replace(TWO_LEVEL, ranks_per_node=ranks_per_node, zero_stage=stage, grad_accum=grad_accum,
                                rail_steps=(rail_step,), rail_layouts=(layout,))
-    if world_size > 4:
+    if exact:
         spec = dataclasses.replace(spec, model="exact_linear", same_data=False, reduce_bucket_size=BUCKET)
     if (rail_step, layout) == ("scatter", "balanced"):  # flushes of 114-276 elements: 8-element slices (2 nodes x 4
         # fp32, aligned) over blocks that differ by an aligned part pad past an eighth; the bound is not this test's
@@ -98,20 +111,22 @@ def test_two_level_matches_plain_zero_bitwise(world_size, ranks_per_node, stage,
         assert o["losses"] == p["losses"], f"rank {rank}: losses differ"
         assert all(torch.equal(o["params"][k], p["params"][k]) for k in p["params"]), \
             f"rank {rank}: params differ by up to {_differs(run, plain):.3e}"
-    if world_size > 4:  # the ranks' data differ: the sums are not each rank's own gradient times the world size
+    if exact:  # the ranks' data differ: the sums are not each rank's own gradient times the world size
         assert run[0]["losses"] != run[1]["losses"]
-        # Small buckets: flushes of a few owners, whose longer node blocks end in node Reduces (tail stages).
         names = {name for r in run for name, *_ in r["collective_log"]}
-        # (Balanced blocks are equal to an element: no tails.)
-        assert rail_step == "scatter" or layout == "balanced" or {"node_reduce", "node_reduce_scatter"} <= names, names
+        # Small buckets: tail stages' node Reduces beside the node ReduceScatters (balanced blocks are equal to an
+        # element: no tails).
+        assert layout == "balanced" or {"node_reduce", "node_reduce_scatter"} <= names, names
 
 
 @pytest.mark.timeout(300)
 def test_negative_control_region_reduced_on_the_wrong_rail_is_caught():
-    """The exact-data comparison above can fail: one region reduced on the wrong rail (ws 8 in nodes of 4)."""
-    spec = dataclasses.replace(TWO_LEVEL, inject_fault="wrong_rail", ranks_per_node=4, grad_accum=2,
-                               model="exact_linear", same_data=False)
-    run, plain = _run(8, spec)
+    """The exact-data comparison above can fail: the stage-2 by-owner case with one region reduced on the wrong rail
+    (its Reduce issued on the other local rank's rail, which holds other partial sums there)."""
+    spec = dataclasses.replace(TWO_LEVEL, inject_fault="wrong_rail", zero_stage=2, grad_accum=2, model="exact_linear",
+                               same_data=False, reduce_bucket_size=BUCKET, rail_steps=("reduce",),
+                               rail_layouts=("by_owner",))
+    run, plain = _run(4, spec)
     assert all(r["stats"].two_level_flushes > 0 for r in run)
     assert _differs(run, plain) > 1e-4, "a region reduced on the wrong rail went unnoticed"
 
