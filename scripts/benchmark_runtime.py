@@ -400,7 +400,7 @@ def _host_issue_fit(rounds: int, counts: tuple[int, ...] = ISSUE_COUNTS) -> dict
     streams = HostStreams()
     staged = {}
     for n in counts:
-        plan = types.SimpleNamespace(copy_out=(), split_sizes=[], stages=tuple(
+        plan = types.SimpleNamespace(copy_out=(), split_sizes=[], span=buffer.numel(), padding=(), stages=tuple(
             ((Collective(REDUCE_SCATTER, s * per_node * width, per_node * width, per_rank=width, comm=NODE, stage=s),),
              (Collective(REDUCE, s * per_node * width, width, root=s % 2, comm=RAIL, rail=0, stage=s),), (), ())
             for s in range(n)))
@@ -415,7 +415,7 @@ def _host_issue_fit(rounds: int, counts: tuple[int, ...] = ISSUE_COUNTS) -> dict
             samples[("calls", n)].append(clock() - start)
             plan, bucket = staged[n]
             start = clock()
-            _, views = Flusher._views(plan, bucket, buffer)
+            _, views, _ = Flusher._views(plan, bucket, buffer)
             flusher._two_level(plan, views, streams, r, buffer)
             samples[("stages", n)].append(clock() - start)
         for c in (comm, node, rail):
