@@ -65,8 +65,10 @@ def test_frozen_and_zero_element_params_bitwise_equal_to_plain_zero(world_size, 
 def test_negative_control_broken_reduction_on_this_model_is_caught():
     """The ws-3 stage-1 eager case with a wrong root: one SGD step (clipping off), so that the owner that missed its
     reduction moves its elements by a bound derived from the data (``_assert_kept_own_share_caught``); Adam would
-    move them only through its epsilon."""
-    spec = dataclasses.replace(SPEC, steps=1, optimizer="SGD", gradient_clipping=0.0, inject_fault="wrong_root")
+    move them only through its epsilon. Reduce forced: with the calls' issue charged (issue 39), the model sends this
+    tiny flush as one AllReduce, which the fault does not touch."""
+    spec = dataclasses.replace(SPEC, steps=1, optimizer="SGD", gradient_clipping=0.0, inject_fault="wrong_root",
+                               flush_algo="reduce")
     broken, plain = _run_with_reference(3, spec)
     s = broken[0]["stats"]
     assert s.reduce_grad_calls > 0 and s.owner_elems > 0, s  # the owner path ran (with the fault)
