@@ -91,7 +91,10 @@ def test_every_setting_from_a_config_file_through_deepspeeds_launcher_without_ow
                  reduce_to_owner_calibration=str(cal_path), reduce_to_owner_verdicts=str(verdicts))
     runs = [
         ("auto", _config_file(tmp_path / "auto.json", BASE, "info", **every)),
-        ("forced", _config_file(tmp_path / "forced.json", BASE, "info", **{
+        # forced: buckets of 300 elements, so that a flush holds owner regions of unequal lengths and the hand-off
+        # really moves pieces (a flush of the whole model is cut at the partitions, where the aligned chunks of the
+        # hand-off's ReduceScatter fall: nothing to hand off)
+        ("forced", _config_file(tmp_path / "forced.json", dataclasses.replace(BASE, reduce_bucket_size=300), "info", **{
             **every, "reduce_to_owner_algo": "handoff", "reduce_probe_all_ranks": True,
             "reduce_to_owner_verdicts": None})),
         ("replay", _config_file(tmp_path / "replay.json", BASE, "warning", **every)),
