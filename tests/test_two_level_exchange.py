@@ -105,5 +105,9 @@ def test_negative_control_a_balanced_part_handed_to_the_wrong_owner_is_reported(
     handoff = runtimes[1].flusher.levels.handoff  # data-parallel rank 1: local rank 1 of node 0
     honest = handoff.send
     handoff.send = lambda buf, peer: honest(buf, (peer + 1) % 4 if (peer + 1) % 4 != 1 else (peer + 2) % 4)
+    # The owner's unmatched receive is reported when its wait runs out: 5 s, not the 20 s the learning step was given
+    # on a loaded host (the report is the claim, not its timing); every sub-world was made at the split with 20 s.
+    for w in (world, *world._subworlds.values()):
+        w.timeout_s = 5.0
     with pytest.raises(AssertionError, match=r"node hand-off"):
         _step(world, runtimes, 8, 1)
