@@ -95,13 +95,13 @@ what the win is worth in time (your own run, not a model):
   8th step, rank 0 prints one line per step 2 to 7, e.g. (bash scripts/demo.sh,
   4 gloo ranks on a loaded CPU host: gloo's milliseconds, not a GPU's):
 
-    [dc-probe][r0] step 3: reduction 90.4 ms, exposed 41.2 ms (46%) of a
-    137.5 ms step (most exposed: rank 0); the owner path saves up to 5.4 ms of
+    [dc-probe][r0] step 3: reduction 51.1 ms, exposed 16.8 ms (33%) of a
+    76.2 ms step (most exposed: rank 0); the owner path saves up to 1.4 ms of
     it (modelled)
 
   reduction: from the first flush's start to the last flush's end.
   exposed: the part after the backward's compute ended; the step waits for it.
-  (46%): the exposed share of the reduction.
+  (33%): the exposed share of the reduction.
   step: from the previous step's reduction end to this one's.
   The numbers are those of the rank with the most exposed time.
   saves up to: the exposed time, cut by flush, times what the cost model says
