@@ -173,19 +173,35 @@ class TwoLevel:
         node_rs, node_tail, rail_us, rail_issue = self._stage_costs(step, blocks, lengths, width, stages, dtype_bytes)
         handoff = self._node_handoff_us(balanced, width, stages, dtype_bytes) if balanced is not None else None
         layout = BY_OWNER if balanced is None else BALANCED
-        best: TwoLevelOption | None = None
+        # Each stage's (node, rail) us and issue, as a ReduceScatter stage and as a tail stage: the options below differ
+        # only in which of the two each stage takes (the first ``scattered`` the former), so they are computed once.
+        scattered_us = _with_handoff([(node_rs, rail_us[stage]) for stage in range(stages)],
+                                     handoff[0] if handoff else None)
+        tail_us = _with_handoff([(node_tail[stage], rail_us[stage]) for stage in range(stages)],
+                                handoff[0] if handoff else None)
+        tails = [sum(1 for n in lengths if _slice(n, stage, width)) for stage in range(stages)]
+        handoff_calls = handoff[1] if handoff else None
+        scattered_issue = [_issue_of(host, 1, rail_issue[stage], handoff_calls, stage) for stage in range(stages)]
+        tail_issue = [_issue_of(host, tails[stage], rail_issue[stage], handoff_calls, stage) for stage in range(stages)]
+        best: tuple[float, int, tuple[tuple[float, float], ...], tuple[float, ...]] | None = None
+        fits = max_padding is None
         for scattered in (range(stages, -1, -1) if step == RAIL_REDUCE else (stages,)):
-            if max_padding is not None and sum(max(0, scattered * width - n) for n in lengths) > max_padding:
-                continue
-            stage_us = _with_handoff([(node_rs if stage < scattered else node_tail[stage], rail_us[stage])
-                                      for stage in range(stages)], handoff[0] if handoff else None)
-            geometry = TwoLevelGeometry(self.ranks_per_node, stages, width, scattered, tuple(lengths),
-                                        align_elems(dtype_bytes))
-            option = TwoLevelOption(geometry, step, stage_us, layout,
-                                    _stage_issue(host, geometry, rail_issue, handoff[1] if handoff else None))
-            if best is None or option.alone_us < best.alone_us:
-                best = option
-        return best
+            # The padding grows with ``scattered``: once within the bound (counting down), it stays within it.
+            if not fits:
+                if sum(max(0, scattered * width - n) for n in lengths) > max_padding:
+                    continue
+                fits = True
+            stage_us = (*scattered_us[:scattered], *tail_us[scattered:])
+            stage_issue = (*scattered_issue[:scattered], *tail_issue[scattered:])
+            alone = pipelined_us(stage_us, stage_issue)
+            if best is None or alone < best[0]:
+                best = (alone, scattered, stage_us, stage_issue)
+        if best is None:
+            return None
+        _, scattered, stage_us, stage_issue = best
+        geometry = TwoLevelGeometry(self.ranks_per_node, stages, width, scattered, tuple(lengths),
+                                    align_elems(dtype_bytes))
+        return TwoLevelOption(geometry, step, stage_us, layout, stage_issue)
 
     def _node_handoff_us(self, sizes: Sequence[int], width: int, stages: int, dtype_bytes: int
                          ) -> tuple[list[float], list[int]]:
@@ -195,26 +211,28 @@ class TwoLevel:
         scaled by ``p2p_bw_scale``: that is the sizing's sensitivity to the network's point-to-point bandwidth. Also,
         per stage, the most sends and receives one rank issues in it (its host issue)."""
         g = self.ranks_per_node
-        sent = [[0] * len(sizes) for _ in range(stages)]
-        received = [[0] * len(sizes) for _ in range(stages)]
-        peers = [[0] * (2 * len(sizes)) for _ in range(stages)]
+        # Per stage, by rank (only the ranks that send or receive: a flush touches few of a large world's owners).
+        sent: list[dict[int, int]] = [{} for _ in range(stages)]
+        received: list[dict[int, int]] = [{} for _ in range(stages)]
+        sends: list[dict[int, int]] = [{} for _ in range(stages)]
+        receives: list[dict[int, int]] = [{} for _ in range(stages)]
         for owner, local, part, position, count in balanced_parts(sizes, g, align_elems(dtype_bytes)):
             if part == local:
                 continue
             holder = owner - local + part
             for stage in range(position // width, (position + count - 1) // width + 1):
                 moved = min(position + count, (stage + 1) * width) - max(position, stage * width)
-                sent[stage][holder] += moved
-                received[stage][owner] += moved
-                peers[stage][holder] += 1
-                peers[stage][len(sizes) + owner] += 1
+                sent[stage][holder] = sent[stage].get(holder, 0) + moved
+                received[stage][owner] = received[stage].get(owner, 0) + moved
+                sends[stage][holder] = sends[stage].get(holder, 0) + 1
+                receives[stage][owner] = receives[stage].get(owner, 0) + 1
         out, calls = [], []
-        n = len(sizes)
         for stage in range(stages):
-            busiest = max(max(sent[stage], default=0), max(received[stage], default=0))
-            load = P2pLoad(max(peers[stage], default=0), 0, busiest * dtype_bytes)
+            busiest = max([0, *sent[stage].values(), *received[stage].values()])
+            load = P2pLoad(max([0, *sends[stage].values(), *receives[stage].values()]), 0, busiest * dtype_bytes)
             out.append(p2p_round_us(load, self.node) if busiest else 0.0)
-            calls.append(max((peers[stage][r] + peers[stage][n + r] for r in range(n)), default=0))
+            calls.append(max([0, *(sends[stage].get(r, 0) + receives[stage].get(r, 0)
+                                   for r in sends[stage].keys() | receives[stage].keys())]))
         return out, calls
 
     def _stage_costs(self, step: str, blocks: Sequence[Sequence[int]], lengths: Sequence[int], width: int,
@@ -267,6 +285,16 @@ class TwoLevelOption:
         return pipelined_us(self.stage_us, self.stage_issue)
 
 
+def _issue_of(host: HostCost, node_calls: int, rail: tuple[int, int], handoff: Sequence[int] | None, stage: int
+              ) -> float:
+    """One stage's issue (``_stage_issue``): ``node_calls`` node calls in one group, the busiest rail's (calls, groups)
+    and a balanced layout's node hand-off sends and receives in one more group."""
+    calls, groups = node_calls + rail[0], 1 + rail[1]
+    if handoff is not None and handoff[stage]:
+        calls, groups = calls + handoff[stage], groups + 1
+    return host.issue_us(calls, groups, stages=1)
+
+
 def _stage_issue(host: HostCost, geometry: TwoLevelGeometry, rail: Sequence[tuple[int, int]],
                  handoff: Sequence[int] | None) -> tuple[float, ...]:
     """The host's us to issue each stage: the node group (one ReduceScatter, or a tail stage's node Reduces, one per
@@ -276,10 +304,7 @@ def _stage_issue(host: HostCost, geometry: TwoLevelGeometry, rail: Sequence[tupl
     for stage in range(geometry.stages):
         node_calls = 1 if stage < geometry.scattered else sum(
             1 for n in geometry.lengths if _slice(n, stage, geometry.width))
-        calls, groups = node_calls + rail[stage][0], 1 + rail[stage][1]
-        if handoff is not None and handoff[stage]:
-            calls, groups = calls + handoff[stage], groups + 1
-        out.append(host.issue_us(calls, groups, stages=1))
+        out.append(_issue_of(host, node_calls, rail[stage], handoff, stage))
     return tuple(out)
 
 
