@@ -177,23 +177,40 @@ def _advance(node: float, rail: float, freed: _Freed, host: float, option: Flush
             break
     free = ends[0] if len(ends) >= per_bucket else 0.0
     issued = host
+    # ``b if b > a else a`` is ``max(a, b)`` exactly (the first of equal values), without the call: this loop runs
+    # for every stage of every option of every kept state.
     if not option.stages:
         host += option.host_us
-        start = max(node, rail, free, host)
+        start = node  # max(node, rail, free, host)
+        if rail > start:
+            start = rail
+        if free > start:
+            start = free
+        if host > start:
+            start = host
         end = start + option.world_us
         step = (start, end, end, end, issued, host)
         node = rail = end
     else:
-        node, start = max(node, free), None
+        if free > node:
+            node = free
+        start = None
         for (node_us, rail_us), issue in zip(option.stages, option.stage_issues, strict=True):
             host += issue
-            node = max(node, host)
-            start = node if start is None else start
+            if host > node:
+                node = host
+            if start is None:
+                start = node
             node += node_us
-            rail = max(rail, node) + rail_us
+            rail = (node if node > rail else rail) + rail_us
         if option.world_us:
             host += option.world_issue
-            end = max(node, rail, host) + option.world_us
+            end = node  # max(node, rail, host)
+            if rail > end:
+                end = rail
+            if host > end:
+                end = host
+            end += option.world_us
         else:
             end = rail
         step = (start, node, rail, end, issued, host)
@@ -206,6 +223,8 @@ def _advance(node: float, rail: float, freed: _Freed, host: float, option: Flush
 def _with_ends(freed: _Freed, dtype: int, ends: tuple[float, ...]) -> _Freed:
     """``freed`` with ``dtype``'s ends replaced (or added), by dtype key: what ``sorted({**dict(freed), dtype:
     ends}.items())`` gives, without the dict and the sort."""
+    if len(freed) == 1 and freed[0][0] == dtype:
+        return ((dtype, ends),)
     out = []
     placed = False
     for key, value in freed:
