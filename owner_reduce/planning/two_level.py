@@ -112,8 +112,11 @@ class TwoLevel:
         out: list[TwoLevelOption] = []
         align = align_elems(dtype_bytes)
         slotted = slots(sizes, align)
+        parts = None  # the balanced layout's parts, the same for every stage count and rail step
         for layout in RAIL_LAYOUTS:
             owners = balanced_sizes(slotted, self.ranks_per_node, align) if layout == BALANCED else slotted
+            if layout == BALANCED:
+                parts = balanced_parts(slotted, self.ranks_per_node, align)
             blocks = rail_blocks(owners, self.ranks_per_node)
             lengths = tuple(sum(b) for b in blocks)
             longest = max(lengths, default=0)
@@ -130,7 +133,7 @@ class TwoLevel:
                         continue
                     tried.add(stages)
                     option = self._best_option(step, blocks, lengths, width, stages, dtype_bytes, max_padding,
-                                               slotted if layout == BALANCED else None, host)
+                                               slotted if layout == BALANCED else None, host, parts)
                     if option is not None:
                         out.append(option)
         return tuple(out)
@@ -165,13 +168,15 @@ class TwoLevel:
 
     def _best_option(self, step: str, blocks: Sequence[Sequence[int]], lengths: Sequence[int], width: int,
                      stages: int, dtype_bytes: int, max_padding: int | None,
-                     balanced: Sequence[int] | None = None, host: HostCost = NO_HOST_COST) -> TwoLevelOption | None:
+                     balanced: Sequence[int] | None = None, host: HostCost = NO_HOST_COST,
+                     parts: Sequence[tuple[int, int, int, int, int]] | None = None) -> TwoLevelOption | None:
         """The fastest option of ``stages`` stages of ``width`` for this rail step, alone with its issue, or None where
         every one pads past ``max_padding``. A rail ReduceScatter needs every block's slice whole: node ReduceScatter
         stages only. ``balanced``: the owner regions' sizes, the blocks being their balanced parts (Note (balanced
-        rails))."""
+        rails)); ``parts``: their ``balanced_parts``, where the caller has them."""
         node_rs, node_tail, rail_us, rail_issue = self._stage_costs(step, blocks, lengths, width, stages, dtype_bytes)
-        handoff = self._node_handoff_us(balanced, width, stages, dtype_bytes) if balanced is not None else None
+        handoff = (self._node_handoff_us(balanced, width, stages, dtype_bytes, parts) if balanced is not None
+                   else None)
         layout = BY_OWNER if balanced is None else BALANCED
         # Each stage's (node, rail) us and issue, as a ReduceScatter stage and as a tail stage: the options below differ
         # only in which of the two each stage takes (the first ``scattered`` the former), so they are computed once.
@@ -203,20 +208,24 @@ class TwoLevel:
                                     align_elems(dtype_bytes))
         return TwoLevelOption(geometry, step, stage_us, layout, stage_issue)
 
-    def _node_handoff_us(self, sizes: Sequence[int], width: int, stages: int, dtype_bytes: int
+    def _node_handoff_us(self, sizes: Sequence[int], width: int, stages: int, dtype_bytes: int,
+                         parts: Sequence[tuple[int, int, int, int, int]] | None = None
                          ) -> tuple[list[float], list[int]]:
         """Per stage of a balanced layout (Note (balanced rails)): the NVLink hand-off round that moves each owner's
         parts from the other local ranks of its node to it, as the busiest rank of any node sends or receives (one
         grouped send/recv round on the node, ``p2p_round_us`` on the node topology: NVLink bytes, incast counted). Not
         scaled by ``p2p_bw_scale``: that is the sizing's sensitivity to the network's point-to-point bandwidth. Also,
-        per stage, the most sends and receives one rank issues in it (its host issue)."""
+        per stage, the most sends and receives one rank issues in it (its host issue). ``parts``: ``balanced_parts``
+        of ``sizes``, where the caller has them (``options`` costs a dozen pipelines of the same regions)."""
         g = self.ranks_per_node
         # Per stage, by rank (only the ranks that send or receive: a flush touches few of a large world's owners).
         sent: list[dict[int, int]] = [{} for _ in range(stages)]
         received: list[dict[int, int]] = [{} for _ in range(stages)]
         sends: list[dict[int, int]] = [{} for _ in range(stages)]
         receives: list[dict[int, int]] = [{} for _ in range(stages)]
-        for owner, local, part, position, count in balanced_parts(sizes, g, align_elems(dtype_bytes)):
+        if parts is None:
+            parts = balanced_parts(sizes, g, align_elems(dtype_bytes))
+        for owner, local, part, position, count in parts:
             if part == local:
                 continue
             holder = owner - local + part
