@@ -329,7 +329,7 @@ def plan_step(options: Sequence[Sequence[FlushTimes]], native: Sequence[FlushTim
             if key in seen:
                 continue  # the same ends as a kept schedule's
             same = by_length.setdefault(len(key), [])
-            if any(all(map(le, k, key)) for k in same):
+            if _dominated(same, key):
                 continue  # another schedule is no later on any stream or bucket
             kept.append(state)
             seen.add(key)
@@ -345,6 +345,18 @@ def plan_step(options: Sequence[Sequence[FlushTimes]], native: Sequence[FlushTim
         picks = (0,) * len(options)
         steps = schedule([flush[0] for flush in options], buckets, per_bucket)
     return StepPlan(tuple(picks), steps, native_us, tuple(options[i][j] for i, j in enumerate(picks)))
+
+
+def _dominated(keys: list[tuple[float, ...]], key: tuple[float, ...]) -> bool:
+    """Whether some key of ``keys`` is no later than ``key`` on every stream and bucket. The one found moves to the
+    front, to be tried first from now on (a schedule that beats one candidate tends to beat the next; the answer
+    does not depend on the order)."""
+    for at, k in enumerate(keys):
+        if all(map(le, k, key)):
+            if at:
+                keys.insert(0, keys.pop(at))
+            return True
+    return False
 
 
 def runs_alone(steps: Sequence[Step]) -> tuple[bool, ...]:
