@@ -49,6 +49,7 @@ it, whole nodes only. Pure: numbers in, a layout out; no torch.distributed, no c
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -112,11 +113,8 @@ class TwoLevel:
         out: list[TwoLevelOption] = []
         align = align_elems(dtype_bytes)
         slotted = slots(sizes, align)
-        parts = None  # the balanced layout's parts, the same for every stage count and rail step
         for layout in RAIL_LAYOUTS:
             owners = balanced_sizes(slotted, self.ranks_per_node, align) if layout == BALANCED else slotted
-            if layout == BALANCED:
-                parts = balanced_parts(slotted, self.ranks_per_node, align)
             blocks = rail_blocks(owners, self.ranks_per_node)
             lengths = tuple(sum(b) for b in blocks)
             longest = max(lengths, default=0)
@@ -133,7 +131,7 @@ class TwoLevel:
                         continue
                     tried.add(stages)
                     option = self._best_option(step, blocks, lengths, width, stages, dtype_bytes, max_padding,
-                                               slotted if layout == BALANCED else None, host, parts)
+                                               slotted if layout == BALANCED else None, host)
                     if option is not None:
                         out.append(option)
         return tuple(out)
@@ -168,15 +166,13 @@ class TwoLevel:
 
     def _best_option(self, step: str, blocks: Sequence[Sequence[int]], lengths: Sequence[int], width: int,
                      stages: int, dtype_bytes: int, max_padding: int | None,
-                     balanced: Sequence[int] | None = None, host: HostCost = NO_HOST_COST,
-                     parts: Sequence[tuple[int, int, int, int, int]] | None = None) -> TwoLevelOption | None:
+                     balanced: Sequence[int] | None = None, host: HostCost = NO_HOST_COST) -> TwoLevelOption | None:
         """The fastest option of ``stages`` stages of ``width`` for this rail step, alone with its issue, or None where
         every one pads past ``max_padding``. A rail ReduceScatter needs every block's slice whole: node ReduceScatter
         stages only. ``balanced``: the owner regions' sizes, the blocks being their balanced parts (Note (balanced
-        rails)); ``parts``: their ``balanced_parts``, where the caller has them."""
+        rails))."""
         node_rs, node_tail, rail_us, rail_issue = self._stage_costs(step, blocks, lengths, width, stages, dtype_bytes)
-        handoff = (self._node_handoff_us(balanced, width, stages, dtype_bytes, parts) if balanced is not None
-                   else None)
+        handoff = self._node_handoff_us(balanced, width, stages, dtype_bytes) if balanced is not None else None
         layout = BY_OWNER if balanced is None else BALANCED
         # Each stage's (node, rail) us and issue, as a ReduceScatter stage and as a tail stage: the options below differ
         # only in which of the two each stage takes (the first ``scattered`` the former), so they are computed once.
@@ -208,40 +204,19 @@ class TwoLevel:
                                     align_elems(dtype_bytes))
         return TwoLevelOption(geometry, step, stage_us, layout, stage_issue)
 
-    def _node_handoff_us(self, sizes: Sequence[int], width: int, stages: int, dtype_bytes: int,
-                         parts: Sequence[tuple[int, int, int, int, int]] | None = None
+    def _node_handoff_us(self, sizes: Sequence[int], width: int, stages: int, dtype_bytes: int
                          ) -> tuple[list[float], list[int]]:
         """Per stage of a balanced layout (Note (balanced rails)): the NVLink hand-off round that moves each owner's
         parts from the other local ranks of its node to it, as the busiest rank of any node sends or receives (one
         grouped send/recv round on the node, ``p2p_round_us`` on the node topology: NVLink bytes, incast counted). Not
         scaled by ``p2p_bw_scale``: that is the sizing's sensitivity to the network's point-to-point bandwidth. Also,
-        per stage, the most sends and receives one rank issues in it (its host issue). ``parts``: ``balanced_parts``
-        of ``sizes``, where the caller has them (``options`` costs a dozen pipelines of the same regions)."""
-        g = self.ranks_per_node
-        # Per stage, by rank (only the ranks that send or receive: a flush touches few of a large world's owners).
-        sent: list[dict[int, int]] = [{} for _ in range(stages)]
-        received: list[dict[int, int]] = [{} for _ in range(stages)]
-        sends: list[dict[int, int]] = [{} for _ in range(stages)]
-        receives: list[dict[int, int]] = [{} for _ in range(stages)]
-        if parts is None:
-            parts = balanced_parts(sizes, g, align_elems(dtype_bytes))
-        for owner, local, part, position, count in parts:
-            if part == local:
-                continue
-            holder = owner - local + part
-            for stage in range(position // width, (position + count - 1) // width + 1):
-                moved = min(position + count, (stage + 1) * width) - max(position, stage * width)
-                sent[stage][holder] = sent[stage].get(holder, 0) + moved
-                received[stage][owner] = received[stage].get(owner, 0) + moved
-                sends[stage][holder] = sends[stage].get(holder, 0) + 1
-                receives[stage][owner] = receives[stage].get(owner, 0) + 1
+        per stage, the most sends and receives one rank issues in it (its host issue)."""
         out, calls = [], []
-        for stage in range(stages):
-            busiest = max([0, *sent[stage].values(), *received[stage].values()])
-            load = P2pLoad(max([0, *sends[stage].values(), *receives[stage].values()]), 0, busiest * dtype_bytes)
+        for busiest, peers, issued in _node_handoff_loads(tuple(sizes), self.ranks_per_node, align_elems(dtype_bytes),
+                                                          width, stages):
+            load = P2pLoad(peers, 0, busiest * dtype_bytes)
             out.append(p2p_round_us(load, self.node) if busiest else 0.0)
-            calls.append(max([0, *(sends[stage].get(r, 0) + receives[stage].get(r, 0)
-                                   for r in sends[stage].keys() | receives[stage].keys())]))
+            calls.append(issued)
         return out, calls
 
     def _stage_costs(self, step: str, blocks: Sequence[Sequence[int]], lengths: Sequence[int], width: int,
@@ -260,8 +235,8 @@ class TwoLevel:
         if step == RAIL_SCATTER:
             scatter = group_time_us([(REDUCE_SCATTER, width * dtype_bytes)], self.rail)
             for block in blocks:
-                for stage in range(stages):
-                    load = _rail_handoff_load(block, stage, width, self.nodes, dtype_bytes)
+                for stage, load in enumerate(_rail_handoff_loads(tuple(block), width, stages, self.nodes,
+                                                                 dtype_bytes)):
                     handoff = p2p_round_us(load, self.rail, self.p2p_bw_scale) if load.peers else 0.0
                     rail_us[stage] = max(rail_us[stage], scatter + handoff)
                     issued[stage] = max(issued[stage], (1 + 2 * load.peers, 1 + (load.peers > 0)))
@@ -292,6 +267,42 @@ class TwoLevelOption:
     def alone_us(self) -> float:
         """The flush alone: ``pipelined_us`` of its stages behind their issue."""
         return pipelined_us(self.stage_us, self.stage_issue)
+
+
+@lru_cache(maxsize=1024)
+def _node_handoff_loads(sizes: tuple[int, ...], ranks_per_node: int, align: int, width: int, stages: int
+                        ) -> tuple[tuple[int, int, int], ...]:
+    """Per stage of a balanced layout of owner regions of ``sizes`` (slots) cut in stages of ``width``: the elements
+    the busiest rank of any node sends or receives in the node hand-off round, its peers, and the most sends and
+    receives one rank issues (``TwoLevel._node_handoff_us``). Cached: the layout's, not the topology's, so a flush's
+    pipelines of the same width and the same flush on several clusters count it once."""
+    # Per stage, by rank (only the ranks that send or receive: a flush touches few of a large world's owners).
+    sent: list[dict[int, int]] = [{} for _ in range(stages)]
+    received: list[dict[int, int]] = [{} for _ in range(stages)]
+    sends: list[dict[int, int]] = [{} for _ in range(stages)]
+    receives: list[dict[int, int]] = [{} for _ in range(stages)]
+    for owner, local, part, position, count in _balanced_parts_of(sizes, ranks_per_node, align):
+        if part == local:
+            continue
+        holder = owner - local + part
+        for stage in range(position // width, (position + count - 1) // width + 1):
+            moved = min(position + count, (stage + 1) * width) - max(position, stage * width)
+            sent[stage][holder] = sent[stage].get(holder, 0) + moved
+            received[stage][owner] = received[stage].get(owner, 0) + moved
+            sends[stage][holder] = sends[stage].get(holder, 0) + 1
+            receives[stage][owner] = receives[stage].get(owner, 0) + 1
+    return tuple((max([0, *sent[stage].values(), *received[stage].values()]),
+                  max([0, *sends[stage].values(), *receives[stage].values()]),
+                  max([0, *(sends[stage].get(r, 0) + receives[stage].get(r, 0)
+                            for r in sends[stage].keys() | receives[stage].keys())]))
+                 for stage in range(stages))
+
+
+@lru_cache(maxsize=64)
+def _balanced_parts_of(sizes: tuple[int, ...], ranks_per_node: int, align: int
+                       ) -> tuple[tuple[int, int, int, int, int], ...]:
+    """``balanced_parts``, cached for ``_node_handoff_loads``' stage counts of one flush."""
+    return tuple(balanced_parts(sizes, ranks_per_node, align))
 
 
 def _issue_of(host: HostCost, node_calls: int, rail: tuple[int, int], handoff: Sequence[int] | None, stage: int
@@ -372,6 +383,15 @@ def pipelined_us(stage_us: Sequence[tuple[float, float]], issue: Sequence[float]
     return rail_end
 
 
+@lru_cache(maxsize=4096)
+def _rail_handoff_loads(block: tuple[int, ...], width: int, stages: int, nodes: int, dtype_bytes: int
+                        ) -> tuple[P2pLoad, ...]:
+    """``_rail_handoff_load`` of every stage of a block. Cached: the load is the layout's, not the topology's, so the
+    same flush sized on several clusters (the tests' Hopper and Ampere nodes, the hand-off sensitivity) costs it
+    once."""
+    return tuple(_rail_handoff_load(block, stage, width, nodes, dtype_bytes) for stage in range(stages))
+
+
 def _rail_handoff_load(block: Sequence[int], stage: int, width: int, nodes: int, dtype_bytes: int) -> P2pLoad:
     """The busiest rail rank of ``_rail_transfers``' round (``collective_time.p2p_load`` of it, every peer on another
     node), counted without listing the transfers: a receiver gets its region's part of the slice from every other
@@ -382,7 +402,10 @@ def _rail_handoff_load(block: Sequence[int], stage: int, width: int, nodes: int,
     end_peers: dict[int, int] = {}
     end_bytes: dict[int, int] = {}
     peers = moved = largest = 0
-    for owner_node, at, size in _spans(tuple(block)):
+    key = tuple(block)
+    spans = _spans(key)
+    # The regions that end at or before the stage's slice hold nothing of it: start at the first that ends past it.
+    for owner_node, at, size in spans[bisect_right(_span_ends(key), lo):]:
         if at >= hi:
             break
         start, end = max(at, lo), min(at + size, hi)
@@ -418,6 +441,12 @@ def _spans(block: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
             out.append((node, at, size))
         at += size
     return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def _span_ends(block: tuple[int, ...]) -> tuple[int, ...]:
+    """Where each of ``_spans``' regions ends in the block (ascending)."""
+    return tuple(at + size for _, at, size in _spans(block))
 
 
 def _rail_transfers(block: Sequence[int], stage: int, width: int, nodes: int, bucket_at: int, dp_of_node: int
