@@ -234,10 +234,13 @@ class TwoLevel:
         issued = [(0, 0)] * stages
         if step == RAIL_SCATTER:
             scatter = group_time_us([(REDUCE_SCATTER, width * dtype_bytes)], self.rail)
+            rounds: dict[P2pLoad, float] = {}  # the rails' loads repeat: each distinct one costed once
             for block in blocks:
                 for stage, load in enumerate(_rail_handoff_loads(tuple(block), width, stages, self.nodes,
                                                                  dtype_bytes)):
-                    handoff = p2p_round_us(load, self.rail, self.p2p_bw_scale) if load.peers else 0.0
+                    handoff = rounds.get(load)
+                    if handoff is None:
+                        handoff = rounds[load] = p2p_round_us(load, self.rail, self.p2p_bw_scale) if load.peers else 0.0
                     rail_us[stage] = max(rail_us[stage], scatter + handoff)
                     issued[stage] = max(issued[stage], (1 + 2 * load.peers, 1 + (load.peers > 0)))
             return node_rs, node_tail, rail_us, issued
@@ -449,26 +452,28 @@ def _span_ends(block: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(at + size for _, at, size in _spans(block))
 
 
-def _rail_transfers(block: Sequence[int], stage: int, width: int, nodes: int, bucket_at: int, dp_of_node: int
-                    ) -> list[Transfer]:
+def _rail_transfers(block: Sequence[int], stage: int, width: int, nodes: int, bucket_at: int, dp_of_node: int,
+                    local: int = 0) -> list[Transfer]:
     """A rail's hand-off in ``stage`` (rail step ``scatter``): its block's slice ``[stage x width, +width)`` was reduced
     and scattered over the rail, node ``j`` holding its ``j``-th part of ``width / nodes``; every piece of node ``m``'s
     owner region that node ``j != m`` holds moves to node ``m``. ``bucket_at``: where the slice starts in the bucket;
-    ranks are ``node x dp_of_node`` (the caller adds the local rank). Ordered by (destination, source)."""
+    ranks are ``node x dp_of_node + local``. Ordered by (destination, source)."""
     part = width // nodes
     lo, hi = stage * width, (stage + 1) * width
     moves = []
-    at = 0
-    for owner_node, size in enumerate(block):
+    key = tuple(block)
+    # Only the regions that reach the slice hold pieces of it: from the first that ends past its start.
+    for owner_node, at, size in _spans(key)[bisect_right(_span_ends(key), lo):]:
+        if at >= hi:
+            break
         start, end = max(at, lo), min(at + size, hi)
         while start < end:
             holder = (start - lo) // part
             stop = min(end, lo + (holder + 1) * part)
             if holder != owner_node:
-                moves.append(Transfer(holder * dp_of_node, owner_node * dp_of_node, bucket_at + start - lo,
-                                      stop - start, comm=RAIL, stage=stage))
+                moves.append(Transfer(holder * dp_of_node + local, owner_node * dp_of_node + local,
+                                      bucket_at + start - lo, stop - start, comm=RAIL, stage=stage))
             start = stop
-        at += size
     return sorted(moves, key=lambda t: (t.dst, t.src))
 
 
@@ -600,8 +605,7 @@ def two_level_calls(sizes: Sequence[int], geo: TwoLevelGeometry, rail_step: str 
                 at = geo.offset(local, stage * w)
                 calls[stage].append(Collective(REDUCE_SCATTER, at, w, per_rank=w // nodes, comm=RAIL, rail=local,
                                                stage=stage))
-                moves = [replace(t, src=t.src + local, dst=t.dst + local)
-                         for t in _rail_transfers(block, stage, w, nodes, at, g)]
+                moves = _rail_transfers(block, stage, w, nodes, at, g, local)
                 if moves:
                     calls[stage].append(Collective(HANDOFF, at, w, comm=RAIL, rail=local, stage=stage))
                     transfers += moves
