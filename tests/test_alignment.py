@@ -197,10 +197,21 @@ def test_the_runtime_zeroes_the_padding_its_calls_reduce(zeroed, monkeypatch):
     """The runtime's flush (a mirror communicator, in process) zeroes every padding range of the layout before its
     calls: the hand-off's ReduceScatter reads zeros there on every rank, so no stale bucket contents reach a sum.
     Regions of 15 and 15 fp32 elements in slots of 16. Negative control: the flush's padding step skipped in the
-    product's path, the learning step's values are still there."""
+    product's path, the stale contents are still there. The buckets are allocated full of a stale value (the bucket
+    module's ``torch.empty`` made ``torch.full``), so that stale contents are never zeros by chance: with double
+    buffering the scheduled flush runs in the bucket the learning step did not use, whose ``torch.empty`` memory held
+    whatever the allocator reused (zeros after an unrelated change of the planner's allocations)."""
+    from types import SimpleNamespace
+
     from fakes import mirror_runtime
 
+    from owner_reduce.runtime import buckets
     from owner_reduce.runtime.flush import Flusher
+
+    def stale(*size, dtype=None, device=None):  # noqa: ANN001, ANN002, ANN202
+        return torch.full(size, -7.0, dtype=dtype, device=device)
+
+    monkeypatch.setattr(buckets, "torch", SimpleNamespace(**{**vars(torch), "empty": stale}))
 
     if not zeroed:
         prepare = Flusher._prepare

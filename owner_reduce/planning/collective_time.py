@@ -535,10 +535,12 @@ def _group_time_us(calls: tuple[tuple[str, int], ...], topo: Topology, physical:
 flush_time_us = group_time_us  # a flush's calls are one group (z1.cpp, and the runtime's ``comm.group``)
 
 
+@lru_cache(maxsize=256)
 def p2p_channels(topo: Topology) -> tuple[int, int]:
     """(p2p channels, channels per peer) as paths.cc 961-1003 computes them: ``pow2Up(nChannels)``; per peer the
     fewest any peer gets (NVLink: 2 x links; network: max(NICs, bandwidth / 14 GB/s)), halved across nodes until
-    every peer fits one round of ``DIVUP(nRanks, 8)`` batches."""
+    every peer fits one round of ``DIVUP(nRanks, 8)`` batches. Cached: a topology's channels are fixed, and the
+    planner costs a hand-off round per rail and stage of every two-level option."""
     channels = min(MAX_CHANNELS, 1 << max(topo.n_comm_channels - 1, 0).bit_length())
     if topo.nodes > 1:
         per_peer = max(1, -(-int(topo.nic_bw) // int(P2P_PER_CHANNEL_NET_BW)))

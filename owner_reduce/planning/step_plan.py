@@ -45,6 +45,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
+from operator import itemgetter, le
 
 from .two_level import pipelined_us
 
@@ -68,7 +70,7 @@ class FlushTimes:
     def two_level(self) -> bool:
         return bool(self.stages)
 
-    @property
+    @cached_property
     def host_us(self) -> float:
         """The host's time to issue the whole flush."""
         return sum(self.issue_us)
@@ -76,12 +78,18 @@ class FlushTimes:
     def stage_issue(self, stage: int) -> float:
         return self.issue_us[stage] if stage < len(self.issue_us) else 0.0
 
-    @property
+    @cached_property
+    def stage_issues(self) -> tuple[float, ...]:
+        """``stage_issue`` of every stage, in order: read once per stage by every schedule state the search grows
+        (cached: the plan's search advances hundreds of states by each option)."""
+        return tuple(self.stage_issue(k) for k in range(len(self.stages)))
+
+    @cached_property
     def world_issue(self) -> float:
         """The issue of the data-parallel calls (after every stage's)."""
         return sum(self.issue_us[len(self.stages):])
 
-    @property
+    @cached_property
     def alone_us(self) -> float:
         """The flush with nothing before it: issued, its stages pipelined behind their issue, then its
         data-parallel calls (Note (host))."""
@@ -147,37 +155,134 @@ class _State:
     host: float = 0.0
 
     def after(self, option: FlushTimes, dtype: int, per_bucket: int) -> tuple[_State, Step]:
-        ends = dict(self.freed).get(dtype, ())
-        free = ends[0] if len(ends) >= per_bucket else 0.0
-        host = self.host
-        if not option.two_level:
-            host += option.host_us
-            start = max(self.node, self.rail, free, host)
-            end = start + option.world_us
-            step = Step(start, end, end, end, self.host, host)
-            node = rail = end
-        else:
-            node, rail, start = max(self.node, free), self.rail, None
-            for k, (node_us, rail_us) in enumerate(option.stages):
-                host += option.stage_issue(k)
-                node = max(node, host)
-                start = node if start is None else start
-                node += node_us
-                rail = max(rail, node) + rail_us
-            if option.world_us:
-                host += option.world_issue
-                end = max(node, rail, host) + option.world_us
-            else:
-                end = rail
-            step = Step(start, node, rail, end, self.host, host)
-            if option.world_us:
-                node = rail = end
-        ends = (*ends, step.end)[-per_bucket:]
-        freed = tuple(sorted({**dict(self.freed), dtype: ends}.items()))
-        return _State(node, rail, freed, host), step
+        node, rail, freed, host, step = _advance(self.node, self.rail, self.freed, self.host, option, dtype, per_bucket)
+        return _State(node, rail, freed, host), Step(*step)
 
     def key(self) -> tuple[float, ...]:
         return (self.node, self.rail, self.host, *(t for _, ends in self.freed for t in ends))
+
+
+_Freed = tuple[tuple[int, tuple[float, ...]], ...]
+
+
+def _advance(node: float, rail: float, freed: _Freed, host: float, option: FlushTimes, dtype: int, per_bucket: int
+             ) -> tuple[float, float, _Freed, float, tuple[float, float, float, float, float, float]]:
+    """``_State.after`` on plain values: the streams', buckets' and host's ends after ``option`` and its ``Step``'s
+    fields. Plain values because the plan's search advances each of its few hundred kept states by every option of
+    every flush (a frozen dataclass per state made the search the sizing's hot spot). ``_ends_after`` repeats the
+    arithmetic without the step, for the search; tests/test_step_plan_search.py holds the two to the same ends."""
+    ends: tuple[float, ...] = ()
+    for key, value in freed:
+        if key == dtype:
+            ends = value
+            break
+    free = ends[0] if len(ends) >= per_bucket else 0.0
+    issued = host
+    # ``b if b > a else a`` is ``max(a, b)`` exactly (the first of equal values), without the call: this loop runs
+    # for every stage of every option of every kept state.
+    if not option.stages:
+        host += option.host_us
+        start = node  # max(node, rail, free, host)
+        if rail > start:
+            start = rail
+        if free > start:
+            start = free
+        if host > start:
+            start = host
+        end = start + option.world_us
+        step = (start, end, end, end, issued, host)
+        node = rail = end
+    else:
+        if free > node:
+            node = free
+        start = None
+        for (node_us, rail_us), issue in zip(option.stages, option.stage_issues, strict=True):
+            host += issue
+            if host > node:
+                node = host
+            if start is None:
+                start = node
+            node += node_us
+            rail = (node if node > rail else rail) + rail_us
+        if option.world_us:
+            host += option.world_issue
+            end = node  # max(node, rail, host)
+            if rail > end:
+                end = rail
+            if host > end:
+                end = host
+            end += option.world_us
+        else:
+            end = rail
+        step = (start, node, rail, end, issued, host)
+        if option.world_us:
+            node = rail = end
+    ends = (*ends, end)[-per_bucket:]
+    return node, rail, _with_ends(freed, dtype, ends), host, step
+
+
+def _ends_after(node: float, rail: float, freed: _Freed, host: float, option: FlushTimes, dtype: int,
+                per_bucket: int) -> tuple[float, float, _Freed, float]:
+    """``_advance`` without the ``Step``: the search needs only the ends (the same arithmetic, in the same order)."""
+    ends: tuple[float, ...] = ()
+    for key, value in freed:
+        if key == dtype:
+            ends = value
+            break
+    free = ends[0] if len(ends) >= per_bucket else 0.0
+    if not option.stages:
+        host += option.host_us
+        end = node  # max(node, rail, free, host)
+        if rail > end:
+            end = rail
+        if free > end:
+            end = free
+        if host > end:
+            end = host
+        end += option.world_us
+        node = rail = end
+    else:
+        if free > node:
+            node = free
+        for (node_us, rail_us), issue in zip(option.stages, option.stage_issues, strict=True):
+            host += issue
+            if host > node:
+                node = host
+            node += node_us
+            rail = (node if node > rail else rail) + rail_us
+        if option.world_us:
+            host += option.world_issue
+            end = node  # max(node, rail, host)
+            if rail > end:
+                end = rail
+            if host > end:
+                end = host
+            end += option.world_us
+            node = rail = end
+        else:
+            end = rail
+    return node, rail, _with_ends(freed, dtype, (*ends, end)[-per_bucket:]), host
+
+
+def _with_ends(freed: _Freed, dtype: int, ends: tuple[float, ...]) -> _Freed:
+    """``freed`` with ``dtype``'s ends replaced (or added), by dtype key: what ``sorted({**dict(freed), dtype:
+    ends}.items())`` gives, without the dict and the sort."""
+    if len(freed) == 1 and freed[0][0] == dtype:
+        return ((dtype, ends),)
+    out = []
+    placed = False
+    for key, value in freed:
+        if key == dtype:
+            out.append((dtype, ends))
+            placed = True
+        else:
+            if not placed and key > dtype:
+                out.append((dtype, ends))
+                placed = True
+            out.append((key, value))
+    if not placed:
+        out.append((dtype, ends))
+    return tuple(out)
 
 
 def native_step_us(native: Sequence[FlushTimes | float]) -> float:
@@ -203,28 +308,36 @@ def plan_step(options: Sequence[Sequence[FlushTimes]], native: Sequence[FlushTim
         return StepPlan((), (), 0.0)
     native = [_times(n) for n in native]
     last = len(options) - 1
-    states: list[tuple[_State, tuple[int, ...]]] = [(_State(), ())]
+    # A state: (max(node, rail), rail, node, picks, freed, host), the first four its order (picks differ, so no ties).
+    states: list[tuple[float, float, float, tuple[int, ...], _Freed, float]] = [(0.0, 0.0, 0.0, (), (), 0.0)]
+    order = itemgetter(0, 1, 2, 3)
     for i, flush in enumerate(options):
         grown = []
-        for state, picks in states:
+        for _, rail0, node0, picks, freed0, host0 in states:
             for j, option in enumerate(flush):
                 if i == last and j and option.alone_us > LAST_FLUSH_BOUND * native[i].alone_us:
                     continue
-                after, _ = state.after(option, buckets[i], per_bucket)
-                grown.append((after, (*picks, j)))
-        grown.sort(key=lambda sp: (max(sp[0].node, sp[0].rail), sp[0].rail, sp[0].node, sp[1]))
-        kept: list[tuple[_State, tuple[int, ...]]] = []
-        keys: list[tuple[float, ...]] = []
-        for state, picks in grown:
-            key = state.key()
-            if any(len(k) == len(key) and all(a <= b for a, b in zip(k, key, strict=True)) for k in keys):
+                node, rail, freed, host = _ends_after(node0, rail0, freed0, host0, option, buckets[i], per_bucket)
+                grown.append((max(node, rail), rail, node, (*picks, j), freed, host))
+        grown.sort(key=order)
+        kept: list[tuple[float, float, float, tuple[int, ...], _Freed, float]] = []
+        seen: set[tuple[float, ...]] = set()
+        by_length: dict[int, list[tuple[float, ...]]] = {}
+        for state in grown:
+            _, rail, node, _, freed, host = state
+            key = (node, rail, host, *(t for _, ends in freed for t in ends))
+            if key in seen:
+                continue  # the same ends as a kept schedule's
+            same = by_length.setdefault(len(key), [])
+            if _dominated(same, key):
                 continue  # another schedule is no later on any stream or bucket
-            kept.append((state, picks))
-            keys.append(key)
+            kept.append(state)
+            seen.add(key)
+            same.append(key)
             if len(kept) == _STATES_KEPT:
                 break
         states = kept
-    picks = min(states, key=lambda sp: (max(sp[0].node, sp[0].rail), sp[1]))[1]
+    picks = min(states, key=lambda sp: (sp[0], sp[3]))[3]
     picks = _alone_bound(options, native, buckets, per_bucket, picks)
     steps = schedule([options[i][j] for i, j in enumerate(picks)], buckets, per_bucket)
     native_us = native_step_us(native)
@@ -232,6 +345,18 @@ def plan_step(options: Sequence[Sequence[FlushTimes]], native: Sequence[FlushTim
         picks = (0,) * len(options)
         steps = schedule([flush[0] for flush in options], buckets, per_bucket)
     return StepPlan(tuple(picks), steps, native_us, tuple(options[i][j] for i, j in enumerate(picks)))
+
+
+def _dominated(keys: list[tuple[float, ...]], key: tuple[float, ...]) -> bool:
+    """Whether some key of ``keys`` is no later than ``key`` on every stream and bucket. The one found moves to the
+    front, to be tried first from now on (a schedule that beats one candidate tends to beat the next; the answer
+    does not depend on the order)."""
+    for at, k in enumerate(keys):
+        if all(map(le, k, key)):
+            if at:
+                keys.insert(0, keys.pop(at))
+            return True
+    return False
 
 
 def runs_alone(steps: Sequence[Step]) -> tuple[bool, ...]:

@@ -49,6 +49,7 @@ it, whole nodes only. Pure: numbers in, a layout out; no torch.distributed, no c
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -173,19 +174,35 @@ class TwoLevel:
         node_rs, node_tail, rail_us, rail_issue = self._stage_costs(step, blocks, lengths, width, stages, dtype_bytes)
         handoff = self._node_handoff_us(balanced, width, stages, dtype_bytes) if balanced is not None else None
         layout = BY_OWNER if balanced is None else BALANCED
-        best: TwoLevelOption | None = None
+        # Each stage's (node, rail) us and issue, as a ReduceScatter stage and as a tail stage: the options below differ
+        # only in which of the two each stage takes (the first ``scattered`` the former), so they are computed once.
+        scattered_us = _with_handoff([(node_rs, rail_us[stage]) for stage in range(stages)],
+                                     handoff[0] if handoff else None)
+        tail_us = _with_handoff([(node_tail[stage], rail_us[stage]) for stage in range(stages)],
+                                handoff[0] if handoff else None)
+        tails = [sum(1 for n in lengths if _slice(n, stage, width)) for stage in range(stages)]
+        handoff_calls = handoff[1] if handoff else None
+        scattered_issue = [_issue_of(host, 1, rail_issue[stage], handoff_calls, stage) for stage in range(stages)]
+        tail_issue = [_issue_of(host, tails[stage], rail_issue[stage], handoff_calls, stage) for stage in range(stages)]
+        best: tuple[float, int, tuple[tuple[float, float], ...], tuple[float, ...]] | None = None
+        fits = max_padding is None
         for scattered in (range(stages, -1, -1) if step == RAIL_REDUCE else (stages,)):
-            if max_padding is not None and sum(max(0, scattered * width - n) for n in lengths) > max_padding:
-                continue
-            stage_us = _with_handoff([(node_rs if stage < scattered else node_tail[stage], rail_us[stage])
-                                      for stage in range(stages)], handoff[0] if handoff else None)
-            geometry = TwoLevelGeometry(self.ranks_per_node, stages, width, scattered, tuple(lengths),
-                                        align_elems(dtype_bytes))
-            option = TwoLevelOption(geometry, step, stage_us, layout,
-                                    _stage_issue(host, geometry, rail_issue, handoff[1] if handoff else None))
-            if best is None or option.alone_us < best.alone_us:
-                best = option
-        return best
+            # The padding grows with ``scattered``: once within the bound (counting down), it stays within it.
+            if not fits:
+                if sum(max(0, scattered * width - n) for n in lengths) > max_padding:
+                    continue
+                fits = True
+            stage_us = (*scattered_us[:scattered], *tail_us[scattered:])
+            stage_issue = (*scattered_issue[:scattered], *tail_issue[scattered:])
+            alone = pipelined_us(stage_us, stage_issue)
+            if best is None or alone < best[0]:
+                best = (alone, scattered, stage_us, stage_issue)
+        if best is None:
+            return None
+        _, scattered, stage_us, stage_issue = best
+        geometry = TwoLevelGeometry(self.ranks_per_node, stages, width, scattered, tuple(lengths),
+                                    align_elems(dtype_bytes))
+        return TwoLevelOption(geometry, step, stage_us, layout, stage_issue)
 
     def _node_handoff_us(self, sizes: Sequence[int], width: int, stages: int, dtype_bytes: int
                          ) -> tuple[list[float], list[int]]:
@@ -194,27 +211,12 @@ class TwoLevel:
         grouped send/recv round on the node, ``p2p_round_us`` on the node topology: NVLink bytes, incast counted). Not
         scaled by ``p2p_bw_scale``: that is the sizing's sensitivity to the network's point-to-point bandwidth. Also,
         per stage, the most sends and receives one rank issues in it (its host issue)."""
-        g = self.ranks_per_node
-        sent = [[0] * len(sizes) for _ in range(stages)]
-        received = [[0] * len(sizes) for _ in range(stages)]
-        peers = [[0] * (2 * len(sizes)) for _ in range(stages)]
-        for owner, local, part, position, count in balanced_parts(sizes, g, align_elems(dtype_bytes)):
-            if part == local:
-                continue
-            holder = owner - local + part
-            for stage in range(position // width, (position + count - 1) // width + 1):
-                moved = min(position + count, (stage + 1) * width) - max(position, stage * width)
-                sent[stage][holder] += moved
-                received[stage][owner] += moved
-                peers[stage][holder] += 1
-                peers[stage][len(sizes) + owner] += 1
         out, calls = [], []
-        n = len(sizes)
-        for stage in range(stages):
-            busiest = max(max(sent[stage], default=0), max(received[stage], default=0))
-            load = P2pLoad(max(peers[stage], default=0), 0, busiest * dtype_bytes)
+        for busiest, peers, issued in _node_handoff_loads(tuple(sizes), self.ranks_per_node, align_elems(dtype_bytes),
+                                                          width, stages):
+            load = P2pLoad(peers, 0, busiest * dtype_bytes)
             out.append(p2p_round_us(load, self.node) if busiest else 0.0)
-            calls.append(max((peers[stage][r] + peers[stage][n + r] for r in range(n)), default=0))
+            calls.append(issued)
         return out, calls
 
     def _stage_costs(self, step: str, blocks: Sequence[Sequence[int]], lengths: Sequence[int], width: int,
@@ -232,10 +234,13 @@ class TwoLevel:
         issued = [(0, 0)] * stages
         if step == RAIL_SCATTER:
             scatter = group_time_us([(REDUCE_SCATTER, width * dtype_bytes)], self.rail)
+            rounds: dict[P2pLoad, float] = {}  # the rails' loads repeat: each distinct one costed once
             for block in blocks:
-                for stage in range(stages):
-                    load = _rail_handoff_load(block, stage, width, self.nodes, dtype_bytes)
-                    handoff = p2p_round_us(load, self.rail, self.p2p_bw_scale) if load.peers else 0.0
+                for stage, load in enumerate(_rail_handoff_loads(tuple(block), width, stages, self.nodes,
+                                                                 dtype_bytes)):
+                    handoff = rounds.get(load)
+                    if handoff is None:
+                        handoff = rounds[load] = p2p_round_us(load, self.rail, self.p2p_bw_scale) if load.peers else 0.0
                     rail_us[stage] = max(rail_us[stage], scatter + handoff)
                     issued[stage] = max(issued[stage], (1 + 2 * load.peers, 1 + (load.peers > 0)))
             return node_rs, node_tail, rail_us, issued
@@ -267,6 +272,52 @@ class TwoLevelOption:
         return pipelined_us(self.stage_us, self.stage_issue)
 
 
+@lru_cache(maxsize=1024)
+def _node_handoff_loads(sizes: tuple[int, ...], ranks_per_node: int, align: int, width: int, stages: int
+                        ) -> tuple[tuple[int, int, int], ...]:
+    """Per stage of a balanced layout of owner regions of ``sizes`` (slots) cut in stages of ``width``: the elements
+    the busiest rank of any node sends or receives in the node hand-off round, its peers, and the most sends and
+    receives one rank issues (``TwoLevel._node_handoff_us``). Cached: the layout's, not the topology's, so a flush's
+    pipelines of the same width and the same flush on several clusters count it once."""
+    # Per stage, by rank (only the ranks that send or receive: a flush touches few of a large world's owners).
+    sent: list[dict[int, int]] = [{} for _ in range(stages)]
+    received: list[dict[int, int]] = [{} for _ in range(stages)]
+    sends: list[dict[int, int]] = [{} for _ in range(stages)]
+    receives: list[dict[int, int]] = [{} for _ in range(stages)]
+    for owner, local, part, position, count in _balanced_parts_of(sizes, ranks_per_node, align):
+        if part == local:
+            continue
+        holder = owner - local + part
+        for stage in range(position // width, (position + count - 1) // width + 1):
+            moved = min(position + count, (stage + 1) * width) - max(position, stage * width)
+            sent[stage][holder] = sent[stage].get(holder, 0) + moved
+            received[stage][owner] = received[stage].get(owner, 0) + moved
+            sends[stage][holder] = sends[stage].get(holder, 0) + 1
+            receives[stage][owner] = receives[stage].get(owner, 0) + 1
+    return tuple((max([0, *sent[stage].values(), *received[stage].values()]),
+                  max([0, *sends[stage].values(), *receives[stage].values()]),
+                  max([0, *(sends[stage].get(r, 0) + receives[stage].get(r, 0)
+                            for r in sends[stage].keys() | receives[stage].keys())]))
+                 for stage in range(stages))
+
+
+@lru_cache(maxsize=64)
+def _balanced_parts_of(sizes: tuple[int, ...], ranks_per_node: int, align: int
+                       ) -> tuple[tuple[int, int, int, int, int], ...]:
+    """``balanced_parts``, cached for ``_node_handoff_loads``' stage counts of one flush."""
+    return tuple(balanced_parts(sizes, ranks_per_node, align))
+
+
+def _issue_of(host: HostCost, node_calls: int, rail: tuple[int, int], handoff: Sequence[int] | None, stage: int
+              ) -> float:
+    """One stage's issue (``_stage_issue``): ``node_calls`` node calls in one group, the busiest rail's (calls, groups)
+    and a balanced layout's node hand-off sends and receives in one more group."""
+    calls, groups = node_calls + rail[0], 1 + rail[1]
+    if handoff is not None and handoff[stage]:
+        calls, groups = calls + handoff[stage], groups + 1
+    return host.issue_us(calls, groups, stages=1)
+
+
 def _stage_issue(host: HostCost, geometry: TwoLevelGeometry, rail: Sequence[tuple[int, int]],
                  handoff: Sequence[int] | None) -> tuple[float, ...]:
     """The host's us to issue each stage: the node group (one ReduceScatter, or a tail stage's node Reduces, one per
@@ -276,10 +327,7 @@ def _stage_issue(host: HostCost, geometry: TwoLevelGeometry, rail: Sequence[tupl
     for stage in range(geometry.stages):
         node_calls = 1 if stage < geometry.scattered else sum(
             1 for n in geometry.lengths if _slice(n, stage, geometry.width))
-        calls, groups = node_calls + rail[stage][0], 1 + rail[stage][1]
-        if handoff is not None and handoff[stage]:
-            calls, groups = calls + handoff[stage], groups + 1
-        out.append(host.issue_us(calls, groups, stages=1))
+        out.append(_issue_of(host, node_calls, rail[stage], handoff, stage))
     return tuple(out)
 
 
@@ -338,6 +386,15 @@ def pipelined_us(stage_us: Sequence[tuple[float, float]], issue: Sequence[float]
     return rail_end
 
 
+@lru_cache(maxsize=4096)
+def _rail_handoff_loads(block: tuple[int, ...], width: int, stages: int, nodes: int, dtype_bytes: int
+                        ) -> tuple[P2pLoad, ...]:
+    """``_rail_handoff_load`` of every stage of a block. Cached: the load is the layout's, not the topology's, so the
+    same flush sized on several clusters (the tests' Hopper and Ampere nodes, the hand-off sensitivity) costs it
+    once."""
+    return tuple(_rail_handoff_load(block, stage, width, nodes, dtype_bytes) for stage in range(stages))
+
+
 def _rail_handoff_load(block: Sequence[int], stage: int, width: int, nodes: int, dtype_bytes: int) -> P2pLoad:
     """The busiest rail rank of ``_rail_transfers``' round (``collective_time.p2p_load`` of it, every peer on another
     node), counted without listing the transfers: a receiver gets its region's part of the slice from every other
@@ -348,7 +405,10 @@ def _rail_handoff_load(block: Sequence[int], stage: int, width: int, nodes: int,
     end_peers: dict[int, int] = {}
     end_bytes: dict[int, int] = {}
     peers = moved = largest = 0
-    for owner_node, at, size in _spans(tuple(block)):
+    key = tuple(block)
+    spans = _spans(key)
+    # The regions that end at or before the stage's slice hold nothing of it: start at the first that ends past it.
+    for owner_node, at, size in spans[bisect_right(_span_ends(key), lo):]:
         if at >= hi:
             break
         start, end = max(at, lo), min(at + size, hi)
@@ -386,26 +446,34 @@ def _spans(block: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
     return tuple(out)
 
 
-def _rail_transfers(block: Sequence[int], stage: int, width: int, nodes: int, bucket_at: int, dp_of_node: int
-                    ) -> list[Transfer]:
+@lru_cache(maxsize=4096)
+def _span_ends(block: tuple[int, ...]) -> tuple[int, ...]:
+    """Where each of ``_spans``' regions ends in the block (ascending)."""
+    return tuple(at + size for _, at, size in _spans(block))
+
+
+def _rail_transfers(block: Sequence[int], stage: int, width: int, nodes: int, bucket_at: int, dp_of_node: int,
+                    local: int = 0) -> list[Transfer]:
     """A rail's hand-off in ``stage`` (rail step ``scatter``): its block's slice ``[stage x width, +width)`` was reduced
     and scattered over the rail, node ``j`` holding its ``j``-th part of ``width / nodes``; every piece of node ``m``'s
     owner region that node ``j != m`` holds moves to node ``m``. ``bucket_at``: where the slice starts in the bucket;
-    ranks are ``node x dp_of_node`` (the caller adds the local rank). Ordered by (destination, source)."""
+    ranks are ``node x dp_of_node + local``. Ordered by (destination, source)."""
     part = width // nodes
     lo, hi = stage * width, (stage + 1) * width
     moves = []
-    at = 0
-    for owner_node, size in enumerate(block):
+    key = tuple(block)
+    # Only the regions that reach the slice hold pieces of it: from the first that ends past its start.
+    for owner_node, at, size in _spans(key)[bisect_right(_span_ends(key), lo):]:
+        if at >= hi:
+            break
         start, end = max(at, lo), min(at + size, hi)
         while start < end:
             holder = (start - lo) // part
             stop = min(end, lo + (holder + 1) * part)
             if holder != owner_node:
-                moves.append(Transfer(holder * dp_of_node, owner_node * dp_of_node, bucket_at + start - lo,
-                                      stop - start, comm=RAIL, stage=stage))
+                moves.append(Transfer(holder * dp_of_node + local, owner_node * dp_of_node + local,
+                                      bucket_at + start - lo, stop - start, comm=RAIL, stage=stage))
             start = stop
-        at += size
     return sorted(moves, key=lambda t: (t.dst, t.src))
 
 
@@ -537,8 +605,7 @@ def two_level_calls(sizes: Sequence[int], geo: TwoLevelGeometry, rail_step: str 
                 at = geo.offset(local, stage * w)
                 calls[stage].append(Collective(REDUCE_SCATTER, at, w, per_rank=w // nodes, comm=RAIL, rail=local,
                                                stage=stage))
-                moves = [replace(t, src=t.src + local, dst=t.dst + local)
-                         for t in _rail_transfers(block, stage, w, nodes, at, g)]
+                moves = _rail_transfers(block, stage, w, nodes, at, g, local)
                 if moves:
                     calls[stage].append(Collective(HANDOFF, at, w, comm=RAIL, rail=local, stage=stage))
                     transfers += moves
