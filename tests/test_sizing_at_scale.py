@@ -251,16 +251,37 @@ def _within_one_call(flush) -> bool:  # noqa: ANN001 - a FlushSizing
             and flush.layout_us <= (flush.native_us + DEFAULT_HOST.issue_us(1)) * (1 + 1e-9))
 
 
+SCALE_NAMES = ["1b", "llama-7b"]
+_SCALE_JOBS = {  # each scale test's sizing, by world size: a function and its arguments for a fresh process
+    "test_never_slower_than_grouped_native_and_the_win_at_scale": lambda ws: (_size_models, SCALE_NAMES, ws),
+    "test_llama_13b_meets_the_bars_at_the_default_bucket": lambda ws: (_size_13b, ws),
+}
+
+
+@pytest.fixture(scope="module")
+def sized(request: pytest.FixtureRequest):
+    """The scale tests' sizings, started together on two fresh processes at the first scale test: each is one
+    CPU-bound process, so two run side by side on CI's two cores while the tests read them in turn (about half the
+    wall time). Only the cases this session selected are started, the largest world size first. A process sizes one
+    case and ends (``max_tasks_per_child=1``): the fake process group the builders use is process-global."""
+    cases = sorted({(item.originalname, item.callspec.params["world_size"]) for item in request.session.items
+                    if item.module is request.module and item.originalname in _SCALE_JOBS},
+                   key=lambda case: -case[1])
+    pool = ProcessPoolExecutor(max_workers=2, mp_context=fresh_process_context(), max_tasks_per_child=1)
+    futures = {case: pool.submit(*_SCALE_JOBS[case[0]](case[1])) for case in cases}
+    yield lambda name, world_size: futures[(name, world_size)].result()
+    pool.shutdown(cancel_futures=True)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [64, 512, 1024])
-def test_never_slower_than_grouped_native_and_the_win_at_scale(world_size):
+def test_never_slower_than_grouped_native_and_the_win_at_scale(world_size, sized):
     """Against native as NCCL plans it (one group per flush, aggregated, NVLS_TREE on Hopper), costed physically: no
     step is modelled slower, no flush that runs alone more than this runtime's issue of one call (``_within_one_call``),
     a plan that overlaps flushes exposes at most 1.5x native's
     last flush, and at the default bucket the step meets issue 32's bars (docs/reduce_to_owner.md, section 9)."""
-    names = ["1b", "llama-7b"]
-    with ProcessPoolExecutor(max_workers=1, mp_context=fresh_process_context()) as pool:
-        reports = pool.submit(_size_models, names, world_size).result()
+    names = SCALE_NAMES
+    reports = sized("test_never_slower_than_grouped_native_and_the_win_at_scale", world_size)
     for name, by_cluster in zip(names, reports, strict=True):
         for key, report in by_cluster.items():
             default, tenth = report.buckets
@@ -291,11 +312,10 @@ def _size_13b(world_size: int) -> dict:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [64, 512, 1024])
-def test_llama_13b_meets_the_bars_at_the_default_bucket(world_size):
+def test_llama_13b_meets_the_bars_at_the_default_bucket(world_size, sized):
     """Issue 32's cells that the Reduce chains alone missed: Llama-13B at ws 1024 (rail-bound: balanced rails) and at
     ws 64 without NVLS (2-3 owners per flush: Reduces cut so that NCCL aggregates them), with the same bounds."""
-    with ProcessPoolExecutor(max_workers=1, mp_context=fresh_process_context()) as pool:
-        by_cluster = pool.submit(_size_13b, world_size).result()
+    by_cluster = sized("test_llama_13b_meets_the_bars_at_the_default_bucket", world_size)
     for key, b in by_cluster.items():
         limit = _LIMITS[key][0 if world_size == 64 else 1]
         assert b.us_ratio("layout") <= limit, (key, world_size, b.us_ratio("layout"), b.choices())
