@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 
 from owner_reduce.planning import step_plan
-from owner_reduce.planning.step_plan import LAST_FLUSH_BOUND, FlushTimes, _advance, _ends_after, plan_step
+from owner_reduce.planning.step_plan import LAST_FLUSH_BOUND, FlushTimes, plan_step
 
 
 @dataclass(frozen=True)
@@ -113,5 +113,3 @@ def test_the_plain_search_picks_what_the_reference_search_picks(seed: int, monke
                 ref, end = _RefState(2.0, 7.5, freed, 1.0).after(option, dtype, per_bucket)
                 assert (new.node, new.rail, new.freed, new.host, step.end) == (ref.node, ref.rail, ref.freed,
                                                                                   ref.host, end)
-                assert _ends_after(2.0, 7.5, freed, 1.0, option, dtype, per_bucket) == _advance(
-                    2.0, 7.5, freed, 1.0, option, dtype, per_bucket)[:4]

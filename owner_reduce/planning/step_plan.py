@@ -169,8 +169,7 @@ def _advance(node: float, rail: float, freed: _Freed, host: float, option: Flush
              ) -> tuple[float, float, _Freed, float, tuple[float, float, float, float, float, float]]:
     """``_State.after`` on plain values: the streams', buckets' and host's ends after ``option`` and its ``Step``'s
     fields. Plain values because the plan's search advances each of its few hundred kept states by every option of
-    every flush (a frozen dataclass per state made the search the sizing's hot spot). ``_ends_after`` repeats the
-    arithmetic without the step, for the search; tests/test_step_plan_search.py holds the two to the same ends."""
+    every flush (a frozen dataclass per state made the search the sizing's hot spot)."""
     ends: tuple[float, ...] = ()
     for key, value in freed:
         if key == dtype:
@@ -219,49 +218,6 @@ def _advance(node: float, rail: float, freed: _Freed, host: float, option: Flush
             node = rail = end
     ends = (*ends, end)[-per_bucket:]
     return node, rail, _with_ends(freed, dtype, ends), host, step
-
-
-def _ends_after(node: float, rail: float, freed: _Freed, host: float, option: FlushTimes, dtype: int,
-                per_bucket: int) -> tuple[float, float, _Freed, float]:
-    """``_advance`` without the ``Step``: the search needs only the ends (the same arithmetic, in the same order)."""
-    ends: tuple[float, ...] = ()
-    for key, value in freed:
-        if key == dtype:
-            ends = value
-            break
-    free = ends[0] if len(ends) >= per_bucket else 0.0
-    if not option.stages:
-        host += option.host_us
-        end = node  # max(node, rail, free, host)
-        if rail > end:
-            end = rail
-        if free > end:
-            end = free
-        if host > end:
-            end = host
-        end += option.world_us
-        node = rail = end
-    else:
-        if free > node:
-            node = free
-        for (node_us, rail_us), issue in zip(option.stages, option.stage_issues, strict=True):
-            host += issue
-            if host > node:
-                node = host
-            node += node_us
-            rail = (node if node > rail else rail) + rail_us
-        if option.world_us:
-            host += option.world_issue
-            end = node  # max(node, rail, host)
-            if rail > end:
-                end = rail
-            if host > end:
-                end = host
-            end += option.world_us
-            node = rail = end
-        else:
-            end = rail
-    return node, rail, _with_ends(freed, dtype, (*ends, end)[-per_bucket:]), host
 
 
 def _with_ends(freed: _Freed, dtype: int, ends: tuple[float, ...]) -> _Freed:
@@ -317,7 +273,7 @@ def plan_step(options: Sequence[Sequence[FlushTimes]], native: Sequence[FlushTim
             for j, option in enumerate(flush):
                 if i == last and j and option.alone_us > LAST_FLUSH_BOUND * native[i].alone_us:
                     continue
-                node, rail, freed, host = _ends_after(node0, rail0, freed0, host0, option, buckets[i], per_bucket)
+                node, rail, freed, host, _ = _advance(node0, rail0, freed0, host0, option, buckets[i], per_bucket)
                 grown.append((max(node, rail), rail, node, (*picks, j), freed, host))
         grown.sort(key=order)
         kept: list[tuple[float, float, float, tuple[int, ...], _Freed, float]] = []
