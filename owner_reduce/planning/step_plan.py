@@ -158,9 +158,6 @@ class _State:
         node, rail, freed, host, step = _advance(self.node, self.rail, self.freed, self.host, option, dtype, per_bucket)
         return _State(node, rail, freed, host), Step(*step)
 
-    def key(self) -> tuple[float, ...]:
-        return (self.node, self.rail, self.host, *(t for _, ends in self.freed for t in ends))
-
 
 _Freed = tuple[tuple[int, tuple[float, ...]], ...]
 
