@@ -78,6 +78,7 @@ import torch
 hb_cuda.skip_file(__file__)
 
 DEFAULT_LAUNCH_BOUND = 1000  # CUDA's launch queue: about a thousand pending launches block the host
+DEFAULT_STREAM_POOL = 32  # torch's c10/cuda/CUDAStream.cpp kStreamsPerPool: streams per priority per device
 DEFAULT_HANG_BOUND_S = 10.0
 ADDRESS_ALIGNMENT = 512  # the caching allocator's block alignment (cudaMalloc's is 256)
 DEVICE_MEMORY = 80 << 30
@@ -121,30 +122,40 @@ class SimHost:
     """One host thread's knowledge: its virtual time and its happens-before identity. A rank's main thread and each
     thread it starts (a watchdog, an abort) have one each, as threads have on a real host: what a watchdog learns by a
     ``query`` neither delays nor orders what the main thread launches, so the virtual timeline does not depend on when
-    a polling thread happened to look."""
+    a polling thread happened to look.
 
-    __slots__ = ("name", "host_time")
+    Its CUDA state is its own, as a real thread's is: the current device (``cudaGetDevice``; torch's and cupy's current
+    device are this one) and torch's current stream per device (thread-local in torch). A rank's main thread starts on
+    the rank's device (the launcher's ``set_device``); a thread it starts begins on device 0, with every device's
+    default stream current, until it sets its own."""
 
-    def __init__(self, name: str, host_time: float = 0.0) -> None:
+    __slots__ = ("name", "host_time", "device", "current")
+
+    def __init__(self, name: str, host_time: float = 0.0, device: int = 0) -> None:
         self.name = name
         self.host_time = host_time
+        self.device = device
+        self.current: dict[int, SimStream] = {}  # torch's current stream per device, where not the default one
 
 
 class SimProcess:
-    """One rank's CUDA context: its current device, its streams per device (the default one first), its main host
-    thread (``main``; threads it starts have hosts of their own: ``SimHost``)."""
+    """One rank's process: its device (``own_device``, the one its launcher gave it), its streams per device (the
+    default one first), its main host thread (``main``; threads it starts have hosts of their own: ``SimHost``), the
+    CUDA contexts its threads made (``contexts``). ``device`` and ``current_stream`` are the calling thread's."""
 
     def __init__(self, sim: Sim, rank: int) -> None:
         self.sim = sim
         self.rank = rank
-        self.device = rank % sim.device_count
-        self.cupy_device = self.device  # cupy's own current device (``cupy.cuda.Device``)
+        self.own_device = (sim.first_device + rank) % sim.device_count
         self.host = hb_cuda.HOST if sim.max_ranks == 1 else f"r{rank}/{hb_cuda.HOST}"
-        self.main = SimHost(self.host)  # the rank's main thread: its virtual seconds, its happens-before name
+        # the rank's main thread: its virtual seconds, its happens-before name, its CUDA state
+        self.main = SimHost(self.host, device=self.own_device)
         self.counters: collections.Counter[str] = collections.Counter()
         self._default: dict[int, SimStream] = {}
-        self._current: dict[int, SimStream] = {}
         self.error: BaseException | None = None  # a kernel that failed: sticky, as a CUDA error
+        # device -> {thread name: the first CUDA call it made there}: each device's primary context, made by the first
+        # runtime call of any of this process's threads whose current device (or the guard's) it was
+        self.contexts: dict[int, dict[str, str]] = {}
         if sim.hb is not None:
             sim.hb.thread(self.host)
 
@@ -153,6 +164,15 @@ class SimProcess:
         """The main thread's virtual time."""
         return self.main.host_time
 
+    @property
+    def device(self) -> int:
+        """The calling thread's current CUDA device."""
+        return self.sim._this_host(self).device
+
+    @device.setter
+    def device(self, index: int) -> None:
+        self.sim._this_host(self).device = index
+
     def default_stream(self, device: int) -> SimStream:
         stream = self._default.get(device)
         if stream is None:
@@ -160,9 +180,10 @@ class SimProcess:
         return stream
 
     def current_stream(self, device: int | None = None) -> SimStream:
-        device = self.device if device is None else device
-        stream = self._current.get(device)
-        return stream if stream is not None else self.default_stream(device)
+        """The calling thread's current stream on ``device`` (its current device)."""
+        host = self.sim._this_host(self)
+        stream = host.current.get(host.device if device is None else device)
+        return stream if stream is not None else self.default_stream(host.device if device is None else device)
 
     def streams(self) -> list[SimStream]:
         return [s for s in self.sim._streams.values() if s.process is self]
@@ -236,11 +257,13 @@ class SimStream(_Watched):
 
     def wait_event(self, event: SimEvent) -> None:
         self.sim._count("wait_event")
+        self.sim._context("torch.cuda.Stream.wait_event", self.device_index)
         self.sim._enqueue(Op(self, "wait", f"wait_event({event.name})", deps=[event.last]),
                           hb_join=event.hb_clock)
 
     def wait_stream(self, stream: SimStream) -> None:
         self.sim._count("wait_stream")
+        self.sim._context("torch.cuda.Stream.wait_stream", self.device_index)
         hb = self.sim.hb
         self.sim._enqueue(Op(self, "wait", f"wait_stream({stream.name})", deps=[stream.tail]),
                           hb_join=None if hb is None else hb.snapshot(stream.name))
@@ -251,6 +274,7 @@ class SimStream(_Watched):
         return event
 
     def query(self) -> bool:
+        self.sim._context("torch.cuda.Stream.query", self.device_index)  # torch's CUDAStream::query has a guard
         self.process.check_error()
         done = not self.queue
         self.sim._count("query" if done else "query (not ready)")
@@ -260,6 +284,7 @@ class SimStream(_Watched):
 
     def synchronize(self) -> None:
         self.sim._count("synchronize")
+        self.sim._context("torch.cuda.Stream.synchronize", self.device_index)
         self.sim._wait_for_tail(self, f"{self.name}.synchronize()")
         self.process.check_error()
 
@@ -285,10 +310,22 @@ class SimEvent:
         self.name = f"event#{next(self._numbers)}"
         self.last: Op | None = None  # the op of its last record
         self.hb_clock: dict[str, int] | None = None
+        self.device: int | None = None  # torch creates the CUDA event at its first record, on the stream's device
+        self.rank: int | None = None  # the process that created it
+
+    def __del__(self) -> None:
+        """``~CUDAEvent``: ``cudaEventDestroy`` on the thread that drops the last reference (torch's destructor takes
+        a device guard; the CUDA driver's locks it takes are what a watchdog must not wait on before its aborts):
+        ``Sim.lifecycle`` records where."""
+        if self.device is not None:
+            self.sim._destroyed(self)
 
     def record(self, stream: SimStream | None = None) -> None:
         stream = stream if stream is not None else self.sim._this_process().current_stream()
         self.sim._count("Event.record")
+        self.sim._context("torch.cuda.Event.record", stream.device_index)  # a guard on the stream's device
+        if self.device is None:
+            self.device, self.rank = stream.device_index, stream.process.rank
         op = Op(stream, "record", f"record({self.name})")
         self.sim._enqueue(op)
         self.last = op
@@ -299,7 +336,12 @@ class SimEvent:
         (stream if stream is not None else self.sim._this_process().current_stream()).wait_event(self)
 
     def query(self) -> bool:
+        # torch's CUDAEvent::query has no device guard: cudaEventQuery runs on the thread's current device, whose
+        # primary context it makes where there is none (issue 46, finding 1); a sticky CUDA error raises here.
         self.sim._count("Event.query")
+        self.sim._context("torch.cuda.Event.query")
+        if self.last is not None:
+            self.last.process.check_error()
         done = self.last is None or self.last.done
         if done and self.last is not None:
             self.sim._host_joined(self.sim._this_process(), None, self.last.end, self.hb_clock)
@@ -307,6 +349,7 @@ class SimEvent:
 
     def synchronize(self) -> None:
         self.sim._count("Event.synchronize")
+        self.sim._context("torch.cuda.Event.synchronize")  # no device guard either
         last = self.last
         if last is None:
             return
@@ -316,6 +359,7 @@ class SimEvent:
     def elapsed_time(self, end: SimEvent) -> float:
         """Milliseconds between two completed timing events (virtual time); CUDA's errors otherwise."""
         self.sim._count("Event.elapsed_time")
+        self.sim._context("torch.cuda.Event.elapsed_time", self.device)
         for event in (self, end):
             if not event.enable_timing:
                 raise RuntimeError("CUDA error: invalid resource handle (an event created without enable_timing)")
@@ -557,10 +601,22 @@ class Sim(_Watched):
     def __init__(self, *, launch_bound: int = DEFAULT_LAUNCH_BOUND, hang_bound_s: float = DEFAULT_HANG_BOUND_S,
                  hb: bool = False, device_count: int = 8, max_ranks: int = 8, capability: tuple[int, int] = (9, 0),
                  device_name: str = "NVIDIA H100 80GB HBM3 (simulated)",
-                 op_cost: Callable[[str, tuple[Any, ...]], float] | None = None, **nccl_options: Any) -> None:
+                 op_cost: Callable[[str, tuple[Any, ...]], float] | None = None,
+                 stream_pool: int = DEFAULT_STREAM_POOL, strict_contexts: bool = True, first_device: int = 0,
+                 **nccl_options: Any) -> None:
         super().__init__()
         import sim_nccl
 
+        if stream_pool < 1:
+            raise ValueError(f"stream_pool must be at least 1, got {stream_pool}")
+        self.stream_pool = stream_pool
+        self.strict_contexts = strict_contexts
+        self.first_device = first_device  # rank r's own device: (first_device + r) % device_count
+        # (sequence, what, thread name, rank): every CUDA event destroyed, every NCCL abort's start and return, in order
+        self.lifecycle: list[tuple[int, str, str, int | None]] = []
+        self._lifecycle_seq = itertools.count()
+        self._pools: dict[tuple[int, int, int], list[SimStream]] = {}  # (rank, device, priority) -> the pool's streams
+        self._pool_next: collections.Counter[tuple[int, int, int]] = collections.Counter()
         self.launch_bound = launch_bound
         self.hang_bound_s = hang_bound_s
         self.device_count = device_count
@@ -611,8 +667,9 @@ class Sim(_Watched):
         return host if host is not None and getattr(self._tls, "process", None) is process else process.main
 
     def _new_host(self, process: SimProcess, starter: SimHost, name: str) -> SimHost:
-        """A thread started by ``starter``'s thread: it knows what its starter knew (thread start orders), no more."""
-        host = SimHost(f"{process.host}/{name}", starter.host_time)
+        """A thread started by ``starter``'s thread: it knows what its starter knew (thread start orders), no more. Its
+        CUDA state is a new thread's: device 0, every device's default stream current (``SimHost``)."""
+        host = SimHost(f"{process.host}/{name}", starter.host_time, device=0)
         if self.hb is not None:
             with self.lock:
                 self.hb.thread(host.name)
@@ -679,8 +736,10 @@ class Sim(_Watched):
         self.install()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
         self.uninstall()
+        if exc_type is None and self.strict_contexts:
+            self.check_contexts()
 
     def install(self) -> None:
         global _ACTIVE
@@ -730,41 +789,46 @@ class Sim(_Watched):
 
         @contextlib.contextmanager
         def stream(s: SimStream | None) -> Iterator[None]:
+            # torch.cuda.StreamContext: the stream's device and the stream become this thread's current ones.
             if s is None:
                 yield
                 return
             sim._count("stream switch")
-            process = sim._this_process()
-            device, previous = process.device, process._current.get(s.device_index)
-            process.device = s.device_index
-            process._current[s.device_index] = s
+            host = sim._this_host(sim._this_process())
+            device, previous = host.device, host.current.get(s.device_index)
+            host.device = s.device_index
+            host.current[s.device_index] = s
             try:
                 yield
             finally:
                 if previous is None:
-                    process._current.pop(s.device_index, None)
+                    host.current.pop(s.device_index, None)
                 else:
-                    process._current[s.device_index] = previous
-                process.device = device
+                    host.current[s.device_index] = previous
+                host.device = device
 
         class device:  # noqa: N801 - torch.cuda's name
             def __init__(self, index: Any) -> None:
                 self.index = sim._device_index(index)
 
             def __enter__(self) -> None:
-                process = sim._this_process()
-                self.previous, process.device = process.device, self.index
+                host = sim._this_host(sim._this_process())
+                self.previous, host.device = host.device, self.index
 
             def __exit__(self, *exc: Any) -> None:
-                sim._this_process().device = self.previous
+                sim._this_host(sim._this_process()).device = self.previous
 
         def set_device(index: Any) -> None:
-            sim._this_process().device = sim._device_index(index)
+            # cudaSetDevice: since CUDA 12 it makes the device's primary context (the rank's own: no report).
+            dev = sim._device_index(index)
+            sim._context("torch.cuda.set_device", dev)
+            sim._this_host(sim._this_process()).device = dev
 
         def synchronize(index: Any = None) -> None:
             sim._count("synchronize")
             process = sim._this_process()
             dev = sim._device_index(index)
+            sim._context("torch.cuda.synchronize", dev)
             for s in [s for s in process.streams() if s.device_index == dev]:
                 sim._wait_for_tail(s, f"torch.cuda.synchronize({dev}), waiting for {s.name}")
             process.check_error()
@@ -777,10 +841,13 @@ class Sim(_Watched):
             return sim._this_process().default_stream(sim._device_index(index))
 
         def set_stream(s: SimStream) -> None:
-            sim._this_process()._current[s.device_index] = s
+            host = sim._this_host(sim._this_process())
+            host.device = s.device_index  # torch's _cuda_setStream makes the stream's device current too
+            host.current[s.device_index] = s
 
         def mem_get_info(index: Any = None) -> tuple[int, int]:
             dev = sim._device_index(index)
+            sim._context("torch.cuda.mem_get_info", dev)
             return DEVICE_MEMORY - sim._allocated[dev], DEVICE_MEMORY
 
         patches = {
@@ -840,10 +907,79 @@ class Sim(_Watched):
     # ---- streams and events -----------------------------------------------------------------------------------
 
     def new_stream(self, device: Any = None, priority: int = 0) -> SimStream:
+        """``torch.cuda.Stream()``: the next stream of the process's pool for that device and priority, round-robin
+        (torch's ``getStreamFromPool``: ``stream_pool`` streams each, shared by every user of the process, so two
+        ``Stream()`` calls may return the same stream)."""
         process = self._this_process()
         self._count("Stream")
+        index = self._device_index(device)
+        key = (process.rank, index, priority)
         with self.lock:
-            return SimStream(self, process, self._device_index(device), priority)
+            pool = self._pools.setdefault(key, [])
+            turn = self._pool_next[key] % self.stream_pool
+            self._pool_next[key] += 1
+            if turn == len(pool):
+                pool.append(SimStream(self, process, index, priority))
+            return pool[turn]
+
+    # ---- CUDA contexts and object lifetimes (issue 46, findings 1 and 2) ------------------------------------------
+
+    def _context(self, what: str, device: int | None = None) -> None:
+        """A CUDA runtime call by this thread, in the primary context of ``device`` (the device a torch guard sets) or,
+        unguarded, of the thread's current device: the first such call makes that context (CUDA's lazy init), about
+        half a GiB of the device's memory per process. One off the rank's own device is ``foreign_contexts``."""
+        process = getattr(self._tls, "process", None)
+        if process is None:
+            return  # a stream's worker (the device itself), or a thread bound to no rank
+        if device is None:
+            device = self._this_host(process).device
+        made = process.contexts.get(device)
+        if made is None:
+            made = process.contexts[device] = {}
+        name = threading.current_thread().name
+        if name not in made:
+            made[name] = what
+
+    @property
+    def foreign_contexts(self) -> list[str]:
+        """Every CUDA context a rank's thread made on a device other than the rank's own, named: what a thread that
+        never set its device does on a GPU (a context on GPU 0 from every rank)."""
+        return [f"rank {p.rank} (own device cuda:{p.own_device}): a context on cuda:{device} made by thread "
+                f"{thread!r} in {what}"
+                for p in list(self._processes.values()) for device, made in sorted(p.contexts.items())
+                if device != p.own_device for thread, what in made.items()]
+
+    def check_contexts(self) -> None:
+        """AssertionError naming every context off a rank's own device (``strict_contexts``: at the end of every
+        ``with Sim()``)."""
+        foreign = self.foreign_contexts
+        if foreign:
+            raise AssertionError("CUDA contexts off a rank's own device: " + "; ".join(foreign[:8])
+                                 + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else ""))
+
+    def _destroyed(self, event: SimEvent) -> None:
+        """A CUDA event's destruction, on the calling thread (``SimEvent.__del__``)."""
+        self._life(f"destroyed {event.name}", event.rank)
+
+    def _life(self, what: str, rank: int | None) -> None:
+        self.lifecycle.append((next(self._lifecycle_seq), what, threading.current_thread().name, rank))
+
+    def destroyed_before_aborts(self, thread_prefix: str) -> list[str]:
+        """Events destroyed on a thread whose name starts with ``thread_prefix`` while one of that rank's NCCL aborts
+        had not returned yet, or before its first abort started (issue 46, finding 2: a watchdog must not destroy
+        CUDA objects before its aborts have returned)."""
+        out = []
+        by_rank: dict[int | None, list[tuple[int, str, str]]] = collections.defaultdict(list)
+        for seq, what, thread, rank in self.lifecycle:
+            by_rank[rank].append((seq, what, thread))
+        for rank, items in by_rank.items():
+            returns = [seq for seq, what, _ in items if what.startswith("abort returned")]
+            last_return = max(returns) if returns else None
+            for seq, what, thread in items:
+                if what.startswith("destroyed") and thread.startswith(thread_prefix) and (
+                        last_return is None or seq < last_return):
+                    out.append(f"rank {rank}: {what} on thread {thread!r} before its aborts returned")
+        return out
 
     def new_event(self, enable_timing: bool = False) -> SimEvent:
         self._count("Event")
@@ -871,6 +1007,14 @@ class Sim(_Watched):
         accesses = [(t, False) for t in reads] + [(t, True) for t in writes]
         self._enqueue(op, accesses=accesses)
         return op
+
+    def fail_device(self, rank: int, what: str = "an illegal memory access was encountered") -> None:
+        """A sticky CUDA error in ``rank``'s process (a kernel that faulted): from now on every query, synchronize and
+        device-to-host copy of that process raises, on any of its threads, as CUDA's runtime does."""
+        process = self.process(rank)
+        with self.lock:
+            process.error = process.error or RuntimeError(f"CUDA error: {what}")
+            self.changed()
 
     def stall(self, stream: SimStream | None = None, name: str = "a stalled kernel") -> threading.Event:
         """A kernel on ``stream`` (the current one) that runs until the returned event is set (or the sim stops): a
@@ -901,6 +1045,7 @@ class Sim(_Watched):
         """Append ``op`` to its stream (blocking while the stream's launch queue is full), record its accesses."""
         stream = op.stream
         sim = self
+        self._context(op.name, stream.device_index)  # a launch runs under a guard on its stream's device
         host = self._this_process() if getattr(self._tls, "process", None) is not None else stream.process
         if self.stopped:
             raise SimStopped("the sim was stopped")

@@ -367,8 +367,9 @@ class SimNccl:
 
     def __init__(self, sim: Any, *, fifo_bound: int = 1024, abort_reaches_peers: bool = False, latency_s: float = 0.0,
                  bandwidth: float = float("inf"), cost: Callable[[Call, int, int], float] | None = None,
-                 transport: str = "threads") -> None:
+                 transport: str = "threads", device_wide_free: bool = False) -> None:
         self.sim = sim
+        self.device_wide_free = device_wide_free
         self.fifo_bound = fifo_bound
         self.abort_reaches_peers = abort_reaches_peers
         self.latency_s = latency_s
@@ -565,6 +566,7 @@ class SimNccl:
     def new_member(self, ndev: int, uid: bytes, rank: int) -> Member:
         sim = self.sim
         process = sim._this_process()
+        sim._context("ncclCommInitRank")
         self._raise_fault("init", None)
         if os.environ.get("NCCL_COMM_BLOCKING", "1").strip() == "0":
             raise NcclError(IN_PROGRESS)  # cupy 14: KeyError: 7 (a non-blocking init returns ncclInProgress)
@@ -579,7 +581,7 @@ class SimNccl:
             if group.nranks != ndev or rank in group.members:
                 raise NcclError(INVALID_USAGE)
             index = sum(1 for m in self._members if m.process is process)
-            member = Member(self, group, rank, process, process.cupy_device, index)
+            member = Member(self, group, rank, process, process.device, index)  # on the thread's current device
             group.members[rank] = member
             self._members.append(member)
             for m in group.members.values():
@@ -611,6 +613,7 @@ class SimNccl:
         sim = self.sim
         group_state = self._group_state()
         process = sim._this_process()
+        sim._context(f"nccl {kind}")  # NCCL's own device switch and restore: the thread's current device's context
         process.counters[f"nccl {kind}"] += 1
         member.calls[kind] += 1
         try:
@@ -681,11 +684,13 @@ class SimNccl:
         return stream
 
     def group_start(self) -> None:
+        self.sim._context("ncclGroupStart")
         self._raise_fault("groupStart", None)
         self._trace("groupStart")
         self._group_state().depth += 1
 
     def group_end(self) -> None:
+        self.sim._context("ncclGroupEnd")
         state = self._group_state()
         if state.depth == 0:
             self._trace("groupEnd failed")
@@ -758,10 +763,19 @@ class SimNccl:
     def abort(self, member: Member) -> None:
         sim = self.sim
         sim._count("nccl abort")
+        sim._context("ncclCommAbort")
         if member.freed:
             return
         self._raise_fault("abort", member)
         self._trace("abort", member)
+        sim._life(f"abort started: {member.label}", member.process.rank)
+        try:
+            self._abort(member)
+        finally:
+            sim._life(f"abort returned: {member.label}", member.process.rank)
+
+    def _abort(self, member: Member) -> None:
+        sim = self.sim
         with sim.lock:
             member.aborted = True
             if any(member in state.linked for state in self._threads_groups.values()):
@@ -780,7 +794,22 @@ class SimNccl:
                            f"(init.cc commDestroySync)")
         if last is not None:
             sim._host_joined(sim._this_process(), None, last.end, last.hb_clock)
+        self._free_resources(member, "ncclCommAbort")
         member.freed = True
+
+    def _free_resources(self, member: Member, what: str) -> None:
+        """``commFree``'s device and pinned frees (init.cc): with ``device_wide_free`` they wait, as ``cuMemFree`` and
+        ``cudaFreeHost`` may, for every stream of the process on the communicator's device to drain (NCCL issue 549:
+        an abort stuck in cuMemFree; PR 564: a hang from CUDA's implicit synchronization), so a kernel outside the
+        communicator's family that never finishes holds the abort or destroy too."""
+        sim = self.sim
+        if not self.device_wide_free:
+            return
+        process = member.process
+        tails = [(s, s.tail) for s in process.streams() if s.device_index == member.device and s.tail is not None]
+        sim._host_wait(lambda: all(t.done for _, t in tails), [s for s, _ in tails],
+                       f"{what} on {member.label}: its frees wait for the whole device (every stream of rank "
+                       f"{process.rank} on cuda:{member.device})")
 
     def _on_abort(self, member: Member) -> None:
         group = member.group
@@ -793,6 +822,7 @@ class SimNccl:
 
     def destroy(self, member: Member) -> None:
         self.sim._count("nccl destroy")
+        self.sim._context("ncclCommDestroy")
         if member.freed:
             return
         self._raise_fault("destroy", member)
@@ -806,10 +836,12 @@ class SimNccl:
             sim._host_wait(lambda: not member.kernels, [member, last.stream],
                            f"ncclCommDestroy on {member.label}, waiting for its kernels ({last.describe()} last)")
             sim._host_joined(sim._this_process(), None, last.end, last.hb_clock)
+        self._free_resources(member, "ncclCommDestroy")
         member.freed = member.destroyed = True
         getattr(member.group, "member_destroyed", lambda m: None)(member)
 
     def check_async_error(self, member: Member) -> None:
+        self.sim._context("ncclCommGetAsyncError")
         if member.async_error is not None:
             raise NcclError(member.async_error)
         error = getattr(member.group, "remote_error", lambda m: None)(member)
@@ -925,20 +957,20 @@ class _Device:
     """``cupy.cuda.Device(i)``: a context that makes ``i`` cupy's current device."""
 
     def __init__(self, device: int | None = None) -> None:
-        self.id = _sim()._this_process().cupy_device if device is None else int(device)
+        self.id = _sim()._this_process().device if device is None else int(device)
         self._previous: list[int] = []
 
     def use(self) -> None:
-        _sim()._this_process().cupy_device = self.id
+        _sim()._this_process().device = self.id  # cudaSetDevice: the same per-thread device torch reads
 
     def __enter__(self) -> _Device:
         process = _sim()._this_process()
-        self._previous.append(process.cupy_device)
-        process.cupy_device = self.id
+        self._previous.append(process.device)
+        process.device = self.id
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _sim()._this_process().cupy_device = self._previous.pop()
+        _sim()._this_process().device = self._previous.pop()
 
 
 class _DeviceId(types.SimpleNamespace):
@@ -985,8 +1017,8 @@ def make_modules() -> dict[str, types.ModuleType]:
     nccl.groupEnd = groupEnd
     nccl.check_status = check_status
     nccl.available = True
-    runtime.getDevice = lambda: _sim()._this_process().cupy_device
-    runtime.setDevice = lambda device: setattr(_sim()._this_process(), "cupy_device", int(device))
+    runtime.getDevice = lambda: _sim()._this_process().device
+    runtime.setDevice = lambda device: setattr(_sim()._this_process(), "device", int(device))
     runtime.getDeviceCount = lambda: _sim().device_count
     cuda.Device = _Device
     cuda.nccl = nccl

@@ -97,3 +97,32 @@ def test_the_import_reader_sees_what_it_must() -> None:
 ])
 def test_negative_control_a_broken_layering_is_refused(module: str, source: str) -> None:
     assert layering_problems(module, imports_of(source, module)), f"{module} with {source!r} passed"
+
+
+THREAD_HOME = "owner_reduce.runtime.threads"
+
+
+def thread_starts(source: str) -> list[int]:
+    """The lines of every ``threading.Thread(...)`` or bare ``Thread(...)`` call in ``source``."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if name == "Thread":
+                lines.append(node.lineno)
+    return lines
+
+
+def test_every_product_thread_starts_on_the_ranks_device() -> None:
+    """Issue 46, finding 1: a thread that never set its CUDA device makes a context on GPU 0, so the product's threads
+    are started by ``runtime.threads`` alone, which sets the rank's device first (the harness is not the product)."""
+    starts = [f"{module_name(path)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
+              if module_name(path) != THREAD_HOME and not _within(module_name(path), "owner_reduce.harness")
+              for line in thread_starts(path.read_text())]
+    assert starts == [], f"threads started outside {THREAD_HOME}: {starts}"
+
+
+def test_negative_control_a_bare_thread_is_seen() -> None:
+    assert thread_starts("import threading\nt = threading.Thread(target=print)\n") == [2]
+    assert thread_starts("from threading import Thread\n\ndef f():\n    Thread(target=f).start()\n") == [4]

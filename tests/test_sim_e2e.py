@@ -127,6 +127,24 @@ def test_two_level_flushes_on_the_cupy_path(case, monkeypatch):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("pool", [1, 2])
+@pytest.mark.parametrize("case", list(TWO_LEVEL))
+def test_two_level_flushes_with_torchs_stream_pool_aliasing_the_level_streams(case, pool, monkeypatch):
+    """torch's ``Stream()`` hands out streams round-robin from a pool of 32 per device and priority, shared with every
+    other user of the process, so the reduce, node and rail streams may be one stream, or two (issue 46, finding 6):
+    with a pool of 1 and of 2, each two-level case runs as before, with no hang, no race and the exact sums."""
+    ws, per_node, stage, ga, step, layout = TWO_LEVEL[case]
+    with Sim(hang_bound_s=20, hb=True, stream_pool=pool) as sim:
+        _two_level(monkeypatch, sim, per_node, step, layout)
+        runtimes, _ = _run(sim, ws, stage, ga, "two_level", 64)
+        streams = runtimes[0].placer.streams
+        distinct = {id(s) for s in (streams.reduce_stream, *streams._levels.values())}
+        assert len(distinct) == pool, (pool, streams.reduce_stream, streams._levels)  # they really alias
+        assert all(rt.stats.two_level_flushes > 0 for rt in runtimes)
+        _cleanup(sim, runtimes)
+
+
+@pytest.mark.timeout(120)
 def test_negative_control_a_wrong_root_in_one_ranks_two_level_stage_is_caught(monkeypatch):
     """After the learning step, data-parallel rank 3 (rail 1: ranks 1 and 3) issues its rail Reduces to the other
     root: the sim reports the mismatch naming both ranks' calls, the rail rank that completed the mismatched call

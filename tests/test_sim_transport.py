@@ -29,7 +29,8 @@ def _worker(rank: int, world_size: int) -> dict:
 
     out: dict = {}
     owner_map = flat_map(NUMELS, world_size)
-    with Sim(transport="processes", max_ranks=1, abort_reaches_peers=True, hang_bound_s=30) as sim:
+    # Each process's one simulated rank drives GPU ``rank`` (its launcher's choice), as on a node.
+    with Sim(transport="processes", max_ranks=1, abort_reaches_peers=True, hang_bound_s=30, first_device=rank) as sim:
         torch.cuda.set_device(rank)
         # The product's own choice over the gloo group; the readiness is DeepSpeed's CUDA accelerator's, as on a GPU
         steps = SelectSteps(readiness=lambda: local_readiness("cuda"))

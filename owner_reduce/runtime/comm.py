@@ -47,6 +47,7 @@ class ReduceComm(ABC):
     """SUM-reductions over the data-parallel communicator (pre-division is the caller's job)."""
 
     name: str = "abstract"
+    cuda_device: int | None = None  # the CUDA device its calls run on (None: the host), which its threads set first
 
     def __init__(self, rank: int, world_size: int, deadline: deadlines.Deadline | None = None) -> None:
         self.rank = rank
@@ -370,7 +371,12 @@ class TorchDistComm(ReduceComm):
         self._works: list[tuple[Any, _Call]] = []  # issued in the open group, not yet waited for or ordered
         self._p2p: list[tuple[Any, _Call]] = []  # P2POps, issued at group end
         self._in_flight: list[_InFlight] = []  # device works ordered on a stream, not yet seen complete
+        self._retired: list[_InFlight] = []  # an aborted group's works (their CUDA events): kept until ``close``
         self.aborted = False
+        if self._native_scatter and torch.cuda.is_available():  # NCCL: its works run on this rank's device
+            from .threads import current_cuda_device
+
+            self.cuda_device = current_cuda_device()
 
     def _group_start(self) -> None:
         self.watchdog.raise_if_failed()  # aborted by the flush watchdog: its error, never a call on an aborted group
@@ -557,6 +563,7 @@ class TorchDistComm(ReduceComm):
     def close(self) -> None:
         """The runtime's cleanup has waited for the reduce stream (and so for every work in flight) already."""
         self._in_flight.clear()
+        self._retired.clear()
         self.watchdog.forget(self)
 
     # ---- waiting --------------------------------------------------------------------------------------------
@@ -619,7 +626,9 @@ class TorchDistComm(ReduceComm):
 
     def _take_for_abort(self) -> Callable[[], Any] | None:
         """The process group's ``abort`` (once); torch's own watchdog aborts it from another thread too, so no guard
-        is needed around this communicator's calls."""
+        is needed around this communicator's calls. The works' CUDA events stay alive until ``close``, on the main
+        thread (``nccl_comm`` Note (events outlive the aborts))."""
+        self._retired += self._in_flight
         self._in_flight.clear()
         if self.aborted:
             return None

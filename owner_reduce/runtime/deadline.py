@@ -274,8 +274,10 @@ def end_process_if_still_blocked(call: Callable[[], T], *, deadline: Deadline, r
         finally:
             end(BLOCKED_EXIT_CODE)
 
-    thread = threading.Thread(target=watchdog, name=f"owner_reduce watchdog: {what}", daemon=True)
-    thread.start()
+    # On the rank's device, as every thread of the runtime (``threads``), although it makes no CUDA call of its own.
+    from .threads import current_cuda_device, start
+
+    thread = start(watchdog, name=f"owner_reduce watchdog: {what}", device=current_cuda_device())
     try:
         return call()
     finally:

@@ -67,6 +67,16 @@ communicator's calls run on the level streams, which the data-parallel communica
 waits for exactly this communicator's work, and completed groups give their events to later ones (one event record
 per group on the hot path, none created in a steady step).
 
+Note (events outlive the aborts): the flush watchdog claims a communicator for its abort from its own thread; the
+events of the groups still in flight then move to ``_retired`` instead of being dropped there, and ``close`` (the main
+thread) releases them. Dropping the last reference destroys a CUDA event (``cudaEventDestroy``), which takes CUDA
+driver locks that a main thread blocked behind the stalled collective may hold; on the watchdog thread, before any
+``ncclCommAbort`` has run, that wait would have no bound and nothing would ever abort (issue 46, finding 2; torch's
+ProcessGroupNCCL moved event destruction off its own watchdog for the same reason).
+
+Note (a bounded destroy): see ``CupyNcclComm._destroy_bounded``; every thread of this module's runs on the
+communicator's device (``threads``).
+
 Note (init can block): ``ncclCommInitRank`` waits for every rank. ``comm_select`` agrees on every local
 precondition before any rank calls it, so a rank that cannot even try never leaves the others waiting; a peer that
 never joins ends the waiting ranks' processes at the deadline (``deadline`` Note (a blocking init)).
@@ -85,6 +95,7 @@ import torch
 
 from ..planning.wording import by_reason, ranks_phrase
 from . import deadline as deadlines
+from . import threads
 from . import watchdog as watchdogs
 from .comm import ReduceComm, pinned
 
@@ -237,11 +248,12 @@ def _broadcast_on_device(payload: torch.Tensor, src: int, group: Any, rank: int)
     return back
 
 
-_LEFT_OPEN: dict[int, Any] = {}  # id(handle) -> a cupy NcclCommunicator neither aborted nor destroyed yet
+# id(handle) -> (a cupy NcclCommunicator neither aborted nor destroyed yet, its CUDA device)
+_LEFT_OPEN: dict[int, tuple[Any, int]] = {}
 _EXIT_HANDLER = False  # _abort_left_open is registered with atexit
 
 
-def _left_open(handle: Any) -> None:
+def _left_open(handle: Any, device: int) -> None:
     """Note (left open at exit): cupy's ``NcclCommunicator.__dealloc__`` calls ``ncclCommDestroy``, which waits for the
     communicator's kernels in flight, forever where a peer stalled. So every handle is kept here until it is aborted or
     destroyed (its ``NcclCommunicator`` never deallocated before), and at exit whatever is left is aborted, all at
@@ -251,14 +263,14 @@ def _left_open(handle: Any) -> None:
     if not _EXIT_HANDLER:
         atexit.register(_abort_left_open)
         _EXIT_HANDLER = True
-    _LEFT_OPEN[id(handle)] = handle
+    _LEFT_OPEN[id(handle)] = (handle, device)
 
 
 def _abort_left_open() -> None:
     watchdogs.stop_all()  # no watchdog claims a communicator meanwhile
     handles = [h for h in (_LEFT_OPEN.pop(key, None) for key in list(_LEFT_OPEN)) if h is not None]
-    stuck, _ = watchdogs.abort_concurrently([(f"left-open #{i}", h.abort) for i, h in enumerate(handles)],
-                                            watchdogs.ABORT_BOUND_S)
+    stuck, _ = watchdogs.abort_concurrently([(f"left-open #{i}", h.abort, device)
+                                             for i, (h, device) in enumerate(handles)], watchdogs.ABORT_BOUND_S)
     if stuck:
         import sys
 
@@ -332,6 +344,7 @@ class CupyNcclComm(ReduceComm):
         self._views: dict[int, _BufferView] = {}  # id(buffer) -> its DLPack view (the view keeps it alive)
         self._issued: list[_IssuedGroup] = []  # groups on the device not yet seen complete: Note (in flight)
         self._free_events: list[Any] = []  # events of completed groups, recorded again by later ones
+        self._retired: list[_IssuedGroup] = []  # an aborted communicator's groups: Note (events outlive the aborts)
         self._make_event: Callable[[], Any] = torch.cuda.Event  # tests: a fake
         self._first_call: tuple[str, str | None, int, int, torch.dtype] | None = None  # the open group's first call
         self.global_rank = _process_rank(rank)
@@ -343,13 +356,14 @@ class CupyNcclComm(ReduceComm):
             self._cupy = cupy
             self._sum = nccl_op("sum")  # resolved once: the flush only sums
             self.device = _current_cuda_device() if device is None else int(device)
+            self.cuda_device = self.device  # the device the flush watchdog's and the aborts' threads set
             what = f"communicator creation (world_size={world_size}, rank={rank}, device=cuda:{self.device})"
             with cupy.cuda.Device(self.device):  # deadline.py Note (a blocking init)
                 self._comm = deadlines.end_process_if_still_blocked(
                     lambda: nccl.NcclCommunicator(world_size, unique_id, rank), deadline=self.deadline,
                     rank=self.global_rank,
                     what=f"ncclCommInitRank (world_size={world_size}, rank={rank}, device=cuda:{self.device})")
-            _left_open(self._comm)
+            _left_open(self._comm, self.device)
         except Exception as error:  # noqa: BLE001 - every cause becomes one RuntimeError naming the call
             raise failure(what, self.global_rank, error) from error
 
@@ -483,6 +497,7 @@ class CupyNcclComm(ReduceComm):
         ``ncclCommDestroy``; if that wait fails, or the communicator was aborted, nothing is destroyed
         (``ncclCommAbort`` already released it)."""
         self._views.clear()
+        self._retired.clear()  # on the main thread: Note (events outlive the aborts)
         if self._comm is None:
             self.watchdog.forget(self)
             return
@@ -493,7 +508,35 @@ class CupyNcclComm(ReduceComm):
         self.watchdog.leave()
         self.watchdog.forget(self)
         if comm is not None:
-            self._call("communicator destroy", comm.destroy)
+            self._destroy_bounded(comm)
+
+    def _destroy_bounded(self, comm: Any) -> None:
+        """Note (a bounded destroy): ``ncclCommDestroy`` returns after this communicator's kernels (none are left: the
+        wait before it saw them complete) and ``commFree``'s frees, which may wait for every kernel on the GPU (NCCL
+        issue 549, PR 564): a kernel of another library that never finishes (a torch collective on a dead peer) would
+        hold it forever. So it runs on a thread of its own (on this device: ``threads``) and the close waits for it
+        within the deadline; past it, the error names the call, and the destroy is left to its thread (nothing else
+        may touch the handle: an abort now would free it twice)."""
+        started = time.monotonic()
+        failed: list[BaseException] = []
+
+        def destroy() -> None:
+            try:
+                comm.destroy()
+            except BaseException as error:  # noqa: BLE001 - re-raised on the main thread
+                failed.append(error)
+
+        thread = threads.start(destroy, name=f"owner_reduce close: ncclCommDestroy ({self.role} communicator)",
+                               device=self.device)
+        thread.join(self.deadline.allowed_s(started))
+        if thread.is_alive():
+            raise deadlines.OwnerReduceCommError(
+                rank=self.global_rank, dp_rank=self.dp_rank, flush=None,
+                call=f"close: ncclCommDestroy{self.where}", waited_s=time.monotonic() - started,
+                deadline=self.deadline, reason="has not returned (its frees wait for every kernel on the GPU, and a "
+                                               "kernel outside owner_reduce never finished)")
+        if failed:
+            raise failure("communicator destroy" + self.where, self._failed_on(), failed[0]) from failed[0]
 
     @contextlib.contextmanager
     def group(self, flush: int | None = None) -> Iterator[None]:
@@ -532,7 +575,10 @@ class CupyNcclComm(ReduceComm):
             self._abort_pending = True
             return None
         comm, self._comm = self._comm, None
-        self._issued.clear()  # the wait that failed named them; nothing waits for an aborted communicator's work
+        # Nothing waits for an aborted communicator's work any more, but its events stay alive until ``close``:
+        # Note (events outlive the aborts).
+        self._retired += self._issued
+        self._issued.clear()
         if comm is None:
             return None
         _LEFT_OPEN.pop(id(comm), None)

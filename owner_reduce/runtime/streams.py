@@ -62,6 +62,7 @@ from typing import Any
 import torch
 
 _HIGH_PRIORITY = -(1 << 10)
+_STREAM_POOL = 32  # torch's c10/cuda/CUDAStream.cpp kStreamsPerPool: Note (stream pool)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -90,6 +91,25 @@ class HostStreams:
     @contextlib.contextmanager
     def levels(self) -> Iterator[None]:
         yield
+
+    def _distinct_streams(self, names: tuple[str, ...]) -> dict[str, Any]:
+        """A stream for each of ``names``, none of them the reduce stream or another's where the pool allows. Note
+        (stream pool): torch's ``Stream()`` hands out the streams of a pool (32 per device and priority) round-robin to
+        every user of the process, so two calls may return the same stream; a level on the reduce stream or on the
+        other level's stays correct (every wait here is an event or a stream wait, both no-ops on one stream: the
+        simulated device runs the two-level flushes with pools of one and two streams), but its stages no longer
+        overlap. So the draw goes on, at most a pool's length, until the streams differ."""
+        taken = [self.reduce_stream]
+        streams: dict[str, Any] = {}
+        for name in names:
+            stream = self._cuda.Stream(self.device, priority=_HIGH_PRIORITY)
+            for _ in range(_STREAM_POOL):
+                if all(stream != t for t in taken):  # torch compares the CUDA streams, not the Python objects
+                    break
+                stream = self._cuda.Stream(self.device, priority=_HIGH_PRIORITY)
+            streams[name] = stream
+            taken.append(stream)
+        return streams
 
     @contextlib.contextmanager
     def level(self, name: str) -> Iterator[None]:
@@ -172,13 +192,32 @@ class CudaStreams:
         """A two-level flush: on the node stream, after the current stream and the reduce stream (Note (two
         levels)); the streams are made by the first one."""
         if not self._levels:
-            self._levels = {name: self._cuda.Stream(self.device, priority=_HIGH_PRIORITY) for name in ("node", "rail")}
+            self._levels = self._distinct_streams(("node", "rail"))
         node = self._levels["node"]
         node.wait_stream(self._cuda.current_stream(self.device))
         node.wait_stream(self.reduce_stream)
         self._levels_ahead = True
         with self._cuda.stream(node):
             yield
+
+    def _distinct_streams(self, names: tuple[str, ...]) -> dict[str, Any]:
+        """A stream for each of ``names``, none of them the reduce stream or another's where the pool allows. Note
+        (stream pool): torch's ``Stream()`` hands out the streams of a pool (32 per device and priority) round-robin to
+        every user of the process, so two calls may return the same stream; a level on the reduce stream or on the
+        other level's stays correct (every wait here is an event or a stream wait, both no-ops on one stream: the
+        simulated device runs the two-level flushes with pools of one and two streams), but its stages no longer
+        overlap. So the draw goes on, at most a pool's length, until the streams differ."""
+        taken = [self.reduce_stream]
+        streams: dict[str, Any] = {}
+        for name in names:
+            stream = self._cuda.Stream(self.device, priority=_HIGH_PRIORITY)
+            for _ in range(_STREAM_POOL):
+                if all(stream != t for t in taken):  # torch compares the CUDA streams, not the Python objects
+                    break
+                stream = self._cuda.Stream(self.device, priority=_HIGH_PRIORITY)
+            streams[name] = stream
+            taken.append(stream)
+        return streams
 
     @contextlib.contextmanager
     def level(self, name: str) -> Iterator[None]:

@@ -58,7 +58,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .deadline import BLOCKED_EXIT_CODE, OwnerReduceCommError
+from . import threads
+from .deadline import BLOCKED_EXIT_CODE, OwnerReduceCommError, first_line
 
 if TYPE_CHECKING:
     from .comm import ReduceComm
@@ -103,6 +104,7 @@ class FlushWatchdog:
         self._delivered = threading.Event()  # the main thread raised ``error``
         self._thread: threading.Thread | None = None
         self._seen_done: dict[int, Any] = {}  # id(comm) -> the newest of its groups seen complete (Note (firing))
+        self.device: int | None = None  # the rank's CUDA device, which its threads set first (``threads``)
 
     # ---- the main thread's hot path ------------------------------------------------------------------------
 
@@ -132,9 +134,10 @@ class FlushWatchdog:
         """Something is in flight: the thread looks from now on (started the first time)."""
         self.armed = True
         if self._thread is None and not self._stopped.is_set():
-            self._thread = threading.Thread(target=self._run, name="owner_reduce flush watchdog", daemon=True)
+            owner = self.comms[0]
+            self.device = owner.cuda_device if owner.cuda_device is not None else threads.current_cuda_device()
             _LIVE.add(self)
-            self._thread.start()
+            self._thread = threads.start(self._run, name="owner_reduce flush watchdog", device=self.device)
         self._wake.set()
 
     # ---- the main thread: failures ------------------------------------------------------------------------
@@ -161,13 +164,13 @@ class FlushWatchdog:
                                f"{'communicator' if len(stuck) == 1 else 'communicators'} did not return within "
                                f"{self.abort_bound_s:g} s (each waits for its communicator's last kernel)")
 
-    def _claim(self) -> list[tuple[str, Callable[[], Any]]]:
-        """Under the guard: every communicator's abort, taken (what is already taken is skipped)."""
+    def _claim(self) -> list[tuple[str, Callable[[], Any], int | None]]:
+        """Under the guard: every communicator's abort, taken (what is already taken is skipped), with its device."""
         aborts = []
         for comm in self.family():
             abort = comm._take_for_abort()
             if abort is not None:
-                aborts.append((f"{comm.role}", abort))
+                aborts.append((f"{comm.role}", abort, comm.cuda_device))
         return aborts
 
     # ---- the family ---------------------------------------------------------------------------------------
@@ -199,18 +202,42 @@ class FlushWatchdog:
     # ---- the thread ---------------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        """The thread (on the rank's device: ``threads``). Note (a poll that raises): a completion query or an
+        asynchronous-error check that raises (a sticky CUDA error: the context is unusable) is this rank's failure,
+        fired like a deadline; the thread never ends silently with flushes in flight and nobody watching them."""
         while not self._stopped.is_set():
             self._wake.wait()
             while not self._stopped.wait(self.poll_s):
-                if self._check(time.monotonic()):
-                    return  # fired (or stood down for an error path's claim): nothing is left to watch
-                if not self._busy():  # disarm; see ``arm``: whoever runs second sees the other's write
+                try:
+                    if self._check(time.monotonic()):
+                        return  # fired (or stood down for an error path's claim): nothing is left to watch
+                    busy = self._busy()
+                except Exception as error:  # noqa: BLE001 - Note (a poll that raises)
+                    self._poll_failed(error)
+                    return
+                if not busy:  # disarm; see ``arm``: whoever runs second sees the other's write
                     self.armed = False
                     self._wake.clear()
                     if not self._busy():
                         break
                     self.armed = True
                     self._wake.set()
+
+    def _poll_failed(self, error: Exception) -> None:
+        """Note (a poll that raises): fire naming the oldest group not forgotten on any communicator (formatted, never
+        queried again), else the call the main thread is inside."""
+        for comm in self.family():
+            entries = comm._watched()
+            if entries:
+                flush, name = comm._entry_name(entries[0])
+                issued_at = entries[0].issued_at
+                break
+        else:
+            comm = self.held_by or self.comms[0]
+            flush, name, issued_at = comm.flush, self.in_call or "no call in flight", self.in_call_since
+        waited = 0.0 if issued_at is None else time.monotonic() - issued_at
+        self._fire(self._error(comm, flush, name, waited, f"failed: the watchdog's poll of its completion raised "
+                                                          f"{type(error).__name__}: {first_line(error)}"))
 
     def _busy(self) -> bool:
         return self.in_call_since is not None or any(self._oldest_pending(c) is not None for c in self.family())
@@ -338,10 +365,11 @@ class FlushWatchdog:
             self.end(BLOCKED_EXIT_CODE)
 
 
-def abort_concurrently(aborts: Sequence[tuple[str, Callable[[], Any]]], bound_s: float
+def abort_concurrently(aborts: Sequence[tuple[str, Callable[[], Any], int | None]], bound_s: float
                        ) -> tuple[list[str], BaseException | None]:
-    """Run every ``(name, abort)`` at once, one thread each, and wait for them until ``bound_s`` from now: (the names
-    of those still running then, the first failure). Why at once: Note (firing) 2."""
+    """Run every ``(name, abort, device)`` at once, one thread each on its communicator's device (``threads``: NCCL's
+    abort runs CUDA calls on the thread's device), and wait for them until ``bound_s`` from now: (the names of those
+    still running then, the first failure). Why at once: Note (firing) 2."""
     if not aborts:
         return [], None
     failures: list[BaseException | None] = [None] * len(aborts)
@@ -352,14 +380,12 @@ def abort_concurrently(aborts: Sequence[tuple[str, Callable[[], Any]]], bound_s:
         except BaseException as error:  # noqa: BLE001 - reported to the caller
             failures[i] = error
 
-    threads = [threading.Thread(target=run, args=(i, abort), name=f"owner_reduce abort: {name} communicator",
-                                daemon=True) for i, (name, abort) in enumerate(aborts)]
-    for thread in threads:
-        thread.start()
+    started = [threads.start(run, name=f"owner_reduce abort: {name} communicator", device=device, args=(i, abort))
+               for i, (name, abort, device) in enumerate(aborts)]
     until = time.monotonic() + bound_s
-    for thread in threads:
+    for thread in started:
         thread.join(max(0.0, until - time.monotonic()))
-    stuck = [name for (name, _), thread in zip(aborts, threads, strict=True) if thread.is_alive()]
+    stuck = [name for (name, _, _), thread in zip(aborts, started, strict=True) if thread.is_alive()]
     return stuck, next((f for f in failures if f is not None), None)
 
 
