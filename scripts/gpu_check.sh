@@ -18,7 +18,11 @@
 #      stopped: rank 0 fails within the deadline + 10 s naming the call, the communicator and the flush);
 #      every multi-rank step on the shared GPU runs with NCCL_MULTI_RANK_GPU_ENABLE=1 and NCCL_MAX_NCHANNELS=4;
 #   4. scripts/gpu_e2e.py at ws 2: plain ZeRO-1, DeepCompile + owner_reduce, native DeepCompile (optional inside
-#      the step), owner == plain bitwise, host us per reduce_grad, peak memory, phase times;
+#      the step), owner == plain bitwise, host us per reduce_grad, peak memory, phase times; issue 46's lines: the
+#      first flush's host time against the tenth (a lazy NCCL connection blocks the host in the first ncclGroupEnd)
+#      and every rank's CUDA contexts per GPU (nvidia-smi's compute-apps: a thread on the wrong device adds one on
+#      GPU 0; with ranks sharing one GPU it cannot show); stall_deep's failed_after_stall_s is the time from the
+#      stalled peer to the survivor's error;
 #   5. pytest -m cuda (two-rank tests: ranks share the GPU);
 #   6. the bf16 167M model (dim 1024, 8 layers, vocab 32000, whole-model bucket 5e8) at ws 4: owner and native step
 #      times, host us per reduce_grad, peak memory; every rank prints its phases, and a mode past its bound fails
@@ -379,6 +383,11 @@ if [ "$WS2" = 1 ]; then
     note "  - issue 37: two communicators aborted in the wrong order hang, concurrently return"
   has stall_deep "^RESULT nccl_mechanisms check=product-stall ok=1" || \
     note "  - issue 37: a stalled peer in a 128-layer model fails rank 0 within the deadline + 10 s"
+  has e2e_ws2 "^RESULT gpu_e2e flushes mode=owner ws=2 " || \
+    note "  - issue 46: the first flush's host time against the tenth (NCCL's lazy connections)"
+  has e2e_ws2 "^RESULT gpu_e2e contexts mode=owner ws=2 r0=\[[^]]*MiB" || \
+    note "  - issue 46: each rank's CUDA contexts per GPU (nvidia-smi's compute-apps)"
+  [ "$GPUS" -gt 1 ] || note "  - issue 46: a context on the wrong GPU: every rank runs on GPU 0 here, so none can show"
 fi
 for m in plain owner native; do has e2e_ws1 "^RESULT gpu_e2e mode=$m ws=1 " || note "  - gpu_e2e $m at ws 1"; done
 note "  - any interconnect: ranks share one GPU (its memory and SMs), so no timing here is an NVLink/IB measurement"

@@ -134,13 +134,34 @@ def _train(rank: int, world_size: int, job: Job) -> dict[str, Any]:
         stats = asdict(out["stats"])
         stats["probe_lines"] = stats["probe_lines"][:4]
     reduce_grad_ns = out["timings"].get("reduce_grad_ns", []) if out["timings"] else []
-    return {"losses": out["losses"], "step_s": out["step_times"], "first_step_s": out["first_step_s"],
+    flush_ns = out["timings"].get("flush_ns", []) if out["timings"] else []
+    return {"flush_us": [ns / 1000 for ns in flush_ns[:12]], "contexts": None if job.cpu else gpu_contexts(),
+            "losses": out["losses"], "step_s": out["step_times"], "first_step_s": out["first_step_s"],
             "comm": out["comm"], "stats": stats, "params": {n: p.float() for n, p in out["params"].items()},
             # host time of one reduce_grad call without its flushes (owner path only; plain ZeRO has none)
             "reduce_grad_us": statistics.median(reduce_grad_ns) / 1000 if reduce_grad_ns else None,
             "reduce_grad_calls_timed": len(reduce_grad_ns), "deadline": deadline,
             "peak_gpu_mib": None if job.cpu else torch.cuda.max_memory_allocated() / 2**20,
             "phases": phases.history, "pg_allreduce_item_ms": probe_ms, "dc_pass_s": dc_pass_s}
+
+
+def gpu_contexts() -> str:
+    """This process's CUDA contexts, as the driver lists them (``nvidia-smi --query-compute-apps``): one entry per GPU
+    where it has one, ``bus id:MiB``. Issue 46, finding 1: a thread that never set its device makes a context on GPU 0
+    (a second entry, on a machine with more than one GPU). ``unavailable`` where the driver shows no process of ours
+    (a container's PID namespace)."""
+    import os
+    import subprocess
+
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_bus_id,used_memory",
+                                 "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"unavailable ({type(error).__name__})"
+    mine = [line.split(",") for line in listed.splitlines() if line.split(",")[0].strip() == str(os.getpid())]
+    if not mine:
+        return "unavailable (no process of ours in nvidia-smi's list)"
+    return " ".join(f"{bus.strip()}:{mib.strip()}MiB" for _, bus, mib in mine)
 
 
 def launch(job: Job, world_size: int, timeout: float) -> list[dict[str, Any]]:
@@ -346,6 +367,15 @@ def _print_run(mode: str, world_size: int, rows: list[dict[str, Any]], wall_s: f
           + (f" pg_allreduce_item_ms={max(probes):.3f}" if probes else "")
           + "".join(f" dc_passes_{kind}_s={max(r['dc_pass_s'].get(kind, 0.0) for r in rows):.2f}"
                     for kind in ("fwd", "bwd") if any(kind in (r.get("dc_pass_s") or {}) for r in rows)), flush=True)
+    flushes = r0.get("flush_us") or []
+    if len(flushes) >= 10:  # issue 46, finding 5: a lazy connection on the host shows in the first flush's issue
+        print(f"RESULT gpu_e2e flushes mode={mode} ws={world_size} first_flush_host_us={flushes[0]:.0f} "
+              f"tenth_flush_host_us={flushes[9]:.0f} median_of_first_12_us={statistics.median(flushes):.0f} "
+              f"(rank 0's host time issuing each flush)", flush=True)
+    if r0.get("contexts") is not None:
+        print(f"RESULT gpu_e2e contexts mode={mode} ws={world_size} "
+              + " ".join(f"r{i}=[{r['contexts']}]" for i, r in enumerate(rows))
+              + " (one entry per GPU where the rank's process has a context)", flush=True)
     if r0["stats"]:
         s = r0["stats"]
         print(f"  owner runtime: flushes={s['flushes']} collectives={s['collectives']} "

@@ -635,7 +635,8 @@ class Sim(_Watched):
         self._addresses: list[int] = []  # sorted allocation addresses (the registry)
         self._by_address: dict[int, weakref.ref[SimStorage]] = {}  # weak: a storage dies with its last tensor
         self._next_address = 0x7F0000000000
-        self._allocated: collections.Counter[int] = collections.Counter()  # bytes per device
+        self._allocated: collections.Counter[int] = collections.Counter()  # bytes per device (torch's tensors)
+        self._nccl_memory: collections.Counter[int] = collections.Counter()  # NCCL's own, per device (connections)
         self._patches: list[tuple[Any, str, Any]] = []
         self._installed = False
         self.nccl = sim_nccl.SimNccl(self, **nccl_options)
@@ -848,7 +849,7 @@ class Sim(_Watched):
         def mem_get_info(index: Any = None) -> tuple[int, int]:
             dev = sim._device_index(index)
             sim._context("torch.cuda.mem_get_info", dev)
-            return DEVICE_MEMORY - sim._allocated[dev], DEVICE_MEMORY
+            return DEVICE_MEMORY - sim._allocated[dev] - sim._nccl_memory[dev], DEVICE_MEMORY
 
         patches = {
             "_lazy_init": lambda: None, "is_available": lambda: True, "is_initialized": lambda: True,
@@ -861,6 +862,8 @@ class Sim(_Watched):
             "get_device_capability": lambda index=None: sim.capability,
             "get_device_name": lambda index=None: sim.device_name,
             "memory_allocated": lambda index=None: sim._allocated[sim._device_index(index)],
+            # No caching allocator here: what torch reserves is what its tensors hold.
+            "memory_reserved": lambda index=None: sim._allocated[sim._device_index(index)],
         }
         for name, value in patches.items():
             self._patch(cuda, name, value)

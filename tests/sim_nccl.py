@@ -51,6 +51,10 @@ import torch
 hb_cuda.skip_file(__file__)
 
 UNIQUE_ID_BYTES = 128
+# Device memory a lazy connection setup takes in the sim (``SimNccl._connect``): round figures of the sim's own, so that
+# a connection made at init and one made in a flush differ in ``mem_get_info``; NCCL's depend on protocols, channels
+# and transports.
+CONNECT_BYTES = {"coll": 16 << 20, "p2p": 4 << 20}
 VERSION = 23003  # what get_version() answers: NCCL 2.30.3
 MAGIC = b"SIMNCCL"
 
@@ -201,6 +205,7 @@ class Group:
         self.matches: dict[tuple[Any, ...], Match] = {}
         self.delay_s = 0.0  # added to every kernel of this communicator (virtual)
         self.label = f"communicator #{self.number} ({nranks} ranks)"
+        self.connecting: dict[tuple[Any, ...], set[int]] = {}  # a connection -> the ranks that reached its setup
 
     def post(self, post: Post, key: tuple[Any, ...], expected: tuple[int, ...]) -> None:
         """Register ``post``; when every expected rank has posted, check that they agree (raises SimMismatch)."""
@@ -324,6 +329,7 @@ class Member(sim_cuda._Watched):
         self.stall_from: int | None = None  # its kernels from this number on never complete (a fault)
         self.launched = 0
         self.delay_s = 0.0
+        self.connected: set[tuple[Any, ...]] = set()  # ("coll", kind) or ("p2p", peer): set up (lazy connection)
 
     @property
     def label(self) -> str:
@@ -367,9 +373,12 @@ class SimNccl:
 
     def __init__(self, sim: Any, *, fifo_bound: int = 1024, abort_reaches_peers: bool = False, latency_s: float = 0.0,
                  bandwidth: float = float("inf"), cost: Callable[[Call, int, int], float] | None = None,
-                 transport: str = "threads", device_wide_free: bool = False) -> None:
+                 transport: str = "threads", device_wide_free: bool = False, lazy_connect: bool = True) -> None:
         self.sim = sim
         self.device_wide_free = device_wide_free
+        self.lazy_connect = lazy_connect
+        # (process rank, the communicator's label, ("coll", kind) or ("p2p", peer), the NCCL call that set it up)
+        self.connections: list[tuple[int, str, tuple[Any, ...], str]] = []
         self.fifo_bound = fifo_bound
         self.abort_reaches_peers = abort_reaches_peers
         self.latency_s = latency_s
@@ -719,10 +728,55 @@ class SimNccl:
         for member, posts in by_member.items():
             self._launch(member, posts)
 
+    def _connect(self, member: Member, posts: list[tuple[Post, Any, float]]) -> None:
+        """NCCL's lazy connection (``NCCL_RUNTIME_CONNECT=1``, the default since 2.22; enqueue.cc sets
+        ``algoNeedConnect`` for an algorithm whose ``initAlgoChannels`` is false, and a send or receive to a new peer
+        sets up that peer's connection, at ``ncclGroupEnd``, on the host): the first call of each collective kind on a
+        communicator waits on the host for every member to reach the same setup (the transport's bootstrap exchange),
+        the first send or receive with a peer for that peer, and each setup takes device memory (``CONNECT_BYTES``, the
+        sim's figures, not NCCL's). Here a kind stands for the algorithms NCCL would pick for it. In-process
+        communicators only (the processes' hub models none: ``sim_nccl_transport``)."""
+        group = member.group
+        if not self.lazy_connect or not hasattr(group, "connecting"):
+            return
+        sim = self.sim
+        needed: dict[tuple[Any, ...], tuple[set[int], set[int], Call]] = {}  # key -> (arrived, expected, first call)
+        with sim.lock:
+            for post, _, _ in posts:
+                call = post.call
+                p2p = call.kind in ("send", "recv")
+                key = ("p2p", call.arg) if p2p else ("coll", call.kind)
+                if key in member.connected or key in needed:
+                    continue
+                setup = ("p2p", *sorted((member.rank, call.arg))) if p2p else key
+                arrived = group.connecting.setdefault(setup, set())
+                arrived.add(member.rank)  # every setup of the launch at once, as ncclTransportP2pSetup posts them all
+                needed[key] = (arrived, set(setup[1:]) if p2p else set(range(group.nranks)), call)
+            for m in group.members.values():
+                m.changed()
+        if not needed:
+            return
+        member.process.counters["nccl connection setup"] += len(needed)
+
+        def missing() -> list[int]:
+            return sorted({r for arrived, expected, _ in needed.values() for r in expected - arrived})
+
+        sim._host_wait(lambda: not missing(), list(group.members.values()),
+                       f"ncclGroupEnd's connection setup on {member.label} for "
+                       f"{', '.join(str(c) for _, _, c in needed.values())} (NCCL_RUNTIME_CONNECT: waiting for ranks "
+                       f"{missing()} to reach it)")
+        with sim.lock:
+            for key, (_, _, call) in needed.items():
+                member.connected.add(key)
+                sim._nccl_memory[member.device] += CONNECT_BYTES[key[0]]
+                self.connections.append((member.process.rank, member.label, key, str(call)))
+
     def _launch(self, member: Member, posts: list[tuple[Post, Any, float]]) -> None:
         """One kernel of ``member`` with ``posts`` on the first post's stream (after the communicator's previous
-        kernel: NCCL serializes a communicator's work across streams); other streams of the group join it."""
+        kernel: NCCL serializes a communicator's work across streams); other streams of the group join it. A first
+        call of its kind (or to its peer) sets its connection up first, on the host (``_connect``)."""
         sim = self.sim
+        self._connect(member, posts)
         if len(member.kernels) >= self.fifo_bound:
             oldest = member.kernels[0] if member.kernels else None  # none: ``fifo_bound`` 0, see the class
             sim._host_wait(lambda: len(member.kernels) < self.fifo_bound, [member],

@@ -41,6 +41,11 @@ def make_runtime(owner_map: OwnerMap, rank: int, comm_factory: Callable[[Any], A
     rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, False), owner_map, flush_algo=algo,
                                             measure=measure), comm_factory=comm_factory)
     rt.init(None, types.SimpleNamespace(double_buffer=double_buffer), bucket)
+    # The calls init made on each of this rank's communicators (the connection warm-up: ``comm`` Note (lazy
+    # connections)): ``check_collective_log`` counts the flushes' calls after them.
+    sim = _sim_or_none()
+    rt.sim_calls_at_init = ([collections.Counter(m.calls) for m in sim.nccl.comms(sim._this_process().rank)]
+                            if sim is not None else [])
     rt.record_collectives = True
     for p in owner_map:
         dtype = dtype_of(p.param_id) if dtype_of is not None else torch.float32
@@ -50,6 +55,28 @@ def make_runtime(owner_map: OwnerMap, rank: int, comm_factory: Callable[[Any], A
         rt.register_param(p.param_id, (p.numel,), torch.zeros(p.numel, dtype=dtype, device="cuda"), buf, offset)
     (rt.register_graph_z2 if stage == 2 else rt.register_graph_z1)(graph_id, [p.param_id for p in owner_map])
     return rt
+
+
+def connect_comms(sim: Sim, comms: Sequence[Any]) -> None:
+    """What the runtime's init does for its communicators (``comm`` Note (lazy connections)) for ``comms``, one
+    communicator per rank of one unique id: every collective kind and every peer in both directions connected on every
+    rank, so that a test's stalled peer stalls a flush, not a connection setup inside ``ncclGroupEnd``."""
+    ws = len(comms)
+
+    def connect(rank: int) -> None:
+        comm = comms[rank]
+        comm.all_gather_ints([rank])  # as the agreement's gather
+        comm.warm_up(("reduce", "allreduce", "reduce_scatter"), ws)
+        others = [p for p in range(ws) if p != rank]
+        comm.connect_peers(others, others)
+
+    sim.run_ranks(connect, ws)
+
+
+def _sim_or_none() -> Any:
+    import sim_cuda
+
+    return sim_cuda._ACTIVE
 
 
 def cupy_runtimes(sim: Sim, owner_map: OwnerMap, **kwargs: Any) -> list[Any]:
@@ -137,23 +164,29 @@ _LOG_COMM = {"reduce": 0, "all_reduce": 0, "reduce_scatter": 0, "handoff": 0, "n
 
 def check_collective_log(sim: Sim, runtimes: Sequence[Any]) -> collections.Counter[str]:
     """Every rank's collective log against the NCCL calls the sim saw on that rank's communicators (data-parallel,
-    node, rail, node hand-off, in creation order): the same Reduces, AllReduces and ReduceScatters on the same
-    communicator, and as many sends and receives as the runtime counted. Returns rank 0's log by name."""
+    node, rail, node hand-off, in creation order) after its init's warm-up: the same Reduces, AllReduces and
+    ReduceScatters on the same communicator, and as many sends and receives as the runtime counted plus one per peer
+    and direction its hand-offs connected (``connect_peers``). Returns rank 0's log by name."""
     names: collections.Counter[str] = collections.Counter()
     for rank, rt in enumerate(runtimes):
         members = sim.nccl.comms(rank)
+        at_init = rt.sim_calls_at_init + [collections.Counter()] * (len(members) - len(rt.sim_calls_at_init))
+        calls = [m.calls - at_init[i] for i, m in enumerate(members)]
         logged: collections.Counter[tuple[int, str]] = collections.Counter()
         for name, *_ in rt.collective_log:
             if name in _LOG_TO_NCCL:
                 logged[_LOG_COMM[name], _LOG_TO_NCCL[name]] += 1
             if rank == 0:
                 names[name] += 1
-        seen = collections.Counter({(i, kind): n for i, m in enumerate(members) for kind, n in m.calls.items()
+        seen = collections.Counter({(i, kind): n for i, c in enumerate(calls) for kind, n in c.items()
                                     if kind in ("reduce", "allReduce", "reduceScatter")})
         assert logged == seen, f"rank {rank}: logged {dict(logged)}, NCCL saw {dict(seen)}"
         s = rt.stats
-        p2p = [sum(members[i].calls[k] for k in ("send", "recv")) if i < len(members) else 0 for i in range(4)]
-        assert p2p[0] == s.sends + s.recvs, (rank, p2p, s)
-        assert p2p[3] == s.node_handoff_sends + s.node_handoff_recvs, (rank, p2p, s)
-        assert (p2p[2] > 0) == (s.rail_handoffs > 0), (rank, p2p, s)
+        levels = rt.flusher.levels
+        comms = [rt.comm, *(levels if levels is not None else ())]
+        connected = [len(c._connected_peers) if c is not None else 0 for c in comms] + [0] * 4
+        p2p = [sum(calls[i][k] for k in ("send", "recv")) if i < len(calls) else 0 for i in range(4)]
+        assert p2p[0] == s.sends + s.recvs + connected[0], (rank, p2p, connected, s)
+        assert p2p[3] == s.node_handoff_sends + s.node_handoff_recvs + connected[3], (rank, p2p, connected, s)
+        assert (p2p[2] - connected[2] > 0) == (s.rail_handoffs > 0), (rank, p2p, connected, s)
     return names

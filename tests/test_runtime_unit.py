@@ -436,6 +436,16 @@ def test_the_free_memory_reading_at_init_waits_for_nothing_on_the_device(monkeyp
     from owner_reduce.runtime import handle
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (5, 10))
+    readings = iter([((500, 1000), 100), ((300, 1000), 150)])  # (mem_get_info, memory_reserved) before, after
+    now: list = []
+
+    def mem_get_info():
+        now[:] = [next(readings)]
+        return now[0][0]
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: now[0][1])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("an unbounded device wait at init"))
-    assert handle._device_free_bytes() == 5
+    before = handle._nccl_memory_mark()
+    # 200 bytes fewer free, 50 of them torch's caching allocator's (the warm-up's buffer): 150 are NCCL's
+    assert before == (500, 100) and handle._nccl_memory_since(before) == 150

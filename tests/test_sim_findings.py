@@ -16,7 +16,7 @@ import pytest
 import torch
 from fakes import MirrorComm, flat_map
 from sim_cuda import Sim, SimHang
-from sim_runtime import GRAPH, cupy_runtimes, exact_grads, group_ranks_as_nodes, train_step
+from sim_runtime import GRAPH, connect_comms, cupy_runtimes, exact_grads, group_ranks_as_nodes, train_step
 
 from owner_reduce import OwnerReduceCommError
 from owner_reduce.runtime import deadline as deadlines
@@ -227,6 +227,7 @@ def test_all_gather_ints_fails_within_the_deadline_behind_a_stalled_collective(m
     with Sim(hang_bound_s=HANG_BOUND_S) as sim:
         uid = new_unique_id()
         comms = sim.run_ranks(lambda rank: CupyNcclComm(uid, rank, 2), 2)
+        connect_comms(sim, comms)  # as the runtime's init (``comm`` Note (lazy connections))
         comm = comms[0]
         comm.set_deadline(deadlines.from_environment())
         buf = torch.ones(8, device="cuda")

@@ -12,6 +12,8 @@ test fails on it:
 - finding 3, aborts that wait for the whole device: with ``device_wide_free`` an abort's or destroy's frees wait for
   every stream of the process on its device, so a kernel outside owner_reduce that never finishes holds them;
 - finding 4, a bounded close: the same, at ``close``;
+- finding 5, NCCL's lazy connections: a communicator's first call of each kind (or to each peer) sets its connection
+  up inside ``ncclGroupEnd``, on the host, with a rendezvous of the members, and takes device memory;
 - finding 7, a query that raises: a sticky CUDA error (``sim.fail_device``) makes every query of the process raise.
 
 Rank 1 is the rank watched (rank 0's own device is GPU 0, where a context made by mistake would not show). Rank 0
@@ -23,10 +25,13 @@ from __future__ import annotations
 
 import re
 import time
+from typing import Any
 
 import pytest
 import torch
+from fakes import flat_map
 from sim_cuda import Sim
+from sim_runtime import check_buffers, connect_comms, cupy_runtimes, train_step
 from test_watchdog import fast
 
 from owner_reduce import OwnerReduceCommError
@@ -50,6 +55,7 @@ def _pair(sim: Sim) -> list[nccl_comm.CupyNcclComm]:
     short bounds and a fake end of the process (``test_watchdog.fast``)."""
     uid = nccl_comm.new_unique_id()
     comms = sim.run_ranks(lambda rank: nccl_comm.CupyNcclComm(uid, rank, 2), 2)
+    connect_comms(sim, comms)  # as the runtime's init: rank 0 stalls flushes, not a connection setup
     for comm in comms:
         comm.set_deadline(DEADLINE)
         fast(comm.watchdog)
@@ -352,3 +358,78 @@ def test_negative_control_a_destroy_on_the_main_thread_waits_for_the_stuck_kerne
     monkeypatch.setattr(nccl_comm.CupyNcclComm, "_destroy_bounded", lambda self, comm: comm.destroy())
     took, error = _close_beside_a_stuck_kernel()
     assert type(error).__name__ == "SimHang" and took >= HANG_BOUND_S, (took, error)
+
+
+# ---- finding 5: NCCL's lazy connections paid at init ----------------------------------------------------------------
+
+NUMELS = [3 + (5 * i) % 13 for i in range(30)]
+
+
+def _connections_by_phase(monkeypatch, two_level: bool) -> tuple[list[list], Any]:
+    """The sim's connection setups of a run of the real runtime, by phase: its init (every rank's ``init``), the
+    learning step (arrival-order flushes, then the schedule learned), then two scheduled steps. Two nodes of two ranks
+    with a balanced two-level flush (node, rail and node hand-off communicators), or four ranks with the one-level
+    ReduceScatter and hand-off."""
+    from test_sim_e2e import _two_level
+
+    with Sim(hang_bound_s=HANG_BOUND_S) as sim:
+        if two_level:
+            _two_level(monkeypatch, sim, 2, "scatter", "balanced")
+        runtimes = cupy_runtimes(sim, flat_map(NUMELS, 4), algo="two_level" if two_level else "handoff", bucket=64)
+        phases = [list(sim.nccl.connections)]
+        for step in range(3):
+            seen = len(sim.nccl.connections)
+            train_step(sim, runtimes, NUMELS, step, 1)
+            check_buffers(sim, runtimes, flat_map(NUMELS, 4), NUMELS, step, 1)
+            phases.append(sim.nccl.connections[seen:])
+        stats = [rt.stats for rt in runtimes]
+        sim.run_ranks(lambda rank: runtimes[rank].cleanup(), 4)
+        return phases, stats
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("two_level", [False, True], ids=["one-level-handoff", "two-level-balanced"])
+def test_no_flush_pays_a_connection_setup(monkeypatch, two_level):
+    """Every collective kind of every communicator is connected in init, each hand-off's peers when its schedule is
+    learned (after the learning step's flushes): the learning step's flushes and the scheduled ones set nothing up."""
+    phases, stats = _connections_by_phase(monkeypatch, two_level)
+    init, learning, scheduled = phases[0], phases[1], phases[2] + phases[3]
+    kinds = {key for _, _, key, _ in init}
+    assert {("coll", "reduce"), ("coll", "allReduce"), ("coll", "reduceScatter")} <= kinds, kinds
+    assert all(key[0] == "coll" for _, _, key, _ in init), init
+    assert learning and all(key[0] == "p2p" and call.endswith("count=1, dtype=float32)")
+                            for _, _, key, call in learning), learning  # connect_peers' one element
+    assert scheduled == [], scheduled
+    assert all(s.scheduled_flushes > 0 for s in stats)
+    assert all((s.node_handoff_sends + s.sends) > 0 for s in stats), stats  # hand-offs ran, on connected peers
+
+
+@pytest.mark.timeout(120)
+def test_negative_control_without_the_warm_up_the_flushes_set_up_connections(monkeypatch):
+    from owner_reduce.runtime.comm import ReduceComm
+
+    monkeypatch.setattr(ReduceComm, "warm_up", lambda self, kinds, max_count: None)
+    monkeypatch.setattr(ReduceComm, "connect_peers", lambda self, sends, recvs: None)
+    phases, _ = _connections_by_phase(monkeypatch, two_level=True)
+    assert {key for _, _, key, _ in phases[0]} == {("coll", "allGather")}  # init's agreement alone
+    assert any(key[0] == "coll" for _, _, key, _ in phases[1]), phases[1]  # the learning step's flushes connect
+    assert any(key[0] == "p2p" for _, _, key, _ in phases[2]), phases[2]  # the first scheduled step's hand-offs
+
+
+@pytest.mark.timeout(120)
+def test_the_two_level_lines_device_memory_holds_the_levels_connections(monkeypatch):
+    """The "two-level flush ready" line's MiB of device memory is what the node and rail communicators took, their
+    connections included (made in its window), not torch's tensors (the warm-up's buffer)."""
+    from sim_nccl import CONNECT_BYTES
+    from test_sim_e2e import _two_level
+
+    with Sim(hang_bound_s=HANG_BOUND_S) as sim:
+        _two_level(monkeypatch, sim, 2, "scatter", "balanced")
+        runtimes = cupy_runtimes(sim, flat_map(NUMELS, 4), algo="two_level", bucket=64)
+        line = runtimes[0].stats.two_level_line
+        levels = {m.label for m in sim.nccl.comms(0)[1:3]}  # rank 0's node and rail communicators
+        taken = sum(CONNECT_BYTES[key[0]] for rank, label, key, _ in sim.nccl.connections
+                    if rank == 0 and label in levels)
+        assert taken == 4 * CONNECT_BYTES["coll"]  # two kinds on each
+        assert f", {taken / 2**20:.0f} MiB of device memory;" in line, line
+        sim.run_ranks(lambda rank: runtimes[rank].cleanup(), 4)

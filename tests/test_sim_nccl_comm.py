@@ -12,7 +12,7 @@ import time
 import pytest
 import sim_nccl
 import torch
-from sim_cuda import SimHang, sim_fixture  # noqa: F401 - sim_fixture: the `sim` fixture
+from sim_cuda import Sim, SimHang
 from sim_nccl import SimUseAfterFree
 
 from owner_reduce import OwnerReduceCommError
@@ -20,6 +20,15 @@ from owner_reduce.runtime import nccl_comm
 from owner_reduce.runtime.deadline import Deadline
 
 SHORT = Deadline(0.2, "test")
+
+
+@pytest.fixture(name="sim")
+def connected_sim():
+    """A ``Sim()`` whose communicators connect at creation (``lazy_connect=False``): these tests stall a peer inside a
+    flush and assert the exact NCCL calls made (``calls_of``), which a connection warm-up would add to; NCCL's lazy
+    connection and the runtime's warm-up are tested in ``tests/test_sim_gpu_stack.py``."""
+    with Sim(lazy_connect=False) as installed:
+        yield installed
 
 
 @pytest.fixture(autouse=True)

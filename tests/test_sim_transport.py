@@ -50,7 +50,7 @@ def _worker(rank: int, world_size: int) -> dict:
                     exact.append(torch.equal(buf, want[pid][param.offset:param.offset + buf.numel()].float()))
         out["exact"], out["compared"] = all(exact), len(exact)
         out["stats"] = (rt.stats.flushes, rt.stats.scheduled_flushes, rt.stats.reduce_calls)
-        out["nccl_reduces"] = sim.nccl.comms(0)[0].calls["reduce"]
+        out["nccl_reduces"] = sim.nccl.comms(0)[0].calls["reduce"] - rt.sim_calls_at_init[0]["reduce"]  # the flushes
         rt.cleanup()
         comm = CupyNcclComm.from_process_group(dist.group.WORLD)  # a second communicator: its peer will exit
         comm.set_deadline(type(comm.deadline)(10.0, "test"))

@@ -25,6 +25,7 @@ import pytest
 import sim_nccl
 import torch
 from sim_cuda import Sim, SimHang
+from sim_runtime import connect_comms
 
 from owner_reduce import OwnerReduceCommError
 from owner_reduce.runtime import nccl_comm
@@ -38,26 +39,28 @@ HANG_BOUND_S = 8.0  # the sim's: a host wait past this is a hang (``SimHang``), 
 ROLES = ("data-parallel", "node", "rail", "node hand-off")
 
 
-def _comms(sim, ws):
+def _comms(sim, ws, connect=True):
     """The product's communicator on every rank of one unique id (made on the ranks' threads: init blocks until all
     joined), each with the test's deadline and its watchdog's fake end of the process (``fast``): no watchdog here ends
     the test's process."""
     uid = nccl_comm.new_unique_id()
     comms = sim.run_ranks(lambda rank: nccl_comm.CupyNcclComm(uid, rank, ws), ws)
+    if connect:
+        connect_comms(sim, comms)  # as the runtime's init: the peers stall flushes, not a connection setup
     for comm in comms:
         comm.set_deadline(DEADLINE)
         fast(comm.watchdog)
     return comms
 
 
-def family(sim, **bounds: float):
+def family(sim, connect: bool = True, **bounds: float):
     """Data-parallel rank 0's four communicators: a data-parallel one over four ranks, and the node, rail and node
     hand-off ones the product's ``split`` makes (each over two ranks: groups [[0, 1], [2, 3]] and [[0, 2], [1, 3]]),
     one flush watchdog for all, with short bounds and a fake end of the process (``fast``). Every one of rank 0's
     communicators runs on rank 0's current stream, so their kernels queue there in issue order."""
-    ranks = {"data-parallel": _comms(sim, 4)}
+    ranks = {"data-parallel": _comms(sim, 4, connect)}
     for role in ROLES[1:]:
-        ranks[role] = _comms(sim, 2)
+        ranks[role] = _comms(sim, 2, connect)
     dp = ranks["data-parallel"][0]
     made = iter(ranks[role][0] for role in ROLES[1:])
     dp._split = lambda groups: next(made)
@@ -250,6 +253,7 @@ def test_a_stalled_flush_is_aborted_at_its_deadline_and_the_main_threads_next_ca
         f = family(sim)
         x = torch.zeros(4, device="cuda")
         torch.cuda.synchronize()
+        started_groups = sim.nccl.calls_of(0).count("groupStart")  # the connection warm-up's
         issued = time.monotonic()
         _flush(f.rail, 7)
         launched_after: list[bool] = []
@@ -271,7 +275,7 @@ def test_a_stalled_flush_is_aborted_at_its_deadline_and_the_main_threads_next_ca
         assert DEADLINE.seconds <= elapsed < DEADLINE.seconds + 3.0
         f.dp.watchdog._thread.join(HANG_S)  # its aborts all returned (the main thread may come back after the rail's)
         assert all(m.aborted and not m.destroyed for m in f.members.values())
-        assert sim.nccl.calls_of(0).count("groupStart") == 1  # the next flush never reached NCCL
+        assert sim.nccl.calls_of(0).count("groupStart") == started_groups + 1  # the next flush never reached NCCL
         assert f.said == []  # nothing had to end the process
         with pytest.raises(OwnerReduceCommError) as again:  # the end of backward's wait raises it too
             f.dp.wait_until(lambda: True, "end_backward")
@@ -358,11 +362,11 @@ def test_a_main_thread_inside_an_nccl_call_cannot_be_interrupted_so_the_process_
 
 @pytest.mark.timeout(60)
 def test_a_main_thread_stuck_in_an_nccl_call_with_nothing_in_flight_ends_the_process():
-    """The first flush's group end blocks on the host with nothing in flight: on a GPU a lazy connection to a dead
-    peer. The sim has no lazy connections; a work FIFO of no slot (``fifo_bound=0``) blocks the same call the same
-    way, which is all the watchdog sees: the main thread inside ``ncclGroupEnd`` past the deadline."""
-    with Sim(hang_bound_s=3.0, fifo_bound=0) as sim:
-        f = family(sim)
+    """The first flush's group end blocks on the host with nothing in flight: a lazy connection to a dead peer (the
+    communicators were not connected at init here: the sim's lazy connection waits in ``ncclGroupEnd`` for a peer
+    that never comes). What the watchdog sees: the main thread inside ``ncclGroupEnd`` past the deadline."""
+    with Sim(hang_bound_s=3.0) as sim:
+        f = family(sim, connect=False)
         returned: list = []
         blocked = threading.Thread(target=lambda: returned.append(in_thread(lambda: _flush(f.node, 1))), daemon=True)
         blocked.start()

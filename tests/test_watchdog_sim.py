@@ -130,11 +130,14 @@ def test_a_stalled_peer_in_a_deep_model_fails_every_survivor_within_the_deadline
 
 
 def _pair(sim, deadline_s: float):
+    from sim_runtime import connect_comms
+
     from owner_reduce.runtime import nccl_comm
     from owner_reduce.runtime.deadline import Deadline
 
     uid = nccl_comm.new_unique_id()
     comms = sim.run_ranks(lambda rank: nccl_comm.CupyNcclComm(uid, rank, 2), 2)
+    connect_comms(sim, comms)  # as the runtime's init (``comm`` Note (lazy connections))
     for comm in comms:
         comm.deadline = Deadline(deadline_s, "test")
         comm.watchdog.end = lambda code: None  # this test wants the raised error; a process end would fail it

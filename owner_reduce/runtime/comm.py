@@ -23,6 +23,11 @@ at once (``watchdog``), so that no kernel of a stalled level keeps the GPU after
 them. They share one flush watchdog (``watchdog``), which bounds each group from its issue where the host never gets
 to a wait.
 
+Note (lazy connections): NCCL connects a communicator's algorithms and peers inside the first ``ncclGroupEnd`` that
+needs them (``NCCL_RUNTIME_CONNECT=1``, the default since 2.22), on the host, with a rendezvous of the peers and
+device allocations. ``warm_up`` and ``connect_peers`` make that happen at init and when a schedule is learned
+(``planning.connections`` says what and why), so that no flush, and no flush the measured guard times, carries it.
+
 Note (names): an error names this process's global rank (``rank 5``; with its data-parallel rank where the two
 differ, a data-parallel group smaller than the job), the flush, the call and, on a sub-communicator, the
 communicator (``on the rail communicator``) and each root or peer as the sub-communicator's rank and the
@@ -48,6 +53,7 @@ class ReduceComm(ABC):
 
     name: str = "abstract"
     cuda_device: int | None = None  # the CUDA device its calls run on (None: the host), which its threads set first
+    connects_lazily = False  # NCCL's communicators: Note (lazy connections)
 
     def __init__(self, rank: int, world_size: int, deadline: deadlines.Deadline | None = None) -> None:
         self.rank = rank
@@ -60,6 +66,7 @@ class ReduceComm(ABC):
         self.global_rank = rank  # this process's rank in the job (implementations that know it set it): Note (names)
         self.members: tuple[int, ...] | None = None  # a sub-communicator's ranks as data-parallel ranks (split)
         self.watchdog = FlushWatchdog(self)  # shared with the sub-communicators (split): ``watchdog``
+        self._connected_peers: set[tuple[bool, int]] = set()  # (a send?, peer) connected: ``connect_peers``
 
     # ---- names in messages: Note (names) ---------------------------------------------------------------------
 
@@ -258,6 +265,56 @@ class ReduceComm(ABC):
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (same length everywhere), by rank: the init-time agreement check."""
 
+    # ---- Note (lazy connections): ``planning.connections`` -----------------------------------------------------
+
+    def warm_up(self, kinds: Sequence[str], max_count: int) -> None:
+        """Each collective of ``kinds`` once at every size of ``warm_up_counts(max_count)``, a group each, then waited
+        for within the deadline: NCCL connects each algorithm it picks there and then, at init, instead of inside a
+        flush. Nothing where the backend connects at creation (gloo). Collective: every rank, the same arguments."""
+        if not self.connects_lazily or not kinds:
+            return
+        from ..planning.collectives import ALLREDUCE, REDUCE, REDUCE_SCATTER
+        from ..planning.connections import warm_up_counts
+
+        counts = warm_up_counts(max_count, self.world_size)
+        unknown = [k for k in kinds if k not in (REDUCE, ALLREDUCE, REDUCE_SCATTER)]
+        if unknown:
+            raise ValueError(f"{self.name}: no warm-up for the call kinds {unknown} on the {self.role} communicator")
+        buf = torch.zeros(counts[-1], dtype=torch.float32, device=self._warm_up_device())
+        for count in counts:
+            view = buf.narrow(0, 0, count)
+            for kind in kinds:
+                with self.group():
+                    if kind == REDUCE:
+                        self.reduce(view, 0)
+                    elif kind == ALLREDUCE:
+                        self.all_reduce(view)
+                    else:
+                        self.reduce_scatter(view, count // self.world_size)
+        self.wait_until(lambda: True, f"the connection warm-up of the {self.role} communicator ({', '.join(kinds)} "
+                        f"up to {counts[-1]} elements)", flush=None)
+
+    def connect_peers(self, sends: Sequence[int], recvs: Sequence[int]) -> None:
+        """Send one element to each of ``sends`` and receive one from each of ``recvs`` that this communicator has not
+        exchanged with yet, in one group, waited for within the deadline: NCCL connects a peer in a direction at its
+        first send or receive, whatever the size. Every rank named calls it with the matching directions."""
+        if not self.connects_lazily:
+            return
+        done = self._connected_peers
+        todo = [pair for pair in [(True, p) for p in sends] + [(False, p) for p in recvs] if pair not in done]
+        if not todo:
+            return
+        buf = torch.zeros(4 * len(todo), dtype=torch.float32, device=self._warm_up_device())  # 16-byte aligned slots
+        with self.group():
+            for i, (send, peer) in enumerate(todo):
+                (self.send if send else self.recv)(buf.narrow(0, 4 * i, 1), peer)
+        self.wait_until(lambda: True, f"the connection warm-up of the {self.role} communicator's sends and receives "
+                        f"({len(todo)} peers and directions)", flush=None)
+        done.update(todo)
+
+    def _warm_up_device(self) -> torch.device:
+        return torch.device("cpu") if self.cuda_device is None else torch.device("cuda", self.cuda_device)
+
     def split(self, groups: Sequence[Sequence[int]], role: str) -> ReduceComm:
         """A communicator over the ranks of ``groups`` that holds this rank (ranks of this communicator; every rank
         in exactly one group), with ranks numbered in the group's order: a two-level flush's ``role`` ("node" or
@@ -268,6 +325,8 @@ class ReduceComm(ABC):
         sub.members = tuple(next(g for g in groups if self.rank in g))
         sub.global_rank = self.global_rank
         sub.deadline = self.deadline
+        if sub.watchdog is not self.watchdog:
+            sub.watchdog.stop()  # its own, which no longer watches it
         sub.watchdog = self.watchdog  # one family: ``watchdog``
         self.watchdog.add(sub)
         self.subs.append(sub)
@@ -377,6 +436,7 @@ class TorchDistComm(ReduceComm):
             from .threads import current_cuda_device
 
             self.cuda_device = current_cuda_device()
+            self.connects_lazily = self.cuda_device is not None  # torch's NCCL backend: Note (lazy connections)
 
     def _group_start(self) -> None:
         self.watchdog.raise_if_failed()  # aborted by the flush watchdog: its error, never a call on an aborted group

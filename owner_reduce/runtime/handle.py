@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from ..planning.calibration import Calibration, format_fits
-from ..planning.collectives import NATIVE, NODE, RAIL, TWO_LEVEL
+from ..planning.collectives import NATIVE, NODE, RAIL, TWO_LEVEL, WORLD
+from ..planning.connections import KINDS_BY_COMM, NATIVE_KINDS, handoff_peers
 from ..planning.flags import REDUCE_PROBE, OwnerReduceFlags, describe_flag_disagreement, pack_flags
 from ..planning.flush_choice import AUTO, FlushCost, agreed_topology
 from ..planning.measured import (
@@ -186,7 +187,10 @@ class OwnerReduceRuntime:
             try:
                 cost, facts = self._check_agreement(int(reduce_bucket_size))
                 self.flusher.comm = self.comm
-                cost = self._make_levels(cost, facts, bool(compile_config.double_buffer))
+                # ``comm`` Note (lazy connections): every kind a flush may issue, connected here, not in a flush.
+                self.comm.warm_up(KINDS_BY_COMM[WORLD] if self.settings.flags.reduce_to_owner else NATIVE_KINDS,
+                                  int(reduce_bucket_size))
+                cost = self._make_levels(cost, facts, bool(compile_config.double_buffer), int(reduce_bucket_size))
                 self.flusher.cost = cost
                 buckets = DoubleBufferedBuckets(int(reduce_bucket_size), bool(compile_config.double_buffer),
                                                 self._bucket_limits)
@@ -408,6 +412,7 @@ class OwnerReduceRuntime:
         native (1.234 vs 3.010 ms); measuring 2 flushes against native's calls over the next 6 steps``; what the model
         was (NCCL's tables of a named topology, or a calibration) in a DEBUG line after it. Graphs are numbered in
         the order they first learn a schedule, from 1 again after a reset."""
+        self._connect_handoffs(schedule)
         if self.comm is None or self.comm.rank != 0 or schedule.graph_id in self._learned_graphs:
             return
         self._graph_numbers += 1
@@ -456,6 +461,18 @@ class OwnerReduceRuntime:
         emit(line)
         if detail is not None:
             emit_detail(detail)
+
+    def _connect_handoffs(self, schedule: Schedule) -> None:
+        """Every rank, as it learns a schedule: the hand-offs' peers connected before its first flush (``comm`` Note
+        (lazy connections)); the peers' own ranks learn the same schedule at the same point of the same step."""
+        comm, levels = self.comm, self.flusher.levels
+        if comm is None or not comm.connects_lazily:
+            return
+        transfers = [t for flushes in schedule.flushes.values() for f in flushes for t in f.layout.transfers]
+        per_node = levels.node.world_size if levels is not None else 1
+        for peers in handoff_peers(transfers, comm.rank, per_node):
+            target = comm if peers.comm == WORLD else levels.rail if peers.comm == RAIL else levels.handoff
+            target.connect_peers(peers.sends, peers.recvs)
 
     # ---- the probe's step summary (``exposure``) -----------------------------------------------------------
 
@@ -860,7 +877,8 @@ class OwnerReduceRuntime:
 
     # ---- the two-level flush's communicators -------------------------------------------------------------
 
-    def _make_levels(self, cost: FlushCost, facts: list[tuple[int, int]], double_buffer: bool) -> FlushCost:
+    def _make_levels(self, cost: FlushCost, facts: list[tuple[int, int]], double_buffer: bool,
+                     bucket_size: int) -> FlushCost:
         """The node and rail communicators (``planning.two_level``), made once here on every rank alike, where a
         two-level flush can run: the owner path on, the algorithm ``auto`` (without a calibration) or ``two_level``,
         ranks in whole nodes of more than one rank on more than one node, and in launcher order (global rank = node x
@@ -895,18 +913,19 @@ class OwnerReduceRuntime:
                 logger.warning(f"owner_reduce: the two-level flush is off: {why}")
             return cost
         started = time.monotonic()
-        free_before = _device_free_bytes()
+        before = _nccl_memory_mark()
         node = self.comm.split(levels.node_groups(), NODE)  # a failure later in init closes it (_close_levels)
         rail = self.comm.split(levels.rail_groups(), RAIL)
         handoff = self.comm.split(levels.node_groups(), NODE_HANDOFF_ROLE)  # two_level Note (balanced rails)
         self.flusher.levels = Levels(node, rail, handoff)
+        node.warm_up(KINDS_BY_COMM[NODE], bucket_size)  # their connections and memory now: the figure below holds them
+        rail.warm_up(KINDS_BY_COMM[RAIL], bucket_size)
         seconds = time.monotonic() - started
-        free_after = _device_free_bytes()
-        memory = ("" if free_before is None or free_after is None  # no CUDA device
-                  else f", {max(0, free_before - free_after) / 2**20:.0f} MiB of device memory")
+        used = _nccl_memory_since(before)
+        memory = "" if used is None else f", {used / 2**20:.0f} MiB of device memory"  # None: no CUDA device
         if not double_buffer:
             buffering = "flushes run in turn on 1 bucket per dtype (double_buffer false)"
-        elif free_before is None:  # no CUDA streams (gloo on CPU): nothing overlaps
+        elif before is None:  # no CUDA streams (gloo on CPU): nothing overlaps
             buffering = "flushes run in turn over 2 buckets per dtype (double_buffer true; no CUDA streams here)"
         else:
             buffering = "flushes may overlap over 2 buckets per dtype (double_buffer true)"
@@ -945,13 +964,21 @@ def _order_problem(levels: TwoLevel, facts: list[tuple[int, int]]) -> str | None
     return None
 
 
-def _device_free_bytes() -> int | None:
-    """The current CUDA device's free memory (what NCCL's communicators take comes out of it), or None without CUDA.
-    No device synchronization: ``ncclCommInitRank`` allocates before it returns, and a wait on the device here would
-    be the one wait of init without the deadline."""
+def _nccl_memory_mark() -> tuple[int, int] | None:
+    """(the current CUDA device's free memory, what torch's caching allocator has reserved), or None without CUDA: what
+    ``_nccl_memory_since`` counts from. No device synchronization: ``ncclCommInitRank`` and a connection setup allocate
+    before they return, and a wait on the device here would be the one wait of init without the deadline."""
     if not torch.cuda.is_available():
         return None
-    return int(torch.cuda.mem_get_info()[0])
+    return int(torch.cuda.mem_get_info()[0]), int(torch.cuda.memory_reserved())
+
+def _nccl_memory_since(before: tuple[int, int] | None) -> int | None:
+    """The device memory taken since ``before`` outside torch's caching allocator: NCCL's communicators and their
+    connections (the warm-up's buffer, reserved by torch and kept for the buckets, is not theirs)."""
+    after = _nccl_memory_mark()
+    if before is None or after is None:
+        return None
+    return max(0, (before[0] - after[0]) - (after[1] - before[1]))
 
 
 def _verdict_state(state: int) -> str:

@@ -326,6 +326,7 @@ class CupyNcclComm(ReduceComm):
     """
 
     name = "cupy-nccl"
+    connects_lazily = True  # ``comm`` Note (lazy connections)
     _issued_at = 0.0  # when the group's ncclGroupEnd launched it (``watchdog.calling``)
 
     def __init__(self, unique_id: bytes, rank: int, world_size: int, *, device: int | None = None,
