@@ -38,6 +38,10 @@ What it models (``docs/notes/issue-37-simulated-device.md`` says where it depart
   ``sim.fallbacks`` counts those by op. ``torch.tensor(..., device="cuda")`` and ``.to("cuda")`` are H2D copies: the
   source is read at the call, the copy enqueued; a blocking one (``non_blocking=False``) then synchronizes the stream
   (``counters["blocking copy"]``), as CUDA's does.
+- Pinned host memory (``pin_memory()``, ``is_pinned()``): a non-blocking D2H copy into it is enqueued, its destination
+  holds ``POISON_BYTE`` until the copy runs, and a host read of it (``tolist``, ``item``, ``int()`` ...) before the
+  copy ran is counted (``counters["host read of a pending copy"]``, ``sim.early_reads``) and, with ``hb``, a race
+  unless a wait ordered it; a D2H copy into pageable memory synchronizes. ``SimTensor.__dlpack__`` is torch's.
 - A virtual clock per stream, independent of machine load: an op starts at max(its stream's clock, what it waits for,
   its host's clock when launched) and ends ``duration`` later (``op_cost(name, args)`` for torch ops, default 0;
   ``sim.kernel(seconds)``; NCCL: ``sim.nccl.cost`` and a per-communicator ``delay_s``). Events carry virtual times, so
@@ -82,6 +86,8 @@ DEFAULT_STREAM_POOL = 32  # torch's c10/cuda/CUDAStream.cpp kStreamsPerPool: str
 DEFAULT_HANG_BOUND_S = 10.0
 ADDRESS_ALIGNMENT = 512  # the caching allocator's block alignment (cudaMalloc's is 256)
 DEVICE_MEMORY = 80 << 30
+POISON_BYTE = 0xA5  # what pinned host memory holds until the non-blocking device-to-host copy into it has run
+_HOST_READS = ("tolist", "item", "__int__", "__float__", "__index__", "__bool__", "numpy")  # host tensors' value reads
 
 _ACTIVE: Sim | None = None  # the installed sim (one at a time)
 
@@ -494,21 +500,70 @@ class SimTensor(torch.Tensor):
             raise RuntimeError(f"record_stream: stream on cuda:{stream.device_index}, tensor on {self.device}")
         self._sim_storage.recorded.add(stream)
 
-    def __dlpack__(self, stream: Any = None, max_version: Any = None, dl_device: Any = None,
-                   copy: Any = None) -> SimCapsule:
-        """A DLPack capsule of the sim (``cupy.from_dlpack`` of the sim reads it). As torch's: ``stream=-1`` asks for
-        no synchronization; another stream (a handle, 1 = the legacy default stream) waits for the current one."""
+    def __dlpack__(self, *, stream: Any | None = -1, max_version: tuple[int, int] | None = None,
+                   dl_device: tuple[Any, int] | None = None, copy: bool | None = None) -> SimCapsule:
+        """A DLPack capsule of the sim (``cupy.from_dlpack`` of the sim reads it), with torch 2.13's signature
+        (keyword-only) and checks (``torch/_tensor.py``, ``_C._to_dlpack``): the tensor's device must be the current
+        one (``BufferError``); ``stream`` an int or None (``TypeError``): -1 synchronizes nothing, None and 1 make
+        the legacy default stream wait for the current one, 2 (the per-thread default stream) is a ``BufferError``, 0
+        an ``AssertionError``, any other a stream handle that waits for the current stream; ``dl_device`` a pair of
+        ints naming this device, or another one with ``copy=False`` (``ValueError``); ``copy=True`` exports a copy."""
         sim = _sim()
-        if stream is not None and stream != -1:
-            current = sim._this_process().current_stream(self._sim_storage.device)
-            consumer = sim._streams.get(stream) if stream not in (1, 2) else sim._this_process().default_stream(
-                self._sim_storage.device)
-            if consumer is not None and consumer is not current:
-                consumer.wait_event(current.record_event())
-        return SimCapsule(self)
+        if self.requires_grad:
+            raise BufferError("Can't export tensors that require gradient, use tensor.detach()")
+        index = self._sim_storage.device
+        current_device = torch.cuda.current_device()  # the sim's: this thread's
+        if index != current_device:
+            raise BufferError(f"Can't export tensors on a different CUDA device index. Expected: {index}. Current "
+                              f"device: {current_device}.")
+        if stream is not None and type(stream) is not int:
+            raise TypeError("stream must be ``int`` or ``none``")
+        if stream != -1:
+            if stream is None or stream == 1:
+                consumer = torch.cuda.default_stream()
+            else:
+                if stream == 2:
+                    raise BufferError("per-thread default stream is not supported.")
+                if stream == 0:
+                    raise AssertionError("unsupported stream on CUDA: 0.")
+                consumer = sim._streams.get(stream)
+                if consumer is None:
+                    raise SimError(f"__dlpack__(stream={stream:#x}): no stream of the simulated device has this "
+                                   f"handle (CUDA: an invalid resource handle)")
+            current = torch.cuda.current_stream()
+            if consumer is not current:
+                event = torch.cuda.Event()
+                event.record(current)
+                consumer.wait_event(event)
+        tensor = self
+        versioned = max_version is not None and max_version[0] >= 1  # read first, as torch's
+        if dl_device is not None and (not isinstance(dl_device, tuple | list)
+                                      or not all(isinstance(v, int) for v in dl_device)):
+            raise TypeError(f"_to_dlpack(): argument 'dl_device' must be tuple of ints, not "
+                            f"{type(dl_device).__name__}")
+        if copy is not None and not isinstance(copy, bool):
+            raise TypeError(f"_to_dlpack(): argument 'copy' must be bool, not {type(copy).__name__}")
+        if dl_device is not None:
+            if len(dl_device) != 2:
+                raise RuntimeError("dl_device must be either None or a tuple of ints")
+            kind, target = int(dl_device[0]), int(dl_device[1])
+            if kind not in _DL_DEVICES:
+                raise BufferError(f"Unsupported device_type: {kind}")
+            if (kind, target) != (2, index):  # kDLCUDA on this device
+                where = f"{_DL_DEVICES[kind]}:{target}" if kind != 1 else "cpu"
+                if copy is False:
+                    raise ValueError(f"cannot move (i.e. copy=False) tensor from {self.device} to {where} without "
+                                     f"copying.")
+                raise SimError(f"__dlpack__(dl_device={tuple(dl_device)}): an export copied to {where} is not "
+                               f"modelled on the simulated device")
+        if copy:
+            tensor = self.clone()
+        return SimCapsule(tensor, versioned=versioned)
 
-    def __dlpack_device__(self) -> tuple[int, int]:
-        return (2, self._sim_storage.device)  # kDLCUDA
+    def __dlpack_device__(self) -> tuple[Any, int]:
+        from torch.utils.dlpack import DLDeviceType
+
+        return (DLDeviceType.kDLCUDA, self._sim_storage.device)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         """The values where the current stream has nothing pending (a repr never waits: pytest prints locals)."""
@@ -522,10 +577,16 @@ class SimTensor(torch.Tensor):
         return self.item().__format__(spec) if self.dim() == 0 else repr(self)
 
 
-class SimCapsule:
-    """What ``SimTensor.__dlpack__`` hands out: the bytes a consumer may address (device, pointer, size)."""
+_DL_DEVICES = {1: "cpu", 2: "cuda", 4: "opencl", 8: "mps", 10: "hip", 12: "privateuseone", 13: "cuda", 14: "xpu",
+               17: "maia"}  # DLPack device types torch maps to a device (DLConvertor.cpp dlDeviceToTorchDevice)
 
-    def __init__(self, tensor: SimTensor) -> None:
+
+class SimCapsule:
+    """What ``SimTensor.__dlpack__`` hands out: the bytes a consumer may address (device, pointer, size); ``versioned``:
+    DLPack 1.0's capsule (``max_version`` >= (1, 0)), else the unversioned one."""
+
+    def __init__(self, tensor: SimTensor, versioned: bool = False) -> None:
+        self.versioned = versioned
         self.device = tensor._sim_storage.device
         self.ptr = tensor.data_ptr()
         self.nbytes = tensor.numel() * tensor.element_size()
@@ -639,6 +700,9 @@ class Sim(_Watched):
         self._nccl_memory: collections.Counter[int] = collections.Counter()  # NCCL's own, per device (connections)
         self._patches: list[tuple[Any, str, Any]] = []
         self._installed = False
+        self._pinned: dict[int, _PinnedBlock] = {}  # pinned host storages by data_ptr (while they live)
+        self._pinned_numbers = itertools.count(1)
+        self.early_reads: list[str] = []  # host reads of pinned memory a pending copy had not written yet
         self.nccl = sim_nccl.SimNccl(self, **nccl_options)
 
     # ---- processes and threads ----------------------------------------------------------------------------------
@@ -749,6 +813,7 @@ class Sim(_Watched):
         _ACTIVE = self
         self._installed = True
         self._patch_torch_cuda()
+        self._patch_host_memory()
         self.nccl.install_modules()
         self._tls.process = self.process(0)
 
@@ -906,6 +971,112 @@ class Sim(_Watched):
             original_start(thread)
 
         self._patch(threading.Thread, "start", start)
+
+    def _patch_host_memory(self) -> None:
+        """Pinned host memory (``Tensor.pin_memory``, ``is_pinned``; torch's CPU build has none) and the host's reads of
+        it (``tolist``, ``item``, ``int()`` ...), which ``_host_read`` checks against the copies still writing it."""
+        sim = self
+
+        def pin_memory(tensor: torch.Tensor, device: Any = None) -> torch.Tensor:
+            if type(tensor) is SimTensor:
+                raise RuntimeError(f"cannot pin a {tensor.device} tensor: only dense CPU tensors can be pinned")
+            return sim.pin(tensor)
+
+        def is_pinned(tensor: torch.Tensor, device: Any = None) -> bool:
+            return type(tensor) is not SimTensor and sim._pinned_block(tensor) is not None
+
+        self._patch(torch.Tensor, "pin_memory", pin_memory)
+        self._patch(torch.Tensor, "is_pinned", is_pinned)
+        for name in _HOST_READS:
+            original = getattr(torch.Tensor, name)
+
+            def read(tensor: torch.Tensor, *args: Any, _original: Any = original, _name: str = name,
+                     **kwargs: Any) -> Any:
+                if sim._pinned and type(tensor) is not SimTensor:
+                    sim._host_read(tensor, _name)
+                return _original(tensor, *args, **kwargs)
+
+            read.__name__ = name
+            self._patch(torch.Tensor, name, read)
+
+    # ---- pinned host memory and non-blocking device-to-host copies --------------------------------------------
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor.pin_memory()``: a copy in pinned host memory the sim knows (same sizes and strides), or ``tensor``
+        itself where it is pinned already (as torch's)."""
+        if self._pinned_block(tensor) is not None:
+            return tensor
+        out = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype)
+        out.copy_(tensor)
+        self._register_pinned(out)
+        return out
+
+    def _register_pinned(self, tensor: torch.Tensor) -> _PinnedBlock | None:
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr == 0:  # nothing allocated (no elements): nothing to pin
+            return None
+        block = _PinnedBlock(next(self._pinned_numbers) << 32,
+                             f"pinned host {str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}")
+        with self.lock:
+            self._pinned[ptr] = block
+            if self.hb is not None:
+                self.hb.allocated(block.key, block.label, self._this_host(self._this_process()).name)
+        weakref.finalize(storage, self._pinned.pop, ptr, None)  # torch keeps one Python storage per storage
+        return block
+
+    def _pinned_block(self, tensor: torch.Tensor) -> _PinnedBlock | None:
+        if not self._pinned or type(tensor) is SimTensor:
+            return None
+        try:
+            if tensor.device.type != "cpu":
+                return None
+            return self._pinned.get(tensor.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own
+            return None
+
+    def _d2h_async(self, dst: torch.Tensor, src: SimTensor, block: _PinnedBlock) -> torch.Tensor:
+        """A non-blocking device-to-host copy into pinned memory, as CUDA's: enqueued on the current stream, the host
+        returns at once, and ``dst`` holds the sim's poison (``POISON_BYTE``) until the copy runs, so a reader that did
+        not wait for it reads garbage; ``_host_read`` reports such a read."""
+        stream = self._this_process().current_stream(src._sim_storage.device)
+        self._count("copy (device to host, non-blocking)")
+        if dst.numel():
+            flat = torch.full((dst.numel() * dst.element_size(),), POISON_BYTE, dtype=torch.uint8)
+            dst.copy_(flat.view(dst.dtype).view(dst.shape))
+        lo, hi = _byte_range(dst)
+        inner = src._inner
+        op = self._launch(stream, "copy_ (device to host)", lambda: dst.copy_(inner),
+                          [(src, False), ((block.key, lo, hi), True)])
+        with self.lock:
+            block.pending = [p for p in block.pending if not p[0].done] + [(op, lo, hi)]
+        return dst
+
+    def _host_read(self, tensor: torch.Tensor, what: str) -> None:
+        """The host reads ``tensor``'s values: if it is pinned memory, a copy into it the host has not waited for is a
+        happens-before race (``hb``), and one that has not even run yet is counted (``counters["host read of a
+        pending copy"]``) and kept in ``early_reads``."""
+        block = self._pinned_block(tensor)
+        if block is None:
+            return
+        lo, hi = _byte_range(tensor)
+        process = getattr(self._tls, "process", None)
+        if process is None and len(self._processes) <= 1:
+            process = self.process(0)
+        with self.lock:
+            block.pending = [p for p in block.pending if not p[0].done]
+            late = [op for op, a, b in block.pending if a < hi and lo < b]
+            if late:
+                where = hb_cuda.site(2)
+                self.early_reads.append(f"the host read {block.label}, bytes [{lo}, {hi}), by {what}() at {where} "
+                                        f"before {late[0].describe()} had run: it read the sim's poison "
+                                        f"({POISON_BYTE:#04x} bytes) where a GPU's host reads stale memory")
+                if process is not None:
+                    process.counters["host read of a pending copy"] += 1
+            if self.hb is not None and process is not None:
+                host = self._this_host(process).name
+                self.hb.host_tick(host)
+                self.hb.touch(block.key, lo, hi, False, host, f"host {what}()", hb_cuda.site(2))
 
     # ---- streams and events -----------------------------------------------------------------------------------
 
@@ -1434,10 +1605,34 @@ class Sim(_Watched):
 _MISSING = object()
 
 
+class _PinnedBlock:
+    """One pinned host storage the sim knows: its key in the happens-before checker, its label, and the non-blocking
+    copies into it not yet seen done (op, first byte, end byte)."""
+
+    __slots__ = ("key", "label", "pending")
+
+    def __init__(self, key: int, label: str) -> None:
+        self.key = key
+        self.label = label
+        self.pending: list[tuple[Op, int, int]] = []
+
+
+def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage ``tensor`` spans (from its first to its last element)."""
+    if tensor.numel() == 0:
+        return 0, 0
+    size = tensor.element_size()
+    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+    lo = tensor.storage_offset() * size
+    return lo, lo + extent * size
+
+
 def _factory_patch(sim: Sim, original: Callable[..., Any]) -> Callable[..., Any]:
     def factory(*args: Any, **kwargs: Any) -> Any:
         if _is_cuda(kwargs.get("device")) and _ACTIVE is sim:
             return sim._factory(original, args, kwargs)
+        if kwargs.get("pin_memory") and _ACTIVE is sim:
+            return sim.pin(original(*args, **{**kwargs, "pin_memory": False}))
         return original(*args, **kwargs)
 
     factory.__name__ = original.__name__
@@ -1544,6 +1739,11 @@ def _to_copy(sim: Sim, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     non_blocking = bool(kwargs.get("non_blocking", False))
     if target is not None and torch.device(target).type == "cpu":  # device to host: waits for the stream
         device = src._sim_storage.device
+        if non_blocking:  # torch's _to_copy: into pinned memory, asynchronous
+            out = torch.empty_like(src._inner, dtype=dtype or src.dtype)
+            block = sim._register_pinned(out)
+            if block is not None:
+                return sim._d2h_async(out, src, block)
         sim._count("copy (device to host)")
         sim._sync_current(device, f"a device-to-host copy of {src.numel()} elements")
         out = src._inner.to(dtype=dtype or src.dtype, copy=True)
@@ -1585,7 +1785,10 @@ def _copy_(sim: Sim, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], s
             sim._count("blocking copy")
             sim._sync_current(device, f"a blocking host-to-device copy of {src.numel()} elements")
         return dst
-    device = src._sim_storage.device  # device to host
+    device = src._sim_storage.device  # device to host: asynchronous into pinned memory only, as CUDA's
+    block = sim._pinned_block(dst) if non_blocking else None
+    if block is not None:
+        return sim._d2h_async(dst, src, block)
     sim._count("copy (device to host)")
     sim._sync_current(device, f"a device-to-host copy of {src.numel()} elements")
     if sim.hb is not None:

@@ -4,9 +4,12 @@
 - ``NcclCommunicator(ndev, uid, rank)`` blocks until every rank of ``uid`` joined (``ncclCommInitRank``); with
   ``NCCL_COMM_BLOCKING=0`` it fails as cupy 14 does on NCCL's ``ncclInProgress`` (``KeyError: 7``).
 - Calls (``reduce``, ``allReduce``, ``reduceScatter``, ``allGather``, ``broadcast``, ``send``, ``recv``) take device
-  pointers (resolved through the sim's allocation registry), NCCL's enum values and a stream handle. Outside a group a
-  call is one kernel; ``groupStart``/``groupEnd`` nest per thread, and a group's calls on one communicator are one
-  kernel (a failed call inside a group makes ``groupEnd`` report its error again and launch nothing).
+  pointers (resolved through the sim's allocation registry), NCCL's enum values and a stream handle, with cupy 14.2's
+  signatures and argument conversion (``cython_args``: ``tests/test_sim_conformance.py`` holds them to the installed
+  binding). Outside a group a call is one kernel; ``groupStart``/``groupEnd`` nest per thread, and a group's calls on
+  one communicator are one kernel (a failed call inside a group makes ``groupEnd`` report its error again and launch
+  nothing). A call of an open group over bytes another call of that group writes or reads while one of them writes,
+  or one call whose send and receive overlap other than in NCCL's in-place forms, raises ``SimOverlap``.
 - Matching: collectives by the communicator's call sequence (kind, count, dtype, op, root or per-rank block), sends and
   receives per (sender, receiver) pair in order (count, dtype). Ranks that disagree are reported when the last of them
   issues the call (``SimMismatch`` on that rank's host, naming every rank's call; the others' kernels fail with
@@ -18,7 +21,8 @@
   ``waitWorkFifoAvailable``).
 - ``abort()`` sets the abort flag (spinning and later kernels of that communicator exit with an error), then waits for
   the communicator's last queued kernel, as ``commDestroySync`` does: it hangs (``SimHang``) when that kernel sits
-  behind another communicator's spinning kernel. ``destroy()`` waits for its kernels to finish normally.
+  behind another communicator's spinning kernel. ``destroy()`` waits for its kernels to finish normally. Neither
+  ever raises (cupy declares both ``void``): there is no fault to inject into them.
   ``check_async_error()`` raises after an injected or remote error; ``abort_reaches_peers`` says whether an abort
   reaches the other members as ``ncclRemoteError`` (a network) or not (NVLink: they spin until their own abort).
   Aborting a communicator that an open group of some thread holds frees it under that group: its ``groupEnd`` then
@@ -34,6 +38,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
+import inspect
 import itertools
 import os
 import secrets
@@ -103,7 +109,7 @@ class NcclError(RuntimeError):
         return (type(self), (self.status,))
 
 
-def check_status(status: int) -> None:
+def check_status(status: ncclResult_t) -> None:
     if status != SUCCESS:
         raise NcclError(status)
 
@@ -115,6 +121,12 @@ class SimMismatch(AssertionError):
 
 class SimUseAfterFree(BaseException):
     """A group ended over a communicator that ``abort()`` freed while the group held it (a crash on a GPU)."""
+
+
+class SimOverlap(BaseException):
+    """A call, or two calls of one group, over overlapping buffers other than NCCL's in-place forms: NCCL runs them at
+    once, and the result is undefined (garbage on a GPU, no error). A BaseException, as ``SimHang``: the product cannot
+    handle it into an error of its own; each one is also kept in ``sim.nccl.overlaps``."""
 
 
 def _sim() -> Any:
@@ -303,6 +315,24 @@ def _execute(posts: list[Post]) -> None:
         raise AssertionError(kind)
 
 
+def _overlap(a: tuple[torch.Tensor, int, int, int], b: tuple[torch.Tensor, int, int, int]) -> bool:
+    """Two (bytes, offset, nbytes, allocation address) regions share a byte."""
+    return a[3] == b[3] and a[1] < b[1] + b[2] and b[1] < a[1] + a[2]
+
+
+def _in_place(post: Post) -> bool:
+    """NCCL's in-place forms of one call (its user guide, "In-place operations")."""
+    kind, send, recv = post.call.kind, post.send, post.recv
+    rank = post.member.rank
+    if kind in ("reduce", "allReduce", "broadcast"):
+        return send[1] == recv[1] and send[2] == recv[2]
+    if kind == "reduceScatter":
+        return recv[1] == send[1] + rank * recv[2]
+    if kind == "allGather":
+        return send[1] == recv[1] + rank * send[2]
+    return False
+
+
 class Member(sim_cuda._Watched):
     """One rank's communicator state (what the NCCL handle points at), kept by the sim while the communicator lives;
     the cupy-facing ``NcclCommunicator`` holds it."""
@@ -386,8 +416,9 @@ class SimNccl:
         self.cost = cost
         self.transport = transport
         self.mismatches: list[str] = []
-        self.trace: list[tuple[int, str]] = []  # (process rank, "groupStart" / "reduce" / "abort failed" ...)
+        self.trace: list[tuple[int, str]] = []  # (process rank, "groupStart" / "reduce" / "reduce failed" ...)
         self.use_after_free: list[str] = []
+        self.overlaps: list[str] = []  # every SimOverlap raised
         self.misaligned: list[str] = []
         self._groups: dict[bytes, Any] = {}
         self._members: list[Member] = []
@@ -407,8 +438,14 @@ class SimNccl:
     def inject(self, kind: str, status: int = SYSTEM_ERROR, *, rank: int | None = None, comm: int | None = None,
                nth: int = 1, once: bool = True) -> None:
         """The ``nth`` call of ``kind`` ("reduce", "allReduce", ..., "*" for any of those, "groupStart", "groupEnd",
-        "abort", "destroy", "init") on ``rank``'s process (any) and its communicator number ``comm`` (any; numbered
-        in creation order on that process) raises ``NcclError(status)``, counted from now."""
+        "init") on ``rank``'s process (any) and its communicator number ``comm`` (any; numbered in creation order on
+        that process) raises ``NcclError(status)``, counted from now. Not "abort" nor "destroy": cupy's binding
+        declares ``ncclCommAbort``/``ncclCommDestroy`` ``void`` and ignores their status, so neither ever raises on
+        the real stack (one that does not return: a kernel it waits for never finishes, ``stall``)."""
+        if kind in ("abort", "destroy"):
+            raise ValueError(f"sim.nccl.inject({kind!r}): cupy's {kind}() never raises (nccl.pyx declares "
+                             f"ncclComm{kind.capitalize()} void and ignores its status); to keep it from returning, "
+                             f"stall a kernel it waits for")
         self._faults.append(_Fault(kind, status, rank, comm, nth, once=once))
 
     def stall(self, member: Member, from_kernel: int = 1) -> None:
@@ -648,6 +685,7 @@ class SimNccl:
                                        + ", ".join(f"{p:#x}" for p in pointers if p % 16))
             call = Call(kind, count, dtype, op, arg)
             post = Post(member, call, bufs[0], bufs[1])
+            self._check_buffers(post, group_state)
             self._trace(kind, member)
             with sim.lock:
                 if kind in ("send", "recv"):
@@ -680,6 +718,43 @@ class SimNccl:
             self._threads_groups[threading.get_ident()] = group_state
         else:
             self._launch(member, [(post, stream, duration)])
+
+    def _check_buffers(self, post: Post, group_state: _GroupState) -> None:
+        """Refuse (``SimOverlap``) a call whose send and receive buffers overlap other than in place (``sendbuff ==
+        recvbuff`` for reduce, allReduce and broadcast; ``recvbuff == sendbuff + rank * recvcount`` for reduceScatter;
+        ``sendbuff == recvbuff + rank * sendcount`` for allGather), and a call of an open group whose buffers overlap
+        another call's of that group where either writes (NCCL runs a group's calls at once; two reads of one buffer,
+        as two sends of it, are fine)."""
+        send, recv = post.send, post.recv
+        if send is not None and recv is not None and _overlap(send, recv) and not _in_place(post):
+            self._refuse_overlap(f"{self._named(post)} reads {self._where(send)} and writes {self._where(recv)}: its "
+                                 f"send and receive buffers overlap, and not in place")
+        if not group_state.depth:
+            return
+        for _, other, _, _ in group_state.calls:
+            for mine, theirs, what in ((post.recv, other.recv, ("writes", "writes")),
+                                       (post.recv, other.send, ("writes", "reads")),
+                                       (post.send, other.recv, ("reads", "writes"))):
+                if mine is not None and theirs is not None and _overlap(mine, theirs):
+                    self._refuse_overlap(
+                        f"one NCCL group runs {self._named(other)}, which {what[1]} {self._where(theirs)}, and "
+                        f"{self._named(post)}, which {what[0]} {self._where(mine)}, at once: their buffers overlap")
+
+    def _refuse_overlap(self, text: str) -> None:
+        text += " (NCCL's result is undefined: only one call's in-place forms may overlap)"
+        self.overlaps.append(text)
+        raise SimOverlap(text)
+
+    @staticmethod
+    def _named(post: Post) -> str:
+        return f"{post.call} on {post.member.label}"
+
+    def _where(self, region: tuple[torch.Tensor, int, int, int]) -> str:
+        _, offset, nbytes, addr = region
+        ref = self.sim._by_address.get(addr)
+        storage = ref() if ref is not None else None
+        label = storage.label if storage is not None else "an allocation"
+        return f"bytes [{offset}, {offset + nbytes}) of {label} at {addr:#x}"
 
     def _stream(self, handle: int, member: Member) -> Any:
         sim = self.sim
@@ -820,7 +895,6 @@ class SimNccl:
         sim._context("ncclCommAbort")
         if member.freed:
             return
-        self._raise_fault("abort", member)
         self._trace("abort", member)
         sim._life(f"abort started: {member.label}", member.process.rank)
         try:
@@ -879,7 +953,6 @@ class SimNccl:
         self.sim._context("ncclCommDestroy")
         if member.freed:
             return
-        self._raise_fault("destroy", member)
         self._trace("destroy", member)
         self._destroy(member)
 
@@ -906,13 +979,117 @@ class SimNccl:
 # ---- the modules -------------------------------------------------------------------------------------------
 
 
-class NcclCommunicator:
-    """cupy's ``cupy.cuda.nccl.NcclCommunicator`` on the sim."""
+# ---- cupy's argument conversion: what Cython does to a C-typed parameter before the binding's body runs ------------
 
-    def __init__(self, ndev: int, commId: bytes, rank: int) -> None:  # noqa: N803 - cupy's name
+# The C types of cupy's ``nccl.pyx`` signatures, as annotations of the sim's methods (``tests/test_sim_conformance.py``
+# compares them with the installed binding's): each names the conversion below.
+intptr_t = int  # noqa: PYI042 - cupy's C type names
+size_t = int  # noqa: PYI042
+ncclResult_t = int  # noqa: N816 - NCCL's enum (Cython converts it as a C int)
+
+
+class NcclConfig:
+    """cupy's ``NcclConfig`` type, for the constructor's signature only: the sim accepts ``config=None`` alone (the
+    product passes none)."""
+
+
+def _nb_int(value: Any) -> int:
+    """Cython's path to a C ``int`` or ``size_t`` (measured on cupy 14.2's binding): an int as is, else the type's
+    ``__int__`` (a float or a 0-dim tensor truncates, NaN and infinity fail as ``int()`` does), never ``__index__``
+    alone, never a str or None."""
+    if isinstance(value, int):
+        return int(value)
+    convert = getattr(type(value), "__int__", None)
+    if convert is None:
+        raise TypeError("an integer is required")
+    result = convert(value)
+    if not isinstance(result, int):
+        raise TypeError(f"__int__ returned non-int (type {type(result).__name__})")
+    return int(result)
+
+
+def _c_int(value: Any, name: str) -> int:
+    n = _nb_int(value)
+    if not -(1 << 63) <= n < 1 << 63:
+        raise OverflowError("Python int too large to convert to C long")
+    if not -(1 << 31) <= n < 1 << 31:
+        raise OverflowError("value too large to convert to int")
+    return n
+
+
+def _c_size_t(value: Any, name: str) -> int:
+    n = _nb_int(value)
+    if n < 0:
+        raise OverflowError("can't convert negative value to size_t")
+    if n >= 1 << 64:
+        raise OverflowError("Python int too large to convert to C unsigned long")
+    return n
+
+
+def _c_intptr_t(value: Any, name: str) -> int:
+    """An ``intptr_t`` takes an int alone (no float, no numpy or torch scalar, no ``__index__`` object)."""
+    if not isinstance(value, int):
+        raise TypeError("an integer is required")
+    if not -(1 << 63) <= value < 1 << 63:
+        raise OverflowError("Python int too large to convert to C ssize_t")
+    return int(value)
+
+
+def _c_bytes(value: Any, name: str) -> bytes | None:
+    """A ``bytes`` parameter: exactly bytes (no bytearray, no subclass), or None (Cython lets None through)."""
+    if value is not None and type(value) is not bytes:
+        raise TypeError(f"Argument '{name}' has incorrect type (expected bytes, got {type(value).__name__})")
+    return value
+
+
+def _c_config(value: Any, name: str) -> None:
+    if value is not None:
+        raise TypeError(f"Argument '{name}' has incorrect type (expected cupy_backends.cuda.libs.nccl.NcclConfig, "
+                        f"got {type(value).__name__})")
+
+
+_C_TYPES: dict[str, Callable[[Any, str], Any]] = {"int": _c_int, "ncclResult_t": _c_int, "size_t": _c_size_t,
+                                                  "intptr_t": _c_intptr_t, "bytes": _c_bytes, "NcclConfig": _c_config}
+
+
+def cython_args(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with its C-typed parameters (annotated with the C type's name, as in cupy's ``.pyx``) converted as
+    Cython converts them, in order, before the body runs: a wrong type is cupy's ``TypeError``, a value out of the C
+    type's range its ``OverflowError``, never a silent coercion (``bytes(commId)``) nor a value cupy would refuse.
+    Arity and keywords follow Python's rules, as Cython's ``def`` methods do (each parameter by its name)."""
+    signature = inspect.signature(fn)
+    converters = {name: _C_TYPES[p.annotation] for name, p in signature.parameters.items()
+                  if p.annotation in _C_TYPES}
+
+    @functools.wraps(fn)
+    def converted(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        arguments = bound.arguments
+        for name in list(arguments):
+            convert = converters.get(name)
+            if convert is not None:
+                arguments[name] = convert(arguments[name], name)
+        return fn(*bound.args, **bound.kwargs)
+
+    return converted
+
+
+class NcclCommunicator:
+    """cupy's ``cupy.cuda.nccl.NcclCommunicator`` on the sim: cupy 14.2's signatures and argument conversion
+    (``cython_args``); an instance made without ``__init__`` (``NcclCommunicator.__new__``) is cupy's NULL handle:
+    every call on it fails with ``ncclInvalidArgument`` after its arguments were converted, ``abort``/``destroy`` do
+    nothing. ``abort()`` and ``destroy()`` never raise: the binding declares ``ncclCommAbort``/``ncclCommDestroy``
+    ``void`` and ignores their status (``nccl.pyx``), so a failing abort cannot reach the product."""
+
+    _member: Member | None = None  # the NULL handle until __init__ joined
+    _nccl: SimNccl | None = None
+
+    @cython_args
+    def __init__(self, ndev: int, commId: bytes, rank: int, config: NcclConfig = None) -> None:  # noqa: N803, RUF013
+        if len(commId) != UNIQUE_ID_BYTES:
+            raise ValueError(f"commId length {len(commId)} != {UNIQUE_ID_BYTES}.")
         self._nccl = _sim().nccl
-        self._member: Member | None = None
-        self._member = self._nccl.new_member(int(ndev), bytes(commId), int(rank))
+        self._member = self._nccl.new_member(ndev, commId, rank)
 
     @property
     def member(self) -> Member:
@@ -923,48 +1100,69 @@ class NcclCommunicator:
             raise NcclError(INVALID_ARGUMENT)
         return self._member
 
+    def _live(self) -> Member:
+        """The handle for a query: after ``abort``/``destroy`` cupy holds NULL, which NCCL refuses."""
+        member = self._m()
+        if member.freed:
+            raise NcclError(INVALID_ARGUMENT)
+        return member
+
     def rank_id(self) -> int:
-        return self._m().rank
+        return self._live().rank
 
     def size(self) -> int:
-        return self._m().group.nranks
+        return self._live().group.nranks
 
     def device_id(self) -> int:
-        return self._m().device
+        return self._live().device
 
-    def reduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, root: int,
-               stream: int) -> None:
+    @cython_args
+    def reduce(self, sendbuf: intptr_t, recvbuf: intptr_t, count: size_t, datatype: int, op: int, root: int,
+               stream: intptr_t) -> None:
         m = self._m()
         recv = (recvbuf, count) if m.rank == root else None
         self._nccl.call(m, "reduce", (sendbuf, count), recv, count, datatype, op, root, stream)
 
-    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int) -> None:  # noqa: N802
-        self._nccl.call(self._m(), "allReduce", (sendbuf, count), (recvbuf, count), count, datatype, op, None, stream)
+    @cython_args
+    def allReduce(self, sendbuf: intptr_t, recvbuf: intptr_t, count: size_t, datatype: int, op: int,  # noqa: N802
+                  stream: intptr_t) -> None:
+        m = self._m()
+        self._nccl.call(m, "allReduce", (sendbuf, count), (recvbuf, count), count, datatype, op, None, stream)
 
-    def reduceScatter(self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int, op: int,  # noqa: N802
-                      stream: int) -> None:
+    @cython_args
+    def reduceScatter(self, sendbuf: intptr_t, recvbuf: intptr_t, recvcount: size_t, datatype: int,  # noqa: N802
+                      op: int, stream: intptr_t) -> None:
         m = self._m()
         self._nccl.call(m, "reduceScatter", (sendbuf, recvcount * m.group.nranks), (recvbuf, recvcount), recvcount,
                         datatype, op, recvcount, stream)
 
-    def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: int) -> None:  # noqa: N802
+    @cython_args
+    def allGather(self, sendbuf: intptr_t, recvbuf: intptr_t, count: size_t, datatype: int,  # noqa: N802
+                  stream: intptr_t) -> None:
         m = self._m()
         self._nccl.call(m, "allGather", (sendbuf, count), (recvbuf, count * m.group.nranks), count, datatype, None,
                         None, stream)
 
-    def broadcast(self, sendbuff: int, recvbuff: int, count: int, datatype: int, root: int, stream: int) -> None:
+    @cython_args
+    def broadcast(self, sendbuff: intptr_t, recvbuff: intptr_t, count: size_t, datatype: int, root: int,
+                  stream: intptr_t) -> None:
         m = self._m()
         send = (sendbuff, count) if m.rank == root else None
         self._nccl.call(m, "broadcast", send, (recvbuff, count), count, datatype, None, root, stream)
 
-    def bcast(self, buff: int, count: int, datatype: int, root: int, stream: int) -> None:
+    @cython_args
+    def bcast(self, buff: intptr_t, count: size_t, datatype: int, root: int, stream: intptr_t) -> None:
         self.broadcast(buff, buff, count, datatype, root, stream)
 
-    def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
-        self._nccl.call(self._m(), "send", (sendbuf, count), None, count, datatype, None, peer, stream)
+    @cython_args
+    def send(self, sendbuf: intptr_t, count: size_t, datatype: int, peer: int, stream: intptr_t) -> None:
+        m = self._m()
+        self._nccl.call(m, "send", (sendbuf, count), None, count, datatype, None, peer, stream)
 
-    def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
-        self._nccl.call(self._m(), "recv", None, (recvbuf, count), count, datatype, None, peer, stream)
+    @cython_args
+    def recv(self, recvbuf: intptr_t, count: size_t, datatype: int, peer: int, stream: intptr_t) -> None:
+        m = self._m()
+        self._nccl.call(m, "recv", None, (recvbuf, count), count, datatype, None, peer, stream)
 
     def abort(self) -> None:
         if self._member is not None:
@@ -975,7 +1173,8 @@ class NcclCommunicator:
             self._nccl.destroy(self._member)
 
     def check_async_error(self) -> None:
-        self._nccl.check_async_error(self._m())
+        member = self._live()
+        self._nccl.check_async_error(member)
 
     def __del__(self) -> None:
         """cupy's ``__dealloc__``: ``ncclCommDestroy`` on a communicator still open (it waits for its kernels)."""
@@ -1069,7 +1268,7 @@ def make_modules() -> dict[str, types.ModuleType]:
     nccl.get_build_version = get_build_version
     nccl.groupStart = groupStart
     nccl.groupEnd = groupEnd
-    nccl.check_status = check_status
+    nccl.check_status = cython_args(check_status)
     nccl.available = True
     runtime.getDevice = lambda: _sim()._this_process().device
     runtime.setDevice = lambda device: setattr(_sim()._this_process(), "device", int(device))
@@ -1085,4 +1284,5 @@ def make_modules() -> dict[str, types.ModuleType]:
     return {"cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.nccl": nccl, "cupy.cuda.runtime": runtime}
 
 
-__all__ = ["Call", "Member", "NcclCommunicator", "NcclError", "SimMismatch", "SimNccl", "SimUseAfterFree"]
+__all__ = ["Call", "Member", "NcclCommunicator", "NcclError", "SimMismatch", "SimNccl", "SimOverlap",
+           "SimUseAfterFree", "cython_args"]
