@@ -6,8 +6,9 @@ Why a factory in place of ``CompileConfig``: DeepSpeed builds its compile config
 unknown keys. Swapping that one module-level name lets owner_reduce's keys (``planning.settings``) through, validated
 strictly, into a subclass whose fields carry them (so they appear in DeepSpeed's config dump at init and reach the
 runtime), while a config that does not mention them still gets DeepSpeed's own class, built by DeepSpeed's own code:
-keys absent, nothing changes. A key that cannot take effect is named in a warning when DeepSpeed reads the config
-(see ``unused_flags``).
+keys absent, nothing changes. A key that cannot take effect is named in a warning when DeepSpeed reads the
+config, or at the engine's first optimizer step where no compiled graph ran by then (see ``unused_flags``). Before
+``install()``, a config with the keys fails naming ``install()`` (``install_guard``, armed at the package's import).
 The runtime is wired in through ``deepspeed.compile.init_z1_and_2.init_z1_and_2`` (see ``activation``), which
 likewise calls straight through when both flags are off.
 """
@@ -19,6 +20,7 @@ import threading
 from typing import Any
 
 from ..planning.settings import SETTING_KEYS, parse_settings
+from .install_guard import unguarded
 
 _lock = threading.Lock()
 _installed: dict[str, Any] = {}
@@ -39,7 +41,7 @@ def _check_surface() -> None:
     if not problems:
         import deepspeed.runtime.config as ds_config
 
-        fields = getattr(ds_config.CompileConfig, "model_fields", None)
+        fields = getattr(unguarded(ds_config.CompileConfig), "model_fields", None)
         if fields is None or "deepcompile" not in fields:
             problems.append("deepspeed.runtime.config.CompileConfig is not a pydantic model with a 'deepcompile' field")
         problems += dc_schema_problems()
@@ -116,11 +118,13 @@ def install() -> None:
 
         from .activation import wrap_init_z1_and_2
         from .checkpoint import wrap_load_checkpoint, wrap_save_checkpoint
-        from .unused_flags import wrap_do_warning_check
+        from .unused_flags import wrap_do_warning_check, wrap_engine_init
 
-        original = ds_config.CompileConfig
+        guarded = ds_config.CompileConfig  # the forgotten-install check's wrapper (``install_guard``), put back later
+        original = unguarded(guarded)
         if (hasattr(original, "owner_reduce_original") or hasattr(init_module.init_z1_and_2, "__wrapped__")
-                or hasattr(DeepSpeedEngine.save_checkpoint, "owner_reduce_original")):
+                or hasattr(DeepSpeedEngine.save_checkpoint, "owner_reduce_original")
+                or hasattr(DeepSpeedEngine.__init__, "owner_reduce_original")):
             raise OwnerReduceInstallError("owner_reduce: DeepSpeed is already patched by another copy of "
                                           "owner_reduce; uninstall that one first")
         config_cls, factory = _make_compile_config_factory(original)
@@ -128,14 +132,16 @@ def install() -> None:
         original_warning_check = ds_config.DeepSpeedConfig.__dict__["_do_warning_check"]
         original_save = DeepSpeedEngine.__dict__["save_checkpoint"]
         original_load = DeepSpeedEngine.__dict__["load_checkpoint"]
+        original_engine_init = DeepSpeedEngine.__dict__["__init__"]
         ds_config.CompileConfig = factory
         init_module.init_z1_and_2 = wrap_init_z1_and_2(original_init)
         ds_config.DeepSpeedConfig._do_warning_check = wrap_do_warning_check(original_warning_check)
         DeepSpeedEngine.save_checkpoint = wrap_save_checkpoint(original_save)  # the measured guard's verdicts
         DeepSpeedEngine.load_checkpoint = wrap_load_checkpoint(original_load)
-        _installed.update(compile_config=original, config_cls=config_cls, init_z1_and_2=original_init,
+        DeepSpeedEngine.__init__ = wrap_engine_init(original_engine_init)  # the first step's check (``unused_flags``)
+        _installed.update(compile_config=guarded, config_cls=config_cls, init_z1_and_2=original_init,
                           do_warning_check=original_warning_check, save_checkpoint=original_save,
-                          load_checkpoint=original_load)
+                          load_checkpoint=original_load, engine_init=original_engine_init)
     warn_about_cupy()
 
 
@@ -168,6 +174,7 @@ def uninstall() -> None:
         ds_config.DeepSpeedConfig._do_warning_check = _installed["do_warning_check"]
         DeepSpeedEngine.save_checkpoint = _installed["save_checkpoint"]
         DeepSpeedEngine.load_checkpoint = _installed["load_checkpoint"]
+        DeepSpeedEngine.__init__ = _installed["engine_init"]
         cpu_compat.restore()
         release_dc_schemas()
         _installed.clear()
