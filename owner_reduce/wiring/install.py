@@ -47,7 +47,7 @@ def _check_surface() -> None:
         problems += dc_schema_problems()
     if problems:
         raise OwnerReduceInstallError("owner_reduce: refusing to install, DeepSpeed's private surface is not the one "
-                                      "it was built for (deepspeed>=0.19.8,<0.20): " + "; ".join(problems))
+                                      "it was built for (deepspeed 0.19.8): " + "; ".join(problems))
 
 
 def _make_compile_config_factory(original: type) -> tuple[type, Any]:
@@ -85,17 +85,24 @@ def _make_compile_config_factory(original: type) -> tuple[type, Any]:
 
 def warn_about_cupy(environ: dict[str, str] | None = None) -> str | None:
     """Log, once per node (``LOCAL_RANK`` 0 or unset), the installation message of ``cuda_extra`` when cupy does not
-    fit torch's CUDA; return it (every rank). A check that fails is itself the message: it never stops install()."""
+    fit torch's CUDA, and one for torch or DeepSpeed outside the tested ranges (``version_problems``: a
+    ``--no-deps`` install); return the first (every rank). A check that fails is itself the message: it never stops
+    install()."""
     from deepspeed.utils import logger
 
-    from .cuda_extra import PREFIX, environment_problem
+    from .cuda_extra import PREFIX, environment_problem, environment_version_problems
 
     try:
         problem = environment_problem()
     except Exception as error:  # noqa: BLE001 - an odd environment must not stop install()
         problem = f"{PREFIX}: could not compare cupy with torch's CUDA ({type(error).__name__}: {error})"
-    if problem is not None and (os.environ if environ is None else environ).get("LOCAL_RANK", "0") == "0":
-        logger.warning(problem)
+    try:
+        versions = environment_version_problems()
+    except Exception as error:  # noqa: BLE001 - likewise
+        versions = [f"{PREFIX}: could not compare torch and DeepSpeed with the tested ranges ({error})"]
+    if (os.environ if environ is None else environ).get("LOCAL_RANK", "0") == "0":
+        for message in ([problem] if problem is not None else []) + versions:
+            logger.warning(message)
     return problem
 
 
