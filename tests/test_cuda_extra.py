@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import os
 import re
 import types
 from pathlib import Path
@@ -261,3 +262,60 @@ def test_a_torch_or_deepspeed_outside_the_ranges_is_named_once_at_install():
                           "tests ran (torch<2.16,>=2.13.0a0); it may work, untested")
     assert ds_line.startswith("owner_reduce: installation: deepspeed 0.19.9 is outside")
     assert cuda_extra.environment_version_problems() == []  # this venv: pip's own ranges
+
+
+def _hand_made_wheel(folder: Path, name: str, requirement: str) -> Path:
+    """A wheel whose only content is its metadata: ``Requires-Dist: requirement``."""
+    import base64
+    import hashlib
+    import zipfile
+
+    info = f"{name}-0.1.dist-info"
+    files = {f"{name}/__init__.py": b"",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\nRequires-Dist: {requirement}\n"
+             .encode(),
+             f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    path = folder / f"{name}-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as wheel:
+        record = []
+        for member, data in files.items():
+            wheel.writestr(member, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            record.append(f"{member},sha256={digest},{len(data)}")
+        wheel.writestr(f"{info}/RECORD", "\n".join([*record, f"{info}/RECORD,,"]) + "\n")
+    return path
+
+
+@pytest.mark.timeout(120)
+def test_pip_itself_keeps_a_vendor_torch_for_the_range_and_not_for_the_plain_spelling(tmp_path):
+    """pip's own resolver (``pip --python VENV install --dry-run --no-index --isolated``) in a venv whose torch is a
+    vendor build: the project's torch range is satisfied by it; the control, ">=2.13,<2.16", sends pip looking for
+    another torch (none is offered here, so it fails naming torch)."""
+    import subprocess
+    import sys
+    import venv
+
+    venv.EnvBuilder(with_pip=False).create(tmp_path / "v")
+    python = tmp_path / "v" / "bin" / "python"
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    torch_info = Path(site) / f"torch-{VENDOR}.dist-info"
+    torch_info.mkdir(parents=True)
+    (torch_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {VENDOR}\n")
+    (torch_info / "RECORD").write_text("")
+    spelled = str(_requirement(_pyproject()["dependencies"], "torch"))
+
+    # pip reads no configuration, constraint or index here: only what is installed in the venv can satisfy torch
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PIP_")}, "PIP_CONFIG_FILE": os.devnull}
+
+    def dry_run(name: str, requirement: str) -> str:
+        wheel = _hand_made_wheel(tmp_path, name, f"torch{requirement}")
+        done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--dry-run",
+                               "--no-index", str(wheel)], capture_output=True, text=True, timeout=90, env=env)
+        return f"rc={done.returncode}\n{done.stdout}{done.stderr}"
+
+    kept = dry_run("probe_range", spelled)
+    assert kept.startswith("rc=0") and f"Requirement already satisfied: torch{spelled}" in kept, kept
+    replaced = dry_run("probe_plain", ">=2.13,<2.16")
+    assert not replaced.startswith("rc=0") and "Requirement already satisfied: torch" not in replaced, replaced
+    assert "ERROR: Could not find a version that satisfies the requirement torch" in replaced, replaced
