@@ -1,8 +1,9 @@
 """owner_reduce: reduce each ZeRO-1/2 gradient only to the rank that keeps it, under DeepSpeed DeepCompile.
 
 Opt-in: ``owner_reduce.install()`` once, then ``compile.reduce_to_owner`` (and the other keys of
-``planning.settings``) in the DeepSpeed config. Importing this package changes nothing in DeepSpeed and imports
-neither torch nor DeepSpeed.
+``planning.settings``) in the DeepSpeed config. Importing this package imports neither torch nor DeepSpeed, and
+changes nothing DeepSpeed does with a config it accepts: a config carrying owner_reduce's keys before ``install()``,
+which DeepSpeed refuses anyway, then fails naming ``install()`` (``wiring.install_guard``).
 """
 
 from .planning.flags import FLAG_KEYS, OwnerReduceConfigError, OwnerReduceFlags, flags_of, parse_flags
@@ -11,6 +12,9 @@ from .planning.settings import SETTING_KEYS, OwnerReduceSettings, parse_settings
 from .runtime.deadline import OwnerReduceCommError
 from .runtime.errors import OwnerReduceMismatchError
 from .wiring.install import OwnerReduceInstallError, OwnerReduceInUseError, install, is_installed, uninstall
+from .wiring.install_guard import arm as _arm_install_guard
+
+_arm_install_guard()
 
 __version__ = "0.1.0"
 

@@ -1,7 +1,7 @@
 """Standalone check of the owner flush on real NCCL through cupy: correct against AllReduce, and how fast.
 
-Why standalone (no DeepSpeed, no torch.distributed): when the end-to-end run misbehaves on a GPU machine,
-this separates "NCCL through cupy on torch buffers" from everything above it. It spawns one process per
+Why standalone (no DeepSpeed; on one node no torch.distributed either): when the end-to-end run misbehaves on a
+GPU machine, this separates "NCCL through cupy on torch buffers" from everything above it. It spawns one process per
 rank on the visible GPUs (several ranks on one GPU need NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1, set
 here), hands every rank the unique id the parent made, and builds one reduce bucket with a realistic owner
 layout: a GPT-2 124M parameter list partitioned ZeRO-1 style over the ranks, the bucket being a window of
@@ -13,6 +13,13 @@ against the native flush: one AllReduce over the whole bucket. For each dtype it
 - random inputs per rank: both equal the float64 reference within the dtype's tolerance;
 and times both flushes with CUDA events (median over --iters after warm-up; the slowest rank's median).
 
+One node: ``python scripts/nccl_check.py --world-size 8`` (default: one rank per visible GPU).
+Several nodes: start it under a launcher, one process per GPU, on every node, e.g.
+``torchrun --nnodes 2 --nproc-per-node 8 --node-rank R --master-addr HOST --master-port PORT scripts/nccl_check.py``.
+With RANK and WORLD_SIZE set it is one rank of that world: a gloo process group only hands rank 0's NCCL unique id
+to every rank and brings the results back to rank 0, which prints them; the check itself runs on cupy's NCCL.
+``--dry-run`` prints each dtype's bucket plan at --world-size (default 8) and runs nothing: no GPU, no cupy.
+
 Exit codes: 0 all checks passed, 1 a check failed, 3 no CUDA GPU, 4 cannot run here (no cupy/libnccl, or
 ranks sharing a GPU with NCCL < 2.30), 5 ranks crashed or timed out.
 """
@@ -20,6 +27,7 @@ ranks sharing a GPU with NCCL < 2.30), 5 ranks crashed or timed out.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -28,6 +36,7 @@ from typing import Any
 
 NO_GPU, CANNOT_RUN, RANKS_FAILED = 3, 4, 5
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 TOLERANCE = {"float32": (1e-5, 1e-6), "bfloat16": (1.6e-2, 1e-2), "float16": (2e-3, 1e-3)}  # (rtol, atol)
 
 
@@ -98,6 +107,25 @@ def plan_bucket(world_size: int, bucket_bytes: int, elem_size: int) -> Any:
         entries.append(BucketEntry(pid, offset, numels[pid]))
         offset += numels[pid]
     return plan_flush(entries, owner_map, reduce_to_owner=True)
+
+
+def plan_facts(dtype_name: str, plan: Any, ws: int) -> dict[str, Any]:
+    """What the plan line says about one dtype's bucket (the same with or without a GPU)."""
+    from owner_reduce.planning.flush_plan import ALL
+
+    n = plan.reduced_elems
+    reduce_ranges = sum(1 for r in plan.ranges if r.root is not ALL)
+    return {"dtype": dtype_name, "elems": n, "params": plan.tasks, "ranges": len(plan.ranges),
+            "reduce_ranges": reduce_ranges, "allreduce_ranges": len(plan.ranges) - reduce_ranges,
+            "owner_share": plan.owner_elems / n if n else 0.0,
+            "received_share": [plan.received_elems(r) / max(n, 1) for r in range(ws)]}
+
+
+def plan_line(row: dict[str, Any]) -> str:
+    return (f"  {row['dtype']}: {row['elems']} elements in {row['params']} gradients; plan {row['ranges']} ranges "
+            f"({row['reduce_ranges']} Reduce, {row['allreduce_ranges']} AllReduce), owner path "
+            f"{100 * row['owner_share']:.1f}% of elements; received per rank "
+            f"{', '.join(f'{100 * s:.1f}%' for s in row['received_share'])}")
 
 
 # ---- one rank ------------------------------------------------------------------------------------------------
@@ -179,12 +207,13 @@ def _check_dtype(comm: Any, rank: int, ws: int, dtype_name: str, args: argparse.
             "allreduce_ms": statistics.median(times["allreduce"]), "owner_ms": statistics.median(times["owner"])}
 
 
-def rank_main(rank: int, ws: int, unique_id: bytes, args: argparse.Namespace) -> dict[str, Any]:
+def rank_main(rank: int, ws: int, unique_id: bytes, args: argparse.Namespace,
+              local_rank: int | None = None) -> dict[str, Any]:
     import torch
 
     from owner_reduce.runtime.nccl_comm import CupyNcclComm
 
-    device = rank % torch.cuda.device_count()
+    device = (rank if local_rank is None else local_rank) % torch.cuda.device_count()
     torch.cuda.set_device(device)
     comm = CupyNcclComm(unique_id, rank, ws, device=device)
     try:
@@ -226,10 +255,7 @@ def _report(ws: int, results: list[dict[str, Any]], header: dict[str, Any]) -> t
                "received_share": [r["received_elems"] / max(first["elems"], 1) for r in per_rank],
                "allreduce_ms": ar, "owner_ms": ow, "ratio": ow / ar if ar else float("nan")}
         summary.append(row)
-        print(f"  {row['dtype']}: {row['elems']} elements in {row['params']} gradients; plan {row['ranges']} ranges "
-              f"({row['reduce_ranges']} Reduce, {row['allreduce_ranges']} AllReduce), owner path "
-              f"{100 * row['owner_share']:.1f}% of elements; received per rank "
-              f"{', '.join(f'{100 * s:.1f}%' for s in row['received_share'])}")
+        print(plan_line(row))
         print(f"    identical inputs, owner == AllReduce bitwise on received elements: {bitwise}")
         print(f"    random inputs, both within rtol={row['rtol']} atol={row['atol']} of the fp64 reference: {close} "
               f"(max abs err {row['max_abs_err']:.3g})")
@@ -248,20 +274,70 @@ def _report(ws: int, results: list[dict[str, Any]], header: dict[str, Any]) -> t
     return ok, summary
 
 
+def dry_run(args: argparse.Namespace) -> int:
+    """Each dtype's bucket plan at --world-size, as the run prints it; nothing runs (no torch CUDA, no cupy)."""
+    ws = args.world_size or 8
+    print(f"nccl_check: dry run, no GPU touched: ws={ws}; bucket {args.bucket_mb:g} MiB; the plan each rank would run",
+          flush=True)
+    for d in args.dtypes:
+        name = DTYPES[d]
+        print(plan_line(plan_facts(name, plan_bucket(ws, int(args.bucket_mb * 2**20), ELEMENT_BYTES[name]), ws)))
+    return 0
+
+
+def launched(args: argparse.Namespace, header: dict[str, Any]) -> int:
+    """One rank of a world a launcher started (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), across nodes.
+
+    Why a gloo group: the ranks are on several hosts, so the NCCL unique id cannot be handed over in memory as on one
+    node. The group carries the id out from rank 0 and the results back to it, nothing else: the check runs on cupy's
+    communicator alone."""
+    import torch.distributed as dist
+
+    from owner_reduce.runtime.nccl_comm import new_unique_id
+
+    rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        box = [new_unique_id() if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        result = rank_main(rank, ws, box[0], args, local_rank=local_rank)
+        results: list[Any] = [None] * ws
+        dist.all_gather_object(results, result)
+    finally:
+        dist.destroy_process_group()
+    if rank != 0:
+        return 0
+    ok, summary = _report(ws, results, header)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    print(f"nccl_check: {'all checks passed' if ok else 'A CHECK FAILED'}", flush=True)
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-size", type=int, default=None, help="ranks (default: the number of GPUs)")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="ranks on this node (default: the number of GPUs); under a launcher, its WORLD_SIZE")
     parser.add_argument("--bucket-mb", type=float, default=32.0, help="reduce bucket size in MiB per dtype")
     parser.add_argument("--iters", type=int, default=20, help="timed flushes per path and dtype")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--dtypes", type=lambda s: [d.strip() for d in s.split(",") if d.strip()],
                         default=["fp32", "bf16"], help=f"comma list of {', '.join(DTYPES)}")
-    parser.add_argument("--timeout", type=float, default=240.0, help="seconds for all ranks together")
+    parser.add_argument("--timeout", type=float, default=240.0,
+                        help="seconds for all ranks together (under a launcher: the gloo group's timeout)")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--dry-run", action="store_true", help="print the bucket plans at --world-size (default 8)")
     args = parser.parse_args(argv)
     unknown = [d for d in args.dtypes if d not in DTYPES]
     if unknown:
         parser.error(f"unknown dtypes {unknown}; choose from {list(DTYPES)}")
+    if args.dry_run:
+        return dry_run(args)
+    under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if under_launcher and args.world_size is not None:
+        parser.error("--world-size is the launcher's WORLD_SIZE here: leave it out")
 
     import torch
 
@@ -272,26 +348,35 @@ def main(argv: list[str] | None = None) -> int:
         from owner_reduce.runtime.nccl_comm import nccl_runtime_version, new_unique_id
 
         version = nccl_runtime_version()
-        unique_id = new_unique_id()
+        unique_id = None if under_launcher else new_unique_id()
     except Exception as error:  # noqa: BLE001 - reported as "cannot run here"
         print(f"nccl_check: cupy's NCCL is unavailable: {type(error).__name__}: {error}", flush=True)
         return CANNOT_RUN
     gpus = torch.cuda.device_count()
-    ws = args.world_size or gpus
-    if ws > gpus:
+    if under_launcher:
+        ws = int(os.environ["WORLD_SIZE"])
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", min(ws, gpus)))
+        shared, in_use = per_node > gpus, -(-ws // per_node) * min(per_node, gpus)  # GPUs of every node in the run
+    else:
+        ws = args.world_size or gpus
+        per_node, shared, in_use = ws, ws > gpus, gpus
+    if shared:
         if version < (2, 30, 0):
-            print(f"nccl_check: {ws} ranks on {gpus} GPU(s) need NCCL >= 2.30 (NCCL_MULTI_RANK_GPU_ENABLE); "
+            print(f"nccl_check: {per_node} ranks on {gpus} GPU(s) need NCCL >= 2.30 (NCCL_MULTI_RANK_GPU_ENABLE); "
                   f"cupy loads NCCL {'.'.join(map(str, version))}", flush=True)
             return CANNOT_RUN
         os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
-    header = {"world_size": ws, "gpus": gpus, "gpu": torch.cuda.get_device_name(0),
+    header = {"world_size": ws, "gpus": in_use, "gpu": torch.cuda.get_device_name(0),
               "nccl": ".".join(map(str, version)), "torch": torch.__version__, "bucket_mb": args.bucket_mb,
               "iters": args.iters}
     torch_nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "?"
-    print(f"nccl_check: NCCL {header['nccl']} through cupy (torch {torch.__version__} has NCCL {torch_nccl}); "
-          f"ws={ws} on {gpus} x {header['gpu']}; bucket {args.bucket_mb:g} MiB; {args.iters} iters after "
-          f"{args.warmup} warm-up" + ("; ranks share GPUs: timings are not an interconnect's" if ws > gpus else ""),
-          flush=True)
+    if not under_launcher or int(os.environ["RANK"]) == 0:
+        print(f"nccl_check: NCCL {header['nccl']} through cupy (torch {torch.__version__} has NCCL {torch_nccl}); "
+              f"ws={ws} on {in_use} x {header['gpu']}; bucket {args.bucket_mb:g} MiB; {args.iters} iters after "
+              f"{args.warmup} warm-up" + ("; ranks share GPUs: timings are not an interconnect's" if shared else ""),
+              flush=True)
+    if under_launcher:
+        return launched(args, header)
     from owner_reduce.harness.launch import RankFailure, RankTimeout, run_ranks
 
     try:  # no DeepSpeed, no torch process group: the ranks meet through the NCCL unique id alone

@@ -25,10 +25,49 @@ def installed():
     owner_reduce.uninstall()
 
 
-def test_without_install_deepspeed_rejects_the_keys():
+FORGOTTEN = (r"^DeepSpeed config: compile\.reduce_to_owner, compile\.reduce_probe are owner_reduce's, and "
+             r"owner_reduce\.install\(\) has not run in this process, .* call owner_reduce\.install\(\) before "
+             r"deepspeed\.initialize, in every process, or start the script with python -m owner_reduce\.run$")
+
+
+def _assert_forgotten_install_named():
+    with pytest.raises(ValueError, match=FORGOTTEN):
+        _ds({"deepcompile": True, "reduce_to_owner": True, "reduce_probe": False})
+
+
+def test_without_install_the_keys_fail_naming_install():
     assert not owner_reduce.is_installed()
-    with pytest.raises(ValueError, match="reduce_to_owner"):
-        _ds({"deepcompile": True, "reduce_to_owner": True})
+    _assert_forgotten_install_named()
+    assert _ds({"deepcompile": True}).compile_config.deepcompile is True  # a config without the keys: untouched
+
+
+def test_negative_control_without_the_guard_deepspeed_says_only_pydantics_words(monkeypatch):
+    """The fault: the check armed at import is not in DeepSpeed's path; what is left is pydantic's bare error."""
+    from owner_reduce.wiring.install_guard import unguarded
+
+    monkeypatch.setattr(ds_config, "CompileConfig", unguarded(ds_config.CompileConfig))
+    with pytest.raises(AssertionError, match=r"(?s)Regex pattern did not match.*Extra inputs are not permitted"):
+        _assert_forgotten_install_named()
+
+
+def test_the_guard_is_armed_when_owner_reduce_is_imported_before_deepspeed():
+    """A fresh interpreter: importing owner_reduce imports neither torch nor DeepSpeed, and DeepSpeed's config module,
+    loaded afterwards, is guarded."""
+    import subprocess
+    import sys
+
+    code = ("import sys, owner_reduce\n"
+            "assert not {'torch', 'deepspeed'} & set(sys.modules), 'owner_reduce imported torch or deepspeed'\n"
+            "from deepspeed.runtime.config import DeepSpeedConfig\n"
+            "try:\n"
+            "    DeepSpeedConfig({'train_micro_batch_size_per_gpu': 1, 'compile': {'reduce_to_owner': True}})\n"
+            "except ValueError as e:\n"
+            "    print('ERROR', type(e).__name__, e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("ERROR")]
+    assert line.startswith("ERROR OwnerReduceConfigError DeepSpeed config: compile.reduce_to_owner is owner_reduce's, "
+                           "and owner_reduce.install() has not run"), line
 
 
 @pytest.mark.parametrize("owner", [True, False])
@@ -65,19 +104,26 @@ def test_other_compile_keys_still_validated(installed):
 
 
 def test_install_is_idempotent_and_uninstall_restores_exactly():
-    original = ds_config.CompileConfig
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from owner_reduce.wiring.install_guard import unguarded
+
+    guarded = ds_config.CompileConfig  # the forgotten-install check, armed at import
     original_check = DeepSpeedConfig.__dict__["_do_warning_check"]
-    assert original is CompileConfig
+    original_init = DeepSpeedEngine.__dict__["__init__"]
+    assert unguarded(guarded) is CompileConfig and guarded is not CompileConfig
     owner_reduce.install()
     patched = ds_config.CompileConfig
     owner_reduce.install()
-    assert ds_config.CompileConfig is patched and patched is not original
+    assert ds_config.CompileConfig is patched and patched is not guarded
     assert DeepSpeedConfig.__dict__["_do_warning_check"] is not original_check
+    assert DeepSpeedEngine.__dict__["__init__"] is not original_init
     owner_reduce.uninstall()
     owner_reduce.uninstall()
-    assert ds_config.CompileConfig is original and not owner_reduce.is_installed()
+    assert ds_config.CompileConfig is guarded and not owner_reduce.is_installed()
     assert DeepSpeedConfig.__dict__["_do_warning_check"] is original_check
-    with pytest.raises(ValueError, match="reduce_probe"):
+    assert DeepSpeedEngine.__dict__["__init__"] is original_init
+    with pytest.raises(ValueError, match=r"compile\.reduce_probe is owner_reduce's"):
         _ds({"reduce_probe": True})
 
 
@@ -300,3 +346,89 @@ def test_silent_cases_warn_on_rank_0_only_at_initialize():
     for case, lines in rank0.items():
         assert len(lines) == 1 and SILENT_CASES[case][1] in lines[0], (case, lines)
     assert all(lines == [] for lines in rank1.values()), rank1
+
+
+# ---- keys that need engine.compile(): one warning at the first optimizer step ----------------------------------
+
+UNCOMPILED = "compile.reduce_to_owner has no effect until engine.compile() runs"
+
+
+def _first_step(engine, steps=2):
+    """``steps`` optimizer steps; what owner_reduce said meanwhile, and whether its check was still on the engine after
+    the first (and DeepSpeed's ``step`` on the class, untouched)."""
+    import torch
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from ds_log import ds_log
+
+    from owner_reduce.wiring import unused_flags
+
+    unused_flags._warned.clear()  # owner_reduce says each reason once per process
+    armed = "step" in engine.__dict__
+    left, lines = [], []
+    for _ in range(steps):
+        with ds_log(None) as log:
+            engine.backward(engine(torch.randn(4, 12), torch.randn(4, 5)))
+            engine.step()
+        lines.append([line for line in log.lines if "has no effect" in line])
+        left.append("step" in engine.__dict__ or type(engine).step is not DeepSpeedEngine.__dict__["step"])
+    runtime = engine.__dict__.get("_owner_reduce_runtime")
+    ran = 0 if runtime is None else runtime.stats.reduce_grad_calls
+    engine.destroy()
+    return {"armed": armed, "lines": lines, "left": left, "ran": ran}
+
+
+def _first_step_worker(rank, world_size, out_dir):
+    """One rank: an engine never compiled, the same with the check's arming broken in the product (the control), one
+    compiled (it must say nothing), and the transformers Trainer without --torch_compile."""
+    from launched_train import build_model
+    from launched_trainer import RandomTokens
+    from transformers import Trainer, TrainingArguments
+    from zero1_engines import odd_mlp_engine
+
+    from owner_reduce.run import _create_accelerate_state
+    from owner_reduce.wiring import unused_flags
+
+    owner_reduce.install()
+    out = {"uncompiled": _first_step(odd_mlp_engine(deepcompile=True, reduce_to_owner=True))}
+    arm = unused_flags.arm_first_step_check
+    unused_flags.arm_first_step_check = lambda engine: False  # the fault: the check never armed
+    out["unarmed (fault)"] = _first_step(odd_mlp_engine(deepcompile=True, reduce_to_owner=True))
+    unused_flags.arm_first_step_check = arm
+    engine = odd_mlp_engine(deepcompile=True, reduce_to_owner=True)
+    engine.compile(backend="eager")
+    out["compiled"] = _first_step(engine)
+    _create_accelerate_state("gloo")  # as python -m owner_reduce.run --accelerate-backend gloo
+    ds = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+          "zero_optimization": {"stage": 1}, "compile": {"deepcompile": True, "reduce_to_owner": True}}
+    args = TrainingArguments(output_dir=out_dir, deepspeed=ds, per_device_train_batch_size=2, max_steps=2,
+                             report_to="none", save_strategy="no", accelerator_config={"use_configured_state": True})
+    from ds_log import ds_log
+
+    unused_flags._warned.clear()
+    with ds_log(None) as log:
+        trainer = Trainer(model=build_model(), args=args, train_dataset=RandomTokens(8))
+        trainer.train()
+    out["trainer"] = [line for line in log.lines if "has no effect" in line]
+    trainer.model_wrapped.destroy()
+    return out
+
+
+def _assert_warned_once_at_the_first_step(result):
+    assert result["armed"], "the check was not armed on an engine whose keys can take effect"
+    first, second = result["lines"]
+    assert len(first) == 1 and first[0].startswith(f"owner_reduce: {UNCOMPILED}"), f"no warning: {result['lines']}"
+    assert "engine.compile()" in first[0] and "--torch_compile" in first[0]
+    assert second == [], f"warned again at the second step: {second}"
+    assert result["left"] == [False, False], "a check left on the step path after the first step"
+
+
+@pytest.mark.timeout(240)
+def test_keys_without_engine_compile_warn_once_at_the_first_optimizer_step(tmp_path):
+    (out,) = run_ranks(_first_step_worker, 1, args=(str(tmp_path),), timeout=200)
+    _assert_warned_once_at_the_first_step(out["uncompiled"])
+    with pytest.raises(AssertionError, match="the check was not armed"):  # the control: the product's fault is seen
+        _assert_warned_once_at_the_first_step(out["unarmed (fault)"])
+    compiled = out["compiled"]
+    assert compiled["ran"] > 0 and compiled["lines"] == [[], []] and compiled["left"] == [False, False], compiled
+    (line,) = out["trainer"]
+    assert line.startswith(f"owner_reduce: {UNCOMPILED}") and "--torch_compile" in line

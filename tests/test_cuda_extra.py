@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import os
 import re
 import types
 from pathlib import Path
@@ -16,8 +17,8 @@ import owner_reduce
 from owner_reduce.wiring import cuda_extra, install
 from owner_reduce.wiring.cuda_extra import CupyDist, cupy_dists, cupy_problem
 
-CU13_COMMAND = ("pip install 'cupy-cuda13x>=14,<15' nvidia-nccl-cu13 (owner_reduce's cu13 extra: from a checkout, pip "
-                "install '.[cu13]')")
+CU13_COMMAND = ("pip install 'cupy-cuda13x>=14,<15' 'nvidia-nccl-cu13>=2.27.5,<3' (owner_reduce's cu13 extra: from a "
+                "checkout, pip install '.[cu13]')")
 CU12_COMMAND = CU13_COMMAND.replace("13", "12")
 CU12 = CupyDist("cupy-cuda12x", "14.2.0", 12)
 CU13 = CupyDist("cupy-cuda13x", "14.2.0", 13)
@@ -74,8 +75,9 @@ def test_no_cupy_with_a_cuda_torch_names_the_extra(cuda, extra):
     assert message.startswith(f"owner_reduce: installation: torch 2.14.1+cuXX is a CUDA {cuda[:2]} build and no cupy "
                               "is installed, so the owner path reduces through torch.distributed (NCCL)")
     major = extra[2:]
-    assert message.endswith(f"for cupy NCCL: pip install 'cupy-cuda{major}x>=14,<15' nvidia-nccl-cu{major} "
-                            f"(owner_reduce's {extra} extra: from a checkout, pip install '.[{extra}]')")
+    assert message.endswith(f"for cupy NCCL: pip install 'cupy-cuda{major}x>=14,<15' "
+                            f"'nvidia-nccl-cu{major}>=2.27.5,<3' (owner_reduce's {extra} extra: from a checkout, "
+                            f"pip install '.[{extra}]')")
     assert "owner_reduce[" not in message  # owner_reduce is not on the package index: a name pip cannot find
     # a cupy module without any distribution (a source tree on the path): its CUDA is unknown, nothing is said
     assert cupy_problem("2.14.1+cuXX", cuda, (), cupy_module_found=True) is None
@@ -197,3 +199,123 @@ def test_describe_names_torchs_cuda_the_extra_the_cupy_and_a_problem():
     mismatch = cuda_extra.describe("2.14.1+cu130", "13.0", (CU12,), True)
     assert mismatch.endswith("; PROBLEM: " + cupy_problem("2.14.1+cu130", "13.0", (CU12,), True))
     assert "cupy installed: none; PROBLEM: " in cuda_extra.describe("2.14.1+cu130", "13.0", (), False)
+
+
+# ---- the ranges of torch, DeepSpeed and NCCL: what ran, vendor builds kept, torch's own NCCL pin admitted -----------
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # python >= 3.11
+    return tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+
+
+def _requirement(requirements: list[str], name: str):
+    from packaging.requirements import Requirement
+
+    (found,) = [r for r in map(Requirement, requirements) if r.name == name]
+    return found.specifier
+
+
+def _pip_keeps(specifier, installed: str) -> bool:
+    """Whether pip keeps an installed version for this requirement: it asks ``contains(version, prereleases=True)``
+    (pip's resolver, ``factory._get_installed_candidate``), so only the range itself decides."""
+    return specifier.contains(installed, prereleases=True)
+
+
+VENDOR = "2.13.0a0+50eac811a6.nv25.09"  # the form of an NGC or source build: a pre-release with a local label
+
+
+def test_torch_and_deepspeed_ranges_are_what_the_suite_ran_and_keep_vendor_builds_of_them():
+    torch_range = _requirement(_pyproject()["dependencies"], "torch")
+    for version in ("2.13.0", "2.13.0+cpu", "2.14.1+cu130", "2.15.0", VENDOR, "2.15.0a0+git5c48869"):
+        assert _pip_keeps(torch_range, version), version
+    for version in ("2.12.1", "2.9.0a0+50eac811a6.nv25.09", "2.16.0", "2.16.0a0+git5c48869", "2.13.0.dev20260101"):
+        assert not _pip_keeps(torch_range, version), version  # never ran: pip may replace it (or --no-deps keeps it)
+    deepspeed_range = _requirement(_pyproject()["dependencies"], "deepspeed")
+    assert _pip_keeps(deepspeed_range, "0.19.8") and not _pip_keeps(deepspeed_range, "0.19.9")
+
+
+def test_negative_control_the_plain_spelling_makes_pip_replace_a_vendor_build():
+    """What ">=2.13.0a0" is for: the same range spelled ">=2.13" refuses the vendor build of 2.13."""
+    from packaging.specifiers import SpecifierSet
+
+    assert not _pip_keeps(SpecifierSet(">=2.13,<2.16"), VENDOR)
+    assert _pip_keeps(SpecifierSet(">=2.13.0a0,<2.16"), VENDOR)
+
+
+def test_each_extras_nccl_admits_the_nccl_torchs_own_wheel_pins():
+    """torch 2.14.1+cu130 (PyPI's wheel) requires nvidia-nccl-cu13==2.30.7: the extra must admit it, or pip would
+    have to move torch or NCCL; a pin of another version (the GPU check's 2.32.3) would not."""
+    from packaging.specifiers import SpecifierSet
+
+    extras = _pyproject()["optional-dependencies"]
+    cu13 = _requirement(extras["cu13"], "nvidia-nccl-cu13")
+    cu12 = _requirement(extras["cu12"], "nvidia-nccl-cu12")
+    assert _pip_keeps(cu13, "2.30.7") and _pip_keeps(cu12, "2.27.5") and _pip_keeps(cu12, "2.32.3")
+    assert not _pip_keeps(cu13, "3.0.0") and not _pip_keeps(SpecifierSet("==2.32.3"), "2.30.7")
+
+
+def test_a_torch_or_deepspeed_outside_the_ranges_is_named_once_at_install():
+    requires = ["torch>=2.13.0a0,<2.16", "deepspeed>=0.19.8,<0.19.9", "numpy", 'nvidia-nccl-cu12<3; extra == "cu12"']
+    assert cuda_extra.version_problems(requires, {"torch": VENDOR, "deepspeed": "0.19.8", "numpy": "1.0"}) == []
+    (torch_line, ds_line) = cuda_extra.version_problems(requires, {"torch": "2.12.1+cu126", "deepspeed": "0.19.9"})
+    assert torch_line == ("owner_reduce: installation: torch 2.12.1+cu126 is outside the versions owner_reduce's "
+                          "tests ran (torch<2.16,>=2.13.0a0); it may work, untested")
+    assert ds_line.startswith("owner_reduce: installation: deepspeed 0.19.9 is outside")
+    assert cuda_extra.environment_version_problems() == []  # this venv: pip's own ranges
+
+
+def _hand_made_wheel(folder: Path, name: str, requirement: str) -> Path:
+    """A wheel whose only content is its metadata: ``Requires-Dist: requirement``."""
+    import base64
+    import hashlib
+    import zipfile
+
+    info = f"{name}-0.1.dist-info"
+    files = {f"{name}/__init__.py": b"",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\nRequires-Dist: {requirement}\n"
+             .encode(),
+             f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    path = folder / f"{name}-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as wheel:
+        record = []
+        for member, data in files.items():
+            wheel.writestr(member, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            record.append(f"{member},sha256={digest},{len(data)}")
+        wheel.writestr(f"{info}/RECORD", "\n".join([*record, f"{info}/RECORD,,"]) + "\n")
+    return path
+
+
+@pytest.mark.timeout(120)
+def test_pip_itself_keeps_a_vendor_torch_for_the_range_and_not_for_the_plain_spelling(tmp_path):
+    """pip's own resolver (``pip --python VENV install --dry-run --no-index --isolated``) in a venv whose torch is a
+    vendor build: the project's torch range is satisfied by it; the control, ">=2.13,<2.16", sends pip looking for
+    another torch (none is offered here, so it fails naming torch)."""
+    import subprocess
+    import sys
+    import venv
+
+    venv.EnvBuilder(with_pip=False).create(tmp_path / "v")
+    python = tmp_path / "v" / "bin" / "python"
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    torch_info = Path(site) / f"torch-{VENDOR}.dist-info"
+    torch_info.mkdir(parents=True)
+    (torch_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {VENDOR}\n")
+    (torch_info / "RECORD").write_text("")
+    spelled = str(_requirement(_pyproject()["dependencies"], "torch"))
+
+    # pip reads no configuration, constraint or index here: only what is installed in the venv can satisfy torch
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PIP_")}, "PIP_CONFIG_FILE": os.devnull}
+
+    def dry_run(name: str, requirement: str) -> str:
+        wheel = _hand_made_wheel(tmp_path, name, f"torch{requirement}")
+        done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--dry-run",
+                               "--no-index", str(wheel)], capture_output=True, text=True, timeout=90, env=env)
+        return f"rc={done.returncode}\n{done.stdout}{done.stderr}"
+
+    kept = dry_run("probe_range", spelled)
+    assert kept.startswith("rc=0") and f"Requirement already satisfied: torch{spelled}" in kept, kept
+    replaced = dry_run("probe_plain", ">=2.13,<2.16")
+    assert not replaced.startswith("rc=0") and "Requirement already satisfied: torch" not in replaced, replaced
+    assert "ERROR: Could not find a version that satisfies the requirement torch" in replaced, replaced

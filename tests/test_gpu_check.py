@@ -252,3 +252,52 @@ def test_gpu_e2e_past_its_bound_fails_naming_each_rank_phase(monkeypatch):
     assert message.startswith("owner job overstayed its bound of 4 s: ranks [0, 1] of 2 did not finish within 4s")
     assert "; where each rank was: rank 0: " in message and "; rank 1: " in message
 
+
+
+def test_nccl_check_dry_run_prints_the_plan_lines_the_run_prints(capsys):
+    check = _load("nccl_check")
+    assert check.main(["--dry-run", "--world-size", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "nccl_check: dry run, no GPU touched: ws=2; bucket 32 MiB; the plan each rank would run"
+    for line, dtype in zip(lines[1:], ("float32", "bfloat16"), strict=True):
+        assert line.startswith(f"  {dtype}: ") and " Reduce, " in line and "; received per rank " in line, line
+        shares = [float(s.rstrip("%")) for s in line.split("received per rank ")[1].split(", ")]
+        assert len(shares) == 2 and abs(sum(shares) - 100.0) < 0.2, line  # the owner path: each element to one rank
+
+
+def _launched_rank(rank, world_size):
+    """One rank of nccl_check under a launcher, with the GPU part (``rank_main``) and cupy's id stood in for: what
+    the gloo bootstrap carries (rank 0's id out, every rank's result back to rank 0's report)."""
+    import contextlib
+    import io
+
+    import owner_reduce.runtime.nccl_comm as nccl_comm
+
+    check = _load("nccl_check")
+    nccl_comm.new_unique_id = lambda: b"id-of-rank-%d" % rank
+    row = {"dtype": "float32", "elems": 4, "params": 1, "ranges": 1, "reduce_ranges": 1, "allreduce_ranges": 0,
+           "owner_share": 1.0, "rtol": 0.0, "atol": 0.0, "bitwise_equal": True, "within_tolerance": True,
+           "max_abs_err": 0.0, "received_elems": 2, "allreduce_ms": 1.0 + rank, "owner_ms": 0.5}
+    seen = []
+
+    def rank_main(r, ws, unique_id, args, local_rank):
+        seen.append(unique_id)
+        return {"device": local_rank, "rows": [row], "gathered": [[q, 1] for q in range(ws)]}
+
+    check.rank_main = rank_main
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = check.launched(check.argparse.Namespace(timeout=60.0, json=None), {"gpus": world_size})
+    return code, out.getvalue(), seen
+
+
+@pytest.mark.timeout(120)
+def test_nccl_check_under_a_launcher_hands_rank_0s_id_out_and_reports_every_rank():
+    from owner_reduce.harness.launch import run_ranks
+
+    (code0, out0, seen0), (code1, out1, seen1) = run_ranks(_launched_rank, 2, timeout=90,
+                                                           dist_backend=None)
+    assert seen0 == seen1 == [b"id-of-rank-0"], (seen0, seen1)
+    assert code0 == code1 == 0 and out1 == "", out1
+    assert "received per rank 50.0%, 50.0%" in out0 and "AllReduce 2.000 ms, owner 0.500 ms" in out0, out0
+    assert "RESULT nccl_check ws=2 dtype=float32 " in out0 and out0.endswith("nccl_check: all checks passed\n"), out0

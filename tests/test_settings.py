@@ -14,6 +14,7 @@ from owner_reduce.planning.settings import (
     parse_settings,
     settings_line,
     settings_of,
+    uncompiled_settings,
 )
 from owner_reduce.planning.wording import by_reason, by_value, rank_ranges, ranks_phrase
 
@@ -161,6 +162,19 @@ def test_the_settings_line_says_what_is_in_effect_in_under_thirty_words():
 
 
 # ---- rank lists at scale ---------------------------------------------------------------------------------------
+
+def test_the_first_steps_check_says_which_keys_and_what_to_call():
+    on = OwnerReduceSettings(OwnerReduceFlags(reduce_to_owner=True, reduce_probe=True), "model")
+    assert uncompiled_settings(OwnerReduceSettings(algo="model"), compiled=False) is None  # no flag on: nothing ran
+    never = uncompiled_settings(on, compiled=False)
+    assert never.startswith("owner_reduce: compile.reduce_to_owner, compile.reduce_probe and "
+                            "compile.reduce_to_owner_algo have no effect until engine.compile() runs: ")
+    assert never.endswith("(call engine.compile() after deepspeed.initialize; the Hugging Face Trainer: "
+                          "--torch_compile)")
+    no_graph = uncompiled_settings(OwnerReduceSettings(OwnerReduceFlags(reduce_probe=True)), compiled=True)
+    assert no_graph.startswith("owner_reduce: compile.reduce_probe has no effect: engine.compile() ran, yet ")
+    assert "its own forward" in no_graph
+
 
 def test_rank_lists_are_folded_into_ranges_and_capped():
     assert ranks_phrase([3]) == "rank 3"

@@ -455,6 +455,7 @@ def train(rank: int, world_size: int, spec: TrainSpec,
         "first_step_s": first_step_s,
         "first_step": first_step,  # 0, or the step load_checkpoint resumed at
         "global_steps": engine.global_steps,
+        "installed": owner_reduce.is_installed(),  # whether owner_reduce.install() had run in this process by the end
         "summary": None if runtime is None else runtime.settings.owner_map.summary(),
         "timings": timings,
         "full_grads": full_grads,

@@ -175,6 +175,34 @@ def inapplicable_settings(top_level: Mapping[str, Any], settings: OwnerReduceSet
     return tuple(reasons)
 
 
+def uncompiled_settings(settings: OwnerReduceSettings, compiled: bool) -> str | None:
+    """Why the flags had no effect, when an engine whose config lets them take effect reaches its first optimizer
+    step with no compiled graph through owner_reduce's runtime (``compiled``: ``engine.compile()`` started the runtime,
+    yet no graph reduced through it); None where no flag is on. Why at that step: DeepSpeed trains a script that never
+    calls ``engine.compile()`` (or the Trainer without ``--torch_compile``) through ZeRO's own hooks, and says so only
+    at INFO, which its default level hides."""
+    if not settings.flags.any_on:
+        return None
+    keys = _listed(list(settings.keys_set()))
+    if not compiled:
+        return (f"owner_reduce: {keys} no effect until engine.compile() runs: this engine reached its first optimizer "
+                "step uncompiled, so ZeRO reduced through its own hooks (call engine.compile() after "
+                "deepspeed.initialize; the Hugging Face Trainer: --torch_compile)")
+    return (f"owner_reduce: {keys} no effect: engine.compile() ran, yet by the first optimizer step no compiled graph "
+            "had reduced a gradient through DeepCompile (give the model its own forward: a bare nn.Sequential "
+            "compiles into no graph)")
+
+
+def forgotten_install_message(keys: list[str]) -> str:
+    """The error for a DeepSpeed config carrying owner_reduce's keys in a process where ``owner_reduce.install()``
+    has not run (``wiring.install_guard``): in place of pydantic's "Extra inputs are not permitted"."""
+    names = ", ".join(key_name(k) for k in keys)
+    return (f"DeepSpeed config: {names} {'is' if len(keys) == 1 else 'are'} owner_reduce's, and owner_reduce.install() "
+            "has not run in this process, so DeepSpeed does not know "
+            f"{'it' if len(keys) == 1 else 'them'}: call owner_reduce.install() before deepspeed.initialize, in "
+            "every process, or start the script with python -m owner_reduce.run")
+
+
 def settings_line(settings: OwnerReduceSettings, *, calibration_digest: str | None, verdicts: str,
                   timeout_s: float, timeout_source: str) -> str:
     """What rank 0 logs once at init, after the init line: the settings in effect, in about 20 words, e.g.
@@ -190,5 +218,5 @@ def settings_line(settings: OwnerReduceSettings, *, calibration_digest: str | No
 
 
 __all__ = ["ALGO", "ALGO_VALUES", "AUTO", "CALIBRATION", "FLAG_KEYS", "MODEL", "PATH_KEYS", "SETTING_KEYS",
-           "VERDICTS", "OwnerReduceSettings", "inapplicable_settings", "key_name", "parse_settings", "settings_line",
-           "settings_of"]
+           "VERDICTS", "OwnerReduceSettings", "forgotten_install_message", "inapplicable_settings", "key_name",
+           "parse_settings", "settings_line", "settings_of", "uncompiled_settings"]

@@ -26,7 +26,9 @@ PREFIX = "owner_reduce: installation"
 EXTRAS = {12: "cu12", 13: "cu13"}  # CUDA major -> the extra in pyproject.toml that brings cupy and NCCL for it
 # The extras' packages, exactly as pyproject.toml lists them (a test compares): owner_reduce is not on the package
 # index, so "pip install 'owner_reduce[cu13]'" installs nothing; these names are what a user can run.
-EXTRA_PACKAGES = {12: ("cupy-cuda12x>=14,<15", "nvidia-nccl-cu12"), 13: ("cupy-cuda13x>=14,<15", "nvidia-nccl-cu13")}
+EXTRA_PACKAGES = {12: ("cupy-cuda12x>=14,<15", "nvidia-nccl-cu12>=2.27.5,<3"),
+                  13: ("cupy-cuda13x>=14,<15", "nvidia-nccl-cu13>=2.27.5,<3")}
+CHECKED_VERSIONS = ("torch", "deepspeed")  # whose installed version install() compares with the package's ranges
 _CUPY_NAME = re.compile(r"^cupy(?:-cuda(?P<major>\d+)x|-rocm-[\w-]+)?$")
 _distributions = importlib.metadata.distributions  # this module's own name for it: tests replace it here only
 
@@ -108,6 +110,45 @@ def cupy_problem(torch_version: str, torch_cuda: str | None, dists: Sequence[Cup
     return (f"{PREFIX}: {dist.name} {dist.version} is built for CUDA {dist.cuda_major}, but {torch_words}: two "
             f"CUDA runtimes in one process, and cupy NCCL may fail to load (then {fallback}); "
             f"pip uninstall -y {dist.name} && {extra_for(major)}")
+
+
+def version_problems(requirements: Iterable[str], installed: dict[str, str]) -> list[str]:
+    """One message per package of ``CHECKED_VERSIONS`` whose installed version lies outside owner_reduce's own
+    requirement (its metadata's ``Requires-Dist``), judged as pip judges an installed version (pre-releases admitted
+    by the range itself: a vendor build ``2.13.0a0+...`` fits ``>=2.13.0a0``). Why: ``pip install --no-deps`` keeps a
+    user's stack, and then nothing but this says that the versions were never run together."""
+    from packaging.requirements import Requirement
+    from packaging.version import InvalidVersion
+
+    problems = []
+    for text in requirements:
+        requirement = Requirement(text)
+        name = re.sub(r"[-_.]+", "-", requirement.name).lower()
+        if name not in CHECKED_VERSIONS or requirement.marker is not None or name not in installed:
+            continue
+        try:
+            fits = requirement.specifier.contains(installed[name], prereleases=True)
+        except InvalidVersion:
+            fits = False
+        if not fits:
+            problems.append(f"{PREFIX}: {name} {installed[name]} is outside the versions owner_reduce's tests ran "
+                            f"({name}{requirement.specifier}); it may work, untested")
+    return problems
+
+
+def environment_version_problems() -> list[str]:
+    """``version_problems`` for this interpreter; none where owner_reduce has no package metadata (a source tree)."""
+    try:
+        requirements = importlib.metadata.requires("owner_reduce") or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    installed = {}
+    for name in CHECKED_VERSIONS:
+        try:
+            installed[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return version_problems(requirements, installed)
 
 
 def describe(torch_version: str, torch_cuda: str | None, dists: Sequence[CupyDist], cupy_module_found: bool) -> str:

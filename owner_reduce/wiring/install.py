@@ -6,8 +6,9 @@ Why a factory in place of ``CompileConfig``: DeepSpeed builds its compile config
 unknown keys. Swapping that one module-level name lets owner_reduce's keys (``planning.settings``) through, validated
 strictly, into a subclass whose fields carry them (so they appear in DeepSpeed's config dump at init and reach the
 runtime), while a config that does not mention them still gets DeepSpeed's own class, built by DeepSpeed's own code:
-keys absent, nothing changes. A key that cannot take effect is named in a warning when DeepSpeed reads the config
-(see ``unused_flags``).
+keys absent, nothing changes. A key that cannot take effect is named in a warning when DeepSpeed reads the
+config, or at the engine's first optimizer step where no compiled graph ran by then (see ``unused_flags``). Before
+``install()``, a config with the keys fails naming ``install()`` (``install_guard``, armed at the package's import).
 The runtime is wired in through ``deepspeed.compile.init_z1_and_2.init_z1_and_2`` (see ``activation``), which
 likewise calls straight through when both flags are off.
 """
@@ -19,6 +20,7 @@ import threading
 from typing import Any
 
 from ..planning.settings import SETTING_KEYS, parse_settings
+from .install_guard import unguarded
 
 _lock = threading.Lock()
 _installed: dict[str, Any] = {}
@@ -39,13 +41,13 @@ def _check_surface() -> None:
     if not problems:
         import deepspeed.runtime.config as ds_config
 
-        fields = getattr(ds_config.CompileConfig, "model_fields", None)
+        fields = getattr(unguarded(ds_config.CompileConfig), "model_fields", None)
         if fields is None or "deepcompile" not in fields:
             problems.append("deepspeed.runtime.config.CompileConfig is not a pydantic model with a 'deepcompile' field")
         problems += dc_schema_problems()
     if problems:
         raise OwnerReduceInstallError("owner_reduce: refusing to install, DeepSpeed's private surface is not the one "
-                                      "it was built for (deepspeed>=0.19.8,<0.20): " + "; ".join(problems))
+                                      "it was built for (deepspeed 0.19.8): " + "; ".join(problems))
 
 
 def _make_compile_config_factory(original: type) -> tuple[type, Any]:
@@ -83,17 +85,24 @@ def _make_compile_config_factory(original: type) -> tuple[type, Any]:
 
 def warn_about_cupy(environ: dict[str, str] | None = None) -> str | None:
     """Log, once per node (``LOCAL_RANK`` 0 or unset), the installation message of ``cuda_extra`` when cupy does not
-    fit torch's CUDA; return it (every rank). A check that fails is itself the message: it never stops install()."""
+    fit torch's CUDA, and one for torch or DeepSpeed outside the tested ranges (``version_problems``: a
+    ``--no-deps`` install); return the first (every rank). A check that fails is itself the message: it never stops
+    install()."""
     from deepspeed.utils import logger
 
-    from .cuda_extra import PREFIX, environment_problem
+    from .cuda_extra import PREFIX, environment_problem, environment_version_problems
 
     try:
         problem = environment_problem()
     except Exception as error:  # noqa: BLE001 - an odd environment must not stop install()
         problem = f"{PREFIX}: could not compare cupy with torch's CUDA ({type(error).__name__}: {error})"
-    if problem is not None and (os.environ if environ is None else environ).get("LOCAL_RANK", "0") == "0":
-        logger.warning(problem)
+    try:
+        versions = environment_version_problems()
+    except Exception as error:  # noqa: BLE001 - likewise
+        versions = [f"{PREFIX}: could not compare torch and DeepSpeed with the tested ranges ({error})"]
+    if (os.environ if environ is None else environ).get("LOCAL_RANK", "0") == "0":
+        for message in ([problem] if problem is not None else []) + versions:
+            logger.warning(message)
     return problem
 
 
@@ -116,11 +125,13 @@ def install() -> None:
 
         from .activation import wrap_init_z1_and_2
         from .checkpoint import wrap_load_checkpoint, wrap_save_checkpoint
-        from .unused_flags import wrap_do_warning_check
+        from .unused_flags import wrap_do_warning_check, wrap_engine_init
 
-        original = ds_config.CompileConfig
+        guarded = ds_config.CompileConfig  # the forgotten-install check's wrapper (``install_guard``), put back later
+        original = unguarded(guarded)
         if (hasattr(original, "owner_reduce_original") or hasattr(init_module.init_z1_and_2, "__wrapped__")
-                or hasattr(DeepSpeedEngine.save_checkpoint, "owner_reduce_original")):
+                or hasattr(DeepSpeedEngine.save_checkpoint, "owner_reduce_original")
+                or hasattr(DeepSpeedEngine.__init__, "owner_reduce_original")):
             raise OwnerReduceInstallError("owner_reduce: DeepSpeed is already patched by another copy of "
                                           "owner_reduce; uninstall that one first")
         config_cls, factory = _make_compile_config_factory(original)
@@ -128,14 +139,16 @@ def install() -> None:
         original_warning_check = ds_config.DeepSpeedConfig.__dict__["_do_warning_check"]
         original_save = DeepSpeedEngine.__dict__["save_checkpoint"]
         original_load = DeepSpeedEngine.__dict__["load_checkpoint"]
+        original_engine_init = DeepSpeedEngine.__dict__["__init__"]
         ds_config.CompileConfig = factory
         init_module.init_z1_and_2 = wrap_init_z1_and_2(original_init)
         ds_config.DeepSpeedConfig._do_warning_check = wrap_do_warning_check(original_warning_check)
         DeepSpeedEngine.save_checkpoint = wrap_save_checkpoint(original_save)  # the measured guard's verdicts
         DeepSpeedEngine.load_checkpoint = wrap_load_checkpoint(original_load)
-        _installed.update(compile_config=original, config_cls=config_cls, init_z1_and_2=original_init,
+        DeepSpeedEngine.__init__ = wrap_engine_init(original_engine_init)  # the first step's check (``unused_flags``)
+        _installed.update(compile_config=guarded, config_cls=config_cls, init_z1_and_2=original_init,
                           do_warning_check=original_warning_check, save_checkpoint=original_save,
-                          load_checkpoint=original_load)
+                          load_checkpoint=original_load, engine_init=original_engine_init)
     warn_about_cupy()
 
 
@@ -168,6 +181,7 @@ def uninstall() -> None:
         ds_config.DeepSpeedConfig._do_warning_check = _installed["do_warning_check"]
         DeepSpeedEngine.save_checkpoint = _installed["save_checkpoint"]
         DeepSpeedEngine.load_checkpoint = _installed["load_checkpoint"]
+        DeepSpeedEngine.__init__ = _installed["engine_init"]
         cpu_compat.restore()
         release_dc_schemas()
         _installed.clear()
