@@ -33,13 +33,15 @@ def group_ranks_as_nodes(monkeypatch: Any, sim: Sim, per_node: int) -> None:
 
 def make_runtime(owner_map: OwnerMap, rank: int, comm_factory: Callable[[Any], Any], *, algo: str = "auto",
                  stage: int = 1, bucket: int = 64, measure: bool = False, dtype_of: Callable[[int], torch.dtype]
-                 | None = None, double_buffer: bool = True, graph_id: int = GRAPH) -> Any:
+                 | None = None, double_buffer: bool = True, graph_id: int = GRAPH,
+                 timeout_s: float | None = None) -> Any:
     """Rank ``rank``'s runtime, initialised (its communicator from ``comm_factory``), every parameter registered as
-    DeepCompile registers it: this rank's slice of each gradient as a device grad buffer."""
+    DeepCompile registers it: this rank's slice of each gradient as a device grad buffer. ``timeout_s``: the flushes'
+    deadline, as ``compile.reduce_to_owner_timeout_s`` gives it (None: torch's default, no process group here)."""
     from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
 
     rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, False), owner_map, flush_algo=algo,
-                                            measure=measure), comm_factory=comm_factory)
+                                            measure=measure, timeout_s=timeout_s), comm_factory=comm_factory)
     rt.init(None, types.SimpleNamespace(double_buffer=double_buffer), bucket)
     rt.record_collectives = True
     for p in owner_map:

@@ -46,7 +46,6 @@ class Job:
             env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(rank), "LOCAL_RANK": str(rank),
                    "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-            env.pop("OWNER_REDUCE_TIMEOUT_S", None)
             log = self.dir / f"rank{rank}.log"
             self.logs.append(log)
             with log.open("w") as out:

@@ -164,8 +164,8 @@ def test_probe_lines_stop_after_twenty_flushes():
                                              "false on rank 1"),
                                          (4, "compile.reduce_to_owner_algo differs across ranks: auto on rank 0, "
                                              "model on rank 1"),
-                                         (8, "OWNER_REDUCE_TIMEOUT_S differs across ranks: unset on rank 0, 0.001 s "
-                                             "on rank 1")])
+                                         (8, "compile.reduce_to_owner_timeout_s differs across ranks: unset on rank "
+                                             "0, 0.001 s on rank 1")])
 def test_agreement_mismatch_is_refused(column, name):
     comm = MirrorComm()
     settings = RuntimeSettings(OwnerReduceFlags(True, True), OwnerMap.from_group_tables([TABLES], 2))
@@ -173,7 +173,7 @@ def test_agreement_mismatch_is_refused(column, name):
     from owner_reduce.runtime.handle import _AGREEMENT_PROTOCOL
 
     # protocol, flags, bucket, map digest, algo (compile.reduce_to_owner_algo), map problems, ranks per node, sm,
-    # OWNER_REDUCE_TIMEOUT_S (ms), calibration, local rank, host, nvlinks, verdicts, reasons' length
+    # compile.reduce_to_owner_timeout_s (ms), calibration, local rank, host, nvlinks, verdicts, reasons' length
     good = [_AGREEMENT_PROTOCOL, 3, 64, int(settings.owner_map.digest()[:15], 16), 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0]
     bad = list(good)
     bad[column] += 1 if not name.startswith("flags") else 8  # an unknown flag bit: the generic sentence

@@ -10,14 +10,16 @@ doubled share does not), each owner run's config a JSON file naming its settings
 - ``auto``: the owner path, the probe (rank 0's lines), ``algo: auto`` with a calibration (its digest in the settings
   line; its AllReduce dear, so the model picks the owner path and the measured guard tries it against native's calls)
   and a verdicts file that does not exist yet (written after the trial);
-- ``forced``: ``algo: handoff`` (the hand-off in every rank's collective log, no trial) and every rank's probe lines;
+- ``forced``: ``algo: handoff`` (the hand-off in every rank's collective log, no trial), every rank's probe lines and
+  the flushes' deadline from the config;
 - ``replay``: ``auto``'s config again at DeepSpeed's default log level: the verdicts file now exists and is replayed
   (no trial), and the probe says once that the level hides its lines;
 - ``plain``: plain ZeRO-1 on the same data, the reference for every owner run's parameters, bitwise.
 
 Each setting is read back from what it changes (collective logs, trial counters, the settings line, the file, the
 lines on the launcher's stdout), and each run differs from another in that respect, so a setting that did not take
-effect fails its assertion. The deadline is DeepSpeed's own: the script's ``init_distributed(timeout=900 s)``.
+effect fails its assertion. The deadline is DeepSpeed's own, the script's ``init_distributed(timeout=900 s)``, except in
+``forced``, whose ``compile.reduce_to_owner_timeout_s`` is 300 s.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def test_every_setting_from_a_config_file_through_deepspeeds_launcher_without_ow
         # hand-off's ReduceScatter fall: nothing to hand off)
         ("forced", _config_file(tmp_path / "forced.json", dataclasses.replace(BASE, reduce_bucket_size=300), "info", **{
             **every, "reduce_to_owner_algo": "handoff", "reduce_probe_all_ranks": True,
-            "reduce_to_owner_verdicts": None})),
+            "reduce_to_owner_verdicts": None, "reduce_to_owner_timeout_s": 300})),
         ("replay", _config_file(tmp_path / "replay.json", BASE, "warning", **every)),
         ("plain", dataclasses.asdict(dataclasses.replace(BASE, mode="plain", destroy=False))),
     ]
@@ -126,7 +128,8 @@ def test_every_setting_from_a_config_file_through_deepspeeds_launcher_without_ow
     assert auto[0]["stats"].settings_line == (f"owner_reduce: settings: algo=auto, calibration {calibration.digest()}, "
                                               f"verdicts write {verdicts}, probe rank 0, {timeout}")
     assert forced[0]["stats"].settings_line == (f"owner_reduce: settings: algo=handoff, calibration "
-                                                f"{calibration.digest()}, verdicts none, probe all ranks, {timeout}")
+                                                f"{calibration.digest()}, verdicts none, probe all ranks, timeout "
+                                                f"300 s (compile.reduce_to_owner_timeout_s)")
     assert replay[0]["stats"].settings_line == (f"owner_reduce: settings: algo=auto, calibration "
                                                 f"{calibration.digest()}, verdicts replay {book.digest()} (1 "
                                                 f"schedule), probe rank 0, {timeout}")

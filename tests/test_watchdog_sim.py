@@ -29,7 +29,7 @@ BOUND_S = 10.0  # the issue: within the deadline plus 10 s
 
 
 def stalled_peer_main(world_size: int, stall_rank: int, layers: int, kernels: int, bucket: int, steps: int,
-                      stall_step: int) -> None:
+                      stall_step: int, deadline_s: float = DEADLINE_S) -> None:
     """The acceptance scenario, in this process (``python -c``): prints one JSON line per rank."""
     from fakes import flat_map
     from sim_cuda import Sim
@@ -50,7 +50,7 @@ def stalled_peer_main(world_size: int, stall_rank: int, layers: int, kernels: in
 
         def rank_main(rank: int) -> dict:
             rt = make_runtime(owner_map, rank, lambda group: nccl_comm.CupyNcclComm(uid, rank, world_size),
-                              bucket=bucket)
+                              bucket=bucket, timeout_s=deadline_s)
             grads = [torch.ones(n, device="cuda") for n in numels]
             out: dict = {"rank": rank}
             computes[rank] = torch.cuda.current_stream()
@@ -106,7 +106,7 @@ def stalled_peer_main(world_size: int, stall_rank: int, layers: int, kernels: in
 
 @pytest.mark.timeout(240)
 def test_a_stalled_peer_in_a_deep_model_fails_every_survivor_within_the_deadline_plus_10s():
-    env = {**os.environ, "OWNER_REDUCE_TIMEOUT_S": str(DEADLINE_S), "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
     code = ("from test_watchdog_sim import stalled_peer_main; "
             "stalled_peer_main(world_size=3, stall_rank=2, layers=128, kernels=8, bucket=1024, steps=4, stall_step=3)")
     started = time.monotonic()

@@ -65,7 +65,7 @@ class TrainSpec:
     # Ranks grouped as nodes of this many (LOCAL_WORLD_SIZE, and LOCAL_RANK = rank % it, as torchrun sets them on
     # several nodes): the two-level flush's node and rail communicators; 0 keeps the launch's (one node).
     ranks_per_node: int = 0
-    env: tuple[tuple[str, str], ...] = ()  # environment variables for this run only (e.g. OWNER_REDUCE_TIMEOUT_S)
+    env: tuple[tuple[str, str], ...] = ()  # environment variables for this run only (e.g. NCCL_DEBUG)
     # More keys of the compile section (planning.settings), e.g. (("reduce_to_owner_verdicts", path),)
     compile_keys: tuple[tuple[str, Any], ...] = ()
     log_level: str | None = None  # the DeepSpeed config's log_level ("info": owner_reduce's lines are shown)

@@ -17,6 +17,8 @@ The keys, beside ``deepcompile`` (every error names ``compile.<key>``, with the 
   written by ``scripts/calibrate.py``) in place of NCCL's tables.
 - ``reduce_to_owner_verdicts`` (string path or null): the measured guard's verdicts (``planning.verdict_book``):
   replayed where the file exists, written there after each trial where it does not yet.
+- ``reduce_to_owner_timeout_s`` (positive number or null): the flushes' deadline in seconds (``runtime.deadline``);
+  null, the default, is the default process group's timeout (``deepspeed.init_distributed(timeout=...)``).
 
 The files are read later, on every rank, when the runtime starts (``planning.rank_inputs``), and agreed there: a file
 one rank cannot read must make every rank refuse together, not one rank raise alone at ``deepspeed.initialize``.
@@ -25,6 +27,7 @@ Pure: no torch.distributed, no DeepSpeed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +50,8 @@ from .flush_choice import AUTO
 ALGO = "reduce_to_owner_algo"
 CALIBRATION = "reduce_to_owner_calibration"
 VERDICTS = "reduce_to_owner_verdicts"
-SETTING_KEYS: tuple[str, ...] = (*BOOL_KEYS, ALGO, CALIBRATION, VERDICTS)  # every key owner_reduce adds to compile
+TIMEOUT = "reduce_to_owner_timeout_s"
+SETTING_KEYS: tuple[str, ...] = (*BOOL_KEYS, ALGO, CALIBRATION, VERDICTS, TIMEOUT)  # every key owner_reduce adds
 PATH_KEYS: tuple[str, ...] = (CALIBRATION, VERDICTS)
 
 MODEL = "model"  # the model's choice without the measured guard
@@ -67,6 +71,7 @@ class OwnerReduceSettings:
     algo: str = AUTO
     calibration: str | None = None  # a path, read on every rank when the runtime starts
     verdicts: str | None = None  # a path: replayed where the file exists, written where it does not
+    timeout_s: float | None = None  # the flushes' deadline; None: the default process group's timeout
 
     @property
     def flush_algo(self) -> str:
@@ -81,7 +86,8 @@ class OwnerReduceSettings:
 
     def config_values(self) -> dict[str, Any]:
         """The values of every key, as the ``CompileConfig`` fields carry them."""
-        return {**self.flags.as_dict(), ALGO: self.algo, CALIBRATION: self.calibration, VERDICTS: self.verdicts}
+        return {**self.flags.as_dict(), ALGO: self.algo, CALIBRATION: self.calibration, VERDICTS: self.verdicts,
+                TIMEOUT: self.timeout_s}
 
     def keys_set(self) -> tuple[str, ...]:
         """The keys whose value is not their default, in ``SETTING_KEYS`` order."""
@@ -110,6 +116,16 @@ def _check_path(key: str, value: Any) -> str | None:
     return value
 
 
+def _check_timeout(value: Any) -> float | None:
+    """Seconds, a JSON number greater than 0 and finite (``true`` is no number here), or null (the default)."""
+    if value is None:
+        return None
+    if type(value) not in (int, float) or not 0 < value < math.inf:
+        raise OwnerReduceConfigError(f"DeepSpeed config: {key_name(TIMEOUT)} must be a positive number of seconds or "
+                                     f"null, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
 def parse_settings(compile_section: Mapping[str, Any] | None) -> OwnerReduceSettings:
     """Read every setting from a raw ``compile`` dict; absent keys take their defaults; a bad value raises
     ``OwnerReduceConfigError`` naming ``compile.<key>``."""
@@ -119,14 +135,16 @@ def parse_settings(compile_section: Mapping[str, Any] | None) -> OwnerReduceSett
         flags=flags,
         algo=_check_algo(section[ALGO]) if ALGO in section else AUTO,
         calibration=_check_path(CALIBRATION, section.get(CALIBRATION)),
-        verdicts=_check_path(VERDICTS, section.get(VERDICTS)))
+        verdicts=_check_path(VERDICTS, section.get(VERDICTS)),
+        timeout_s=_check_timeout(section.get(TIMEOUT)))
 
 
 def settings_of(compile_config: Any) -> OwnerReduceSettings:
     """The settings a built ``CompileConfig`` carries (DeepSpeed's own class carries none: the defaults)."""
     return OwnerReduceSettings(flags=flags_of(compile_config), algo=getattr(compile_config, ALGO, AUTO) or AUTO,
                                calibration=getattr(compile_config, CALIBRATION, None),
-                               verdicts=getattr(compile_config, VERDICTS, None))
+                               verdicts=getattr(compile_config, VERDICTS, None),
+                               timeout_s=getattr(compile_config, TIMEOUT, None))
 
 
 def _listed(keys: list[str]) -> str:
@@ -162,6 +180,9 @@ def inapplicable_settings(top_level: Mapping[str, Any], settings: OwnerReduceSet
                           "DeepCompile runs its own native stage-3 runtime (owner_reduce supports ZeRO stages 1 and "
                           "2)")
     flags = settings.flags
+    if settings.timeout_s is not None and not flags.any_on:
+        reasons.append(f"owner_reduce: {_listed([TIMEOUT])} no effect: {key_name(REDUCE_TO_OWNER)} and "
+                       f"{key_name(REDUCE_PROBE)} are false, so owner_reduce's runtime does not run")
     if flags.reduce_probe_all_ranks and not flags.reduce_probe:
         reasons.append(f"owner_reduce: {_listed([PROBE_ALL_RANKS])} no effect: {key_name(REDUCE_PROBE)} is false, so "
                        "no rank prints probe lines")
@@ -190,5 +211,5 @@ def settings_line(settings: OwnerReduceSettings, *, calibration_digest: str | No
 
 
 __all__ = ["ALGO", "ALGO_VALUES", "AUTO", "CALIBRATION", "FLAG_KEYS", "MODEL", "PATH_KEYS", "SETTING_KEYS",
-           "VERDICTS", "OwnerReduceSettings", "inapplicable_settings", "key_name", "parse_settings", "settings_line",
-           "settings_of"]
+           "TIMEOUT", "VERDICTS", "OwnerReduceSettings", "inapplicable_settings", "key_name", "parse_settings",
+           "settings_line", "settings_of"]

@@ -3,10 +3,10 @@
 Why: torch's ProcessGroupNCCL watchdog never sees NCCL kernels launched through cupy, and DeepSpeed creates
 its data-parallel group with torch's default timeout (30 minutes), not the one the user gave
 ``deepspeed.init_distributed(timeout=...)``. A stalled or dead peer would hang every survivor for that long,
-or forever on the cupy path. So each wait here is bounded by the user's timeout: the default process
-group's, read once at communicator creation (there is no config key: the timeout is DeepSpeed's own). The developer
-override ``OWNER_REDUCE_TIMEOUT_S`` replaces it for the flushes (fault tests, stall diagnosis); rank 0 warns when it
-is set, and the ranks agree on it at init (``planning.rank_inputs``).
+or forever on the cupy path. So each wait here is bounded: by ``compile.reduce_to_owner_timeout_s`` where the config
+sets it (``planning.settings``; agreed across ranks at init), else by the user's timeout, the default process group's,
+read once at communicator creation. A job whose group timeout is long for slow checkpoints sets the key to learn of
+a stalled flush in minutes.
 
 The core (``resolve``, ``poll_until_done``, ``wait_work``) takes its clock, sleep, completion and error
 checks as arguments, so it is tested with fakes and no process group. What happens on failure is the
@@ -23,15 +23,15 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..planning.rank_inputs import TIMEOUT_ENV_VAR, parse_timeout_s
+from ..planning.settings import TIMEOUT, key_name
 
 T = TypeVar("T")
 
-ENV_VAR = TIMEOUT_ENV_VAR
+CONFIG_SOURCE = key_name(TIMEOUT)  # compile.reduce_to_owner_timeout_s
 BLOCKED_EXIT_CODE = 1  # the exit status of a process ended by ``end_process_if_still_blocked``
 TORCH_DEFAULT_S = 1800.0  # torch's default_pg_timeout, used only when the default group's cannot be read
 GROUP_SOURCE = "the default process group (init_distributed timeout)"
@@ -93,9 +93,9 @@ class Deadline:
     @property
     def short_source(self) -> str:
         """Where the seconds came from, in a word or two (the settings line): ``init_distributed``,
-        ``torch default`` or the override's variable."""
-        if self.source.startswith(ENV_VAR):
-            return ENV_VAR
+        ``torch default`` or the config key."""
+        if self.source.startswith(CONFIG_SOURCE):
+            return CONFIG_SOURCE
         return "init_distributed" if self.source.startswith(GROUP_SOURCE) else "torch default"
 
     def allowed_s(self, start: float) -> float:
@@ -103,11 +103,11 @@ class Deadline:
         return self.seconds if self.until is None else max(0.0, min(self.seconds, self.until - start))
 
 
-def resolve(env_value: str | None, group_timeout_s: float | None) -> Deadline:
-    """The deadline: ``OWNER_REDUCE_TIMEOUT_S`` if set, else the default group's timeout, else torch's default."""
-    seconds = parse_timeout_s(env_value)
-    if seconds is not None:
-        return Deadline(seconds, ENV_VAR)
+def resolve(timeout_s: float | None, group_timeout_s: float | None) -> Deadline:
+    """The flushes' deadline: ``compile.reduce_to_owner_timeout_s`` (``timeout_s``, already validated) if set, else the
+    default group's timeout, else torch's default."""
+    if timeout_s is not None:
+        return Deadline(float(timeout_s), CONFIG_SOURCE)
     if group_timeout_s is not None and group_timeout_s > 0:
         return Deadline(float(group_timeout_s), GROUP_SOURCE)
     return Deadline(TORCH_DEFAULT_S, TORCH_SOURCE)
@@ -136,25 +136,15 @@ def default_group_timeout_s() -> float | None:
     return None
 
 
-def from_environment(environ: Mapping[str, str] | None = None) -> Deadline:
-    """The deadline for this process, now: read once per communicator, never per call; inside ``init_window``, init's
-    one deadline (Note (one deadline for init))."""
+def from_environment() -> Deadline:
+    """The deadline a communicator made now takes, read once per communicator, never per call: inside
+    ``init_window``, init's one deadline (Note (one deadline for init)); elsewhere the default process group's timeout
+    (a communicator made outside the runtime's init: tests, scripts). The runtime gives its communicators the flushes'
+    deadline after init (``set_deadline``)."""
     init = _INIT_DEADLINE.get()
     if init is not None:
         return init
-    env = os.environ if environ is None else environ
-    return resolve(env.get(ENV_VAR), default_group_timeout_s())
-
-
-def lenient_from_environment(environ: Mapping[str, str] | None = None) -> Deadline:
-    """``from_environment`` outside any init window, with a bad ``OWNER_REDUCE_TIMEOUT_S`` taken as unset: the
-    runtime's init refuses it on every rank together (``planning.rank_inputs``) instead of one rank raising here."""
-    env = os.environ if environ is None else environ
-    try:
-        value = parse_timeout_s(env.get(ENV_VAR))
-    except ValueError:
-        value = None
-    return resolve(None if value is None else str(value), default_group_timeout_s())
+    return resolve(None, default_group_timeout_s())
 
 
 def for_init(flush: Deadline, group_timeout_s: float | None, now: float) -> Deadline:
@@ -294,9 +284,9 @@ timeout; the launcher then stops the others. A call that returns, or raises, in 
 
 Note (one deadline for init): the runtime's init (the communicator's choice and creation, the agreement, the node and
 rail communicators) is one phase that waits for every rank several times. All of it shares one deadline counted from
-its start (``Deadline.until``), not a fresh one per wait: the larger of ``OWNER_REDUCE_TIMEOUT_S`` (or the default
-group's timeout, the flushes' deadline) and the default process group's timeout, so that a short
-``OWNER_REDUCE_TIMEOUT_S`` meant to detect a stalled flush quickly never ends healthy ranks whose init at hundreds of
-ranks is merely slow. Every communicator made inside ``init_window`` takes it; after init the runtime gives each the
-flushes' deadline.
+its start (``Deadline.until``), not a fresh one per wait: the larger of the flushes' deadline
+(``compile.reduce_to_owner_timeout_s``, or the default group's timeout) and the default process group's timeout, so
+that a short ``compile.reduce_to_owner_timeout_s`` meant to detect a stalled flush quickly never ends healthy ranks
+whose init at hundreds of ranks is merely slow. Every communicator made inside ``init_window`` takes it; after init the
+runtime gives each the flushes' deadline.
 """

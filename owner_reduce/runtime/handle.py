@@ -8,9 +8,9 @@ it is complete) -> ``flush`` (the plan, the collectives, the copy-out). Semantic
 ``deepcompile.h``; nothing communicates while DeepCompile profiles.
 
 At ``init`` the ranks agree, in one all_gather, on everything the flushes depend on: the settings (the config's
-``compile`` keys, ``planning.settings``, and the files they name), bucket size, owner map, the developer override of
-the deadline, and the facts of the topology that the cost model uses to choose each flush's algorithm (ranks per
-node, GPU generation). Rank 0 then logs the init line and the settings line.
+``compile`` keys, ``planning.settings``, and the files they name, the flushes' deadline among them), bucket size, owner
+map, and the facts of the topology that the cost model uses to choose each flush's algorithm (ranks per node, GPU
+generation). Rank 0 then logs the init line and the settings line.
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ from ..planning.measured import (
     verdicts,
 )
 from ..planning.owner_map import OwnerMap, Placement
-from ..planning.rank_inputs import TIMEOUT_ENV_VAR
 from ..planning.settings import (
     ALGO,
     ALGO_VALUES,
     CALIBRATION,
     MODEL,
+    TIMEOUT,
     VERDICTS,
     OwnerReduceSettings,
     key_name,
@@ -98,7 +98,7 @@ class RuntimeSettings:
     # (key or variable, reason) for every input this rank could not use (``planning.rank_inputs``): refused at init on
     # every rank together, by the agreement
     env_problems: tuple[tuple[str, str], ...] = ()
-    timeout_s: float | None = None  # OWNER_REDUCE_TIMEOUT_S as this rank read it (the developer override; agreed)
+    timeout_s: float | None = None  # compile.reduce_to_owner_timeout_s (None: the default group's timeout; agreed)
 
     @property
     def algo(self) -> str:
@@ -179,8 +179,9 @@ class OwnerReduceRuntime:
         """Make the communicator, agree with every rank, make the node and rail communicators where a two-level flush
         can run: all of it under init's one deadline (``deadline`` Note (one deadline for init)); the flushes' deadline
         from then on."""
-        flush_deadline = deadlines.lenient_from_environment()
-        init_deadline = deadlines.for_init(flush_deadline, deadlines.default_group_timeout_s(), time.monotonic())
+        group_timeout_s = deadlines.default_group_timeout_s()
+        flush_deadline = deadlines.resolve(self.settings.timeout_s, group_timeout_s)
+        init_deadline = deadlines.for_init(flush_deadline, group_timeout_s, time.monotonic())
         with deadlines.init_window(init_deadline):
             self.comm = self._comm_factory(process_group)
             try:
@@ -823,7 +824,7 @@ class OwnerReduceRuntime:
             problems.append(f"{key_name(ALGO)} differs across ranks: "
                             + by_value(column(4), lambda v: ALGO_VALUES[v] if 0 <= v < len(ALGO_VALUES) else str(v)))
         if differs(8):
-            problems.append(f"{TIMEOUT_ENV_VAR} differs across ranks: "
+            problems.append(f"{key_name(TIMEOUT)} differs across ranks: "
                             + by_value(column(8), lambda ms: f"{ms / 1000:g} s" if ms else "unset"))
         if differs(9):
             problems.append(f"{key_name(CALIBRATION)} names different calibrations across ranks: "

@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from ..planning.flags import flags_of
-from ..planning.rank_inputs import TIMEOUT_ENV_VAR, RankInputs, read_inputs, removed_variables_set
+from ..planning.rank_inputs import RankInputs, read_inputs, removed_variables_set
 from ..planning.settings import OwnerReduceSettings, settings_of
 from ..runtime.comm import ReduceComm
 from ..runtime.handle import OwnerReduceRuntime, RuntimeSettings
@@ -44,18 +44,14 @@ def _warn_once(message: str) -> None:
 
 
 def rank_inputs(settings: OwnerReduceSettings, global_rank: int, environ: Any = None) -> RankInputs:
-    """The files the settings name and the developer override, read on this rank (``planning.rank_inputs``): a bad
-    value never raises here, on this rank alone; init's agreement refuses it on every rank together. On rank 0, a
-    warning for the override when it is set, and for each variable that is set but no longer read."""
+    """The files the settings name, read on this rank (``planning.rank_inputs``): a bad value never raises here, on
+    this rank alone; init's agreement refuses it on every rank together. On rank 0, a warning for each variable that
+    is set but no longer read."""
     env = os.environ if environ is None else environ
     inputs = read_inputs(settings, env)
     if global_rank == 0:
         for message in removed_variables_set(env):
             _warn_once(message)
-        if inputs.timeout_s is not None:
-            _warn_once(f"owner_reduce: {TIMEOUT_ENV_VAR}={env.get(TIMEOUT_ENV_VAR, '').strip()} (a developer "
-                       f"override) sets the flushes' deadline to {inputs.timeout_s:g} s in place of the default "
-                       "process group's timeout (deepspeed.init_distributed(timeout=...))")
     return inputs
 
 
@@ -69,7 +65,7 @@ def build_runtime(engine: Any, settings: OwnerReduceSettings) -> OwnerReduceRunt
                                               flush_algo=settings.flush_algo, measure=settings.measure,
                                               calibration=inputs.calibration, verdicts=inputs.verdicts,
                                               verdicts_path=inputs.verdicts_path, env_problems=inputs.problems,
-                                              timeout_s=inputs.timeout_s),
+                                              timeout_s=settings.timeout_s),
                               make_comm)
 
 
