@@ -23,12 +23,14 @@ GRAPH = 11
 
 
 def group_ranks_as_nodes(monkeypatch: Any, sim: Sim, per_node: int) -> None:
-    """The sim's in-process ranks as nodes of ``per_node`` in launcher order: rank R reports local rank R % per_node
-    and ``per_node`` ranks per node to the runtime's agreement (what torchrun sets per process)."""
+    """The sim's in-process ranks as nodes of ``per_node`` in launcher order: rank R reports the host name
+    ``sim-node-<R // per_node>``, local rank R % per_node and ``LOCAL_WORLD_SIZE`` ``per_node`` to the runtime's
+    agreement (what torchrun sets per process on several hosts)."""
     from owner_reduce.runtime import handle
 
+    monkeypatch.setattr(handle, "host_name", lambda: f"sim-node-{sim._this_process().rank // per_node}")
     monkeypatch.setattr(handle, "local_rank", lambda environ=None: sim._this_process().rank % per_node)
-    monkeypatch.setattr(handle, "ranks_per_node", lambda environ=None: per_node)
+    monkeypatch.setattr(handle, "launcher_ranks_per_node", lambda environ=None: (0, per_node))
 
 
 def make_runtime(owner_map: OwnerMap, rank: int, comm_factory: Callable[[Any], Any], *, algo: str = "auto",

@@ -10,10 +10,14 @@ from owner_reduce.planning.settings import (
     ALGO_VALUES,
     SETTING_KEYS,
     OwnerReduceSettings,
+    RunSetup,
     inapplicable_settings,
+    nccl_mismatch,
+    nccl_version_of_code,
     parse_settings,
     settings_line,
     settings_of,
+    transport_text,
 )
 from owner_reduce.planning.wording import by_reason, by_value, rank_ranges, ranks_phrase
 
@@ -154,24 +158,55 @@ def test_a_key_at_the_top_level_is_named_whatever_else_is_set(key):
 
 # ---- the settings line -----------------------------------------------------------------------------------------
 
-def test_the_settings_line_says_what_is_in_effect_in_under_thirty_words():
+SETUP = RunSetup(transport="cupy NCCL 2.27.7 (torch's 2.27.5)", world_size=512,
+                 nodes="64 nodes x 8 (host names = LOCAL_WORLD_SIZE)", bucket_elems=500_000_000, version="0.1.0")
+RUNS_ON = ("; cupy NCCL 2.27.7 (torch's 2.27.5), 512 ranks = 64 nodes x 8 (host names = LOCAL_WORLD_SIZE), bucket "
+           "500000000 elements, owner_reduce 0.1.0")
+
+
+def test_the_settings_line_says_what_is_in_effect_then_what_the_run_runs_on():
     line = settings_line(ON, calibration_digest=None, verdicts="none", timeout_s=1800.0,
-                         timeout_source="init_distributed")
+                         timeout_source="init_distributed", setup=SETUP)
     assert line == ("owner_reduce: settings: algo=auto, calibration none, verdicts none, probe off, timeout 1800 s "
-                    "(init_distributed)")
+                    "(init_distributed)" + RUNS_ON)
     every = settings_line(parse_settings(EVERY_KEY), calibration_digest="0123456789ab",
                           verdicts="write /v/verdicts.json", timeout_s=60.0,
-                          timeout_source="compile.reduce_to_owner_timeout_s")
+                          timeout_source="compile.reduce_to_owner_timeout_s", setup=SETUP)
     assert every == ("owner_reduce: settings: algo=model, calibration 0123456789ab, verdicts write /v/verdicts.json, "
-                     "probe all ranks, timeout 60 s (compile.reduce_to_owner_timeout_s)")
+                     "probe all ranks, timeout 60 s (compile.reduce_to_owner_timeout_s)" + RUNS_ON)
+    gloo = RunSetup(transport=transport_text("torch.distributed", "gloo", None, None), world_size=1,
+                    nodes="1 node x 1 (host names)", bucket_elems=64, version="0.1.0")
     probe_only = settings_line(_with(reduce_probe=True), calibration_digest=None, verdicts="none", timeout_s=600.5,
-                               timeout_source="torch default")
+                               timeout_source="torch default", setup=gloo)
     assert probe_only == ("owner_reduce: settings: owner path off (every flush AllReduces), probe rank 0, timeout "
-                          "600.5 s (torch default)")
+                          "600.5 s (torch default); torch.distributed gloo, 1 rank = 1 node x 1 (host names), bucket "
+                          "64 elements, owner_reduce 0.1.0")
     replay = settings_line(ON, calibration_digest=None, verdicts="replay 0123456789ab (3 schedules)", timeout_s=1800,
-                           timeout_source="init_distributed")
+                           timeout_source="init_distributed", setup=SETUP)
     for text in (line, every, probe_only, replay):
-        assert len(text.split()) < 30, text
+        assert len(text.split()) < 50, text
+        assert text.count(";") == 1  # the settings, then what the run runs on
+
+
+@pytest.mark.parametrize(("comm", "backend", "cupy", "torch_nccl", "text"), [
+    ("cupy-nccl", None, (2, 27, 7), (2, 27, 5), "cupy NCCL 2.27.7 (torch's 2.27.5)"),
+    ("cupy-nccl", None, (2, 30, 3), None, "cupy NCCL 2.30.3"),  # a torch without NCCL
+    ("cupy-nccl", None, None, None, "cupy NCCL unknown"),
+    ("torch.distributed", "nccl", None, (2, 27, 5), "torch.distributed nccl (NCCL 2.27.5)"),
+    ("torch.distributed", "gloo", None, (2, 27, 5), "torch.distributed gloo"),  # gloo: torch's NCCL is not used
+    ("torch.distributed", None, None, None, "torch.distributed unknown backend"),
+])
+def test_the_transport_names_the_library_and_its_nccl(comm, backend, cupy, torch_nccl, text):
+    assert transport_text(comm, backend, cupy, torch_nccl) == text
+
+
+def test_nccl_versions_of_another_major_minor_are_warned_about():
+    assert nccl_version_of_code(22707) == (2, 27, 7) and nccl_version_of_code(2804) == (2, 8, 4)  # before 2.9: x1000
+    assert nccl_mismatch((2, 27, 7), (2, 27, 5)) is None  # a patch apart: the same protocols
+    assert nccl_mismatch((2, 27, 7), None) is None and nccl_mismatch(None, (2, 21, 5)) is None
+    warning = nccl_mismatch((2, 21, 5), (2, 27, 7))
+    assert warning.startswith("owner_reduce: cupy loaded NCCL 2.21.5 but torch uses NCCL 2.27.7 (their major.minor "
+                              "differ)"), warning
 
 
 # ---- rank lists at scale ---------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ import pytest
 import torch
 from test_calibration import _cal
 
+import owner_reduce
 from owner_reduce.harness.launch import free_port, run_ranks
 from owner_reduce.harness.toy_training import TrainSpec, ds_config, train_each
 from owner_reduce.planning.measured import TRIAL_ROUNDS
@@ -125,14 +126,19 @@ def test_every_setting_from_a_config_file_through_deepspeeds_launcher_without_ow
     auto, forced, replay = by_run["auto"], by_run["forced"], by_run["replay"]
     book = load_verdicts(verdicts)  # written by run auto's rank 0 after its trial
     timeout = "timeout 900 s (init_distributed)"  # DeepSpeed's own, from the script's init_distributed
+
+    def runs_on(bucket: int = 500_000_000) -> str:  # DeepSpeed's launcher sets LOCAL_SIZE (4 on one host)
+        return (f"; torch.distributed gloo, 4 ranks = 1 node x 4 (host names = LOCAL_SIZE), bucket {bucket} elements, "
+                f"owner_reduce {owner_reduce.__version__}")
+
     assert auto[0]["stats"].settings_line == (f"owner_reduce: settings: algo=auto, calibration {calibration.digest()}, "
-                                              f"verdicts write {verdicts}, probe rank 0, {timeout}")
+                                              f"verdicts write {verdicts}, probe rank 0, {timeout}{runs_on()}")
     assert forced[0]["stats"].settings_line == (f"owner_reduce: settings: algo=handoff, calibration "
                                                 f"{calibration.digest()}, verdicts none, probe all ranks, timeout "
-                                                f"300 s (compile.reduce_to_owner_timeout_s)")
+                                                f"300 s (compile.reduce_to_owner_timeout_s){runs_on(300)}")
     assert replay[0]["stats"].settings_line == (f"owner_reduce: settings: algo=auto, calibration "
                                                 f"{calibration.digest()}, verdicts replay {book.digest()} (1 "
-                                                f"schedule), probe rank 0, {timeout}")
+                                                f"schedule), probe rank 0, {timeout}{runs_on()}")
     assert all(r[0]["stats"].settings_line in log for r in (auto, forced)), "rank 0 logged them at INFO"
     assert all(r["stats"].settings_line is None for run in (auto, forced, replay) for r in run[1:]), "rank 0 only"
 
@@ -177,6 +183,7 @@ def test_at_ws_8_only_rank_0_prints_probe_lines_by_default():
     assert all(lines == [] and r["stats"].probe_lines == [] for lines, r in zip(probe[1:], runs[1:], strict=True))
     assert sum(r["stats"].flushes for r in runs) >= 8, "every rank flushed: the probe had something to say"
     assert runs[0]["stats"].init_line in runs[0]["log"] and runs[0]["stats"].settings_line in runs[0]["log"]
-    assert re.search(r", probe rank 0, timeout \d+ s \(init_distributed\)$", runs[0]["stats"].settings_line)
+    assert re.search(r", probe rank 0, timeout \d+ s \(init_distributed\); torch.distributed gloo, 8 ranks = 1 node "
+                     r"x 8 \(host names = LOCAL_WORLD_SIZE\), ", runs[0]["stats"].settings_line)
     rank_0_lines = ("owner_reduce: settings:", "DeepCompile reduce_to_owner:")
     assert all(not any(line.startswith(rank_0_lines) for line in r["log"]) for r in runs[1:])

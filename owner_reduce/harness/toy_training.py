@@ -297,17 +297,23 @@ def _capture_log() -> _CapturedLog:
 
 
 def _group_as_nodes(rank: int, ranks_per_node: int) -> None:
-    """Make this rank look like local rank ``rank % ranks_per_node`` of a node of ``ranks_per_node`` (what torchrun
-    sets on several nodes). On the CPU through ``LOCAL_RANK`` itself. Where ranks share a GPU (the launchers here
-    give every rank one visible device, ``LOCAL_RANK`` 0, the device DeepSpeed binds), ``LOCAL_RANK`` must stay:
-    only the owner_reduce runtime's reading of it is replaced, for this process."""
+    """Make this rank look like local rank ``rank % ranks_per_node`` of a node of ``ranks_per_node`` on a host of its
+    node's own (what torchrun sets on several hosts). The runtime counts the ranks per node from the host names
+    (``planning.nodes``): its reading of this host's name is replaced, for this process, by ``<host>-node<N>``. The
+    local rank on the CPU through ``LOCAL_RANK`` itself. Where ranks share a GPU (the launchers here give every rank
+    one visible device, ``LOCAL_RANK`` 0, the device DeepSpeed binds), ``LOCAL_RANK`` must stay: only the runtime's
+    reading of it is replaced."""
+    import socket
+
     import torch
 
+    from ..runtime import handle
+
     local = rank % ranks_per_node
+    host = f"{socket.gethostname()}-node{rank // ranks_per_node}"
+    handle.host_name = lambda: host
     os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)
     if torch.cuda.is_available():
-        from ..runtime import handle
-
         handle.local_rank = lambda environ=None: local
     else:
         os.environ["LOCAL_RANK"] = str(local)

@@ -33,6 +33,7 @@ from ..planning.measured import (
     slowest_progress,
     verdicts,
 )
+from ..planning.nodes import HOST_INTS, NodeLayout, node_layout, pack_host, unpack_host
 from ..planning.owner_map import OwnerMap, Placement
 from ..planning.settings import (
     ALGO,
@@ -42,8 +43,11 @@ from ..planning.settings import (
     TIMEOUT,
     VERDICTS,
     OwnerReduceSettings,
+    RunSetup,
     key_name,
+    nccl_mismatch,
     settings_line,
+    transport_text,
 )
 from ..planning.step_plan import FlushTimes, native_step_us
 from ..planning.two_level import TwoLevel, two_level_of
@@ -68,7 +72,15 @@ from .flush import Flusher, Levels, Param
 from .placement import GradPlacer
 from .schedule import Schedule
 from .stats import FlushRecord, RuntimeStats, emit, emit_detail, say_if_hidden
-from .topology import host_digest, local_rank, nvlinks, ranks_per_node, sm_major
+from .topology import (
+    host_digest,
+    host_name,
+    launcher_ranks_per_node,
+    local_rank,
+    nvlinks,
+    slurm_ranks_on_node,
+    sm_major,
+)
 from .trial import Trial, key_of, trial_flushes
 from .trial_clock import StreamClock, TrialClock
 
@@ -77,7 +89,8 @@ NODE_HANDOFF_ROLE = "node hand-off"  # the communicator's name in messages (``co
 __all__ = ["FlushRecord", "OwnerReduceMismatchError", "OwnerReduceRuntime", "RuntimeSettings", "RuntimeStats",
            "emit"]
 
-_AGREEMENT_PROTOCOL = 7
+_AGREEMENT_PROTOCOL = 8
+_HOST_AT = 19  # the agreement row's first integer of the host name (``planning.nodes.pack_host``); ``_check_agreement``
 _PROBLEM_TEXT_LIMIT = 600  # bytes of a rank's reasons that reach the other ranks (``_gather_texts``)
 SCHEDULE_PREFIX = "[dc-schedule][r0]"  # rank 0's line when a graph's owner-ordered schedule is learned
 
@@ -139,6 +152,10 @@ class OwnerReduceRuntime:
         self._resumed_trials: dict[str, tuple[TrialProgress, str]] = {}
         self._trial_clock: TrialClock = StreamClock()  # the measured guard's samples (``trial_clock``)
         self.on_cleanup: Any = None  # set by activation: hands get_deepcompile_handle() back
+        # From init's agreement, by data-parallel rank: each rank's host and global rank, and the nodes they form.
+        self.hosts: list[str] = []
+        self.global_ranks: list[int] = []
+        self.node_layout: NodeLayout | None = None
 
     # ---- what tests, the demo and the benchmark read -----------------------------------------------------
 
@@ -216,7 +233,7 @@ class OwnerReduceRuntime:
         if self.comm.rank == 0:
             self.stats.init_line = self.settings.owner_map.init_line(sliced=self.settings.flags.reduce_to_owner)
             emit(self.stats.init_line, even_if_hidden=True)
-            self.stats.settings_line = self._settings_line(flush_deadline)
+            self.stats.settings_line = self._settings_line(flush_deadline, int(reduce_bucket_size), process_group)
             emit(self.stats.settings_line)
             if self.settings.verdicts_path is not None:
                 self._say_verdicts()
@@ -628,8 +645,35 @@ class OwnerReduceRuntime:
             logger.warning(f"owner_reduce: {key_name(VERDICTS)} has no effect: the measured guard does not run with "
                            f"{count_noun(self.comm.world_size, 'rank')}")
 
-    def _settings_line(self, deadline: Any) -> str:
-        """The settings line (``planning.settings.settings_line``) of what this runtime runs with."""
+    def _settings_line(self, deadline: Any, bucket_size: int, process_group: Any) -> str:
+        """The settings line (``planning.settings.settings_line``) of what this runtime runs with and on; where cupy's
+        NCCL and torch's differ in major.minor, a warning before it (``planning.settings.nccl_mismatch``)."""
+        import owner_reduce
+
+        comm = self.comm
+        cupy_nccl = torch_nccl = None
+        backend = None
+        if comm.name == "cupy-nccl":
+            from .nccl_comm import nccl_version
+
+            cupy_nccl = nccl_version()
+        elif comm.name == "torch.distributed":
+            backend = _backend_of(process_group)
+        if torch.cuda.is_available():
+            try:
+                torch_nccl = tuple(torch.cuda.nccl.version())
+            except (AttributeError, RuntimeError):  # a torch built without NCCL
+                torch_nccl = None
+        mismatch = nccl_mismatch(cupy_nccl, torch_nccl)
+        if mismatch is not None:
+            from deepspeed.utils import logger
+
+            logger.warning(mismatch)
+        layout = self.node_layout
+        setup = RunSetup(transport=transport_text(comm.name, backend, cupy_nccl, torch_nccl),
+                         world_size=comm.world_size,
+                         nodes=layout.describe() if layout is not None else "nodes unknown",
+                         bucket_elems=bucket_size, version=owner_reduce.__version__)
         s = self.settings
         if s.verdicts_path is None:
             verdicts = "none"
@@ -639,7 +683,8 @@ class OwnerReduceRuntime:
             verdicts = f"write {s.verdicts_path}"
         return settings_line(OwnerReduceSettings(flags=s.flags, algo=s.algo),
                              calibration_digest=s.calibration.digest() if s.calibration is not None else None,
-                             verdicts=verdicts, timeout_s=deadline.seconds, timeout_source=deadline.short_source)
+                             verdicts=verdicts, timeout_s=deadline.seconds, timeout_source=deadline.short_source,
+                             setup=setup)
 
     # ---- the verdicts and checkpoints (``wiring.checkpoint``) ------------------------------------------------
 
@@ -770,9 +815,11 @@ class OwnerReduceRuntime:
     # ---- agreement across ranks --------------------------------------------------------------------------
 
     def _check_agreement(self, bucket_size: int) -> tuple[FlushCost, list[tuple[int, int]]]:
-        """One all_gather of fifteen integers (the facts below), and a second one of every rank's reasons where any
-        rank has one; every rank raises on any mismatch or reason, so no rank is left hanging. Returns the flush
-        cost model every rank derives from the same gathered facts.
+        """One all_gather of 27 integers (the facts below, this rank's host name among them: ``planning.nodes``), and
+        a second one of every rank's reasons where any rank has one; every rank raises on any mismatch or reason, so no
+        rank is left hanging. Returns the flush cost model every rank derives from the same gathered facts, and keeps
+        every rank's host and global rank (``hosts``, ``global_ranks``: the stall report names them) and the nodes
+        they form (``node_layout``: the hosts decide; a variable that disagrees is a warning on rank 0).
 
         Note (every rank refuses together): whatever this rank could not use (a file its config names that it cannot
         read, one of another world size, a bad override: ``planning.rank_inputs``) is not raised here but gathered:
@@ -794,11 +841,19 @@ class OwnerReduceRuntime:
         verdict_state = (int(verdict_file.digest(), 16) if verdict_file is not None
                          else -1 if settings.verdicts_path is not None else 0)
         timeout_ms = round(settings.timeout_s * 1000) if settings.timeout_s is not None else 0
+        launcher_var, launcher_count = launcher_ranks_per_node()
+        slurm_var, slurm_count = slurm_ranks_on_node()
+        host = host_name()
+        # 0 protocol, 1 flags, 2 bucket, 3 map digest, 4 algo, 5 map problems, 6 the launcher's ranks per node, 7 sm,
+        # 8 deadline (ms), 9 calibration, 10 local rank, 11 host digest, 12 nvlinks, 13 verdicts, 14 reasons' length,
+        # 15 the launcher's variable, 16 SLURM's variable, 17 SLURM's tasks on this node, 18 global rank, 19- host name
         mine = [_AGREEMENT_PROTOCOL, pack_flags(flags), bucket_size,
                 int(settings.owner_map.digest()[:15], 16), ALGO_VALUES.index(settings.algo),
-                len(settings.map_problems), ranks_per_node(), sm_major(), timeout_ms,
-                int(calibration.digest(), 16) if calibration is not None else 0, local_rank(), host_digest(), nvlinks(),
-                verdict_state, len(reason_bytes)]
+                len(settings.map_problems), launcher_count, sm_major(), timeout_ms,
+                int(calibration.digest(), 16) if calibration is not None else 0, local_rank(), host_digest(host),
+                nvlinks(), verdict_state, len(reason_bytes), launcher_var, slurm_var, slurm_count,
+                self.comm.global_rank, *pack_host(host)]
+        assert len(mine) == _HOST_AT + HOST_INTS
         rows = self.comm.all_gather_ints(mine)
         if len({row[0] for row in rows}) > 1 or len({len(row) for row in rows}) > 1:
             raise OwnerReduceMismatchError(f"owner_reduce on rank {self.comm.rank}: refusing to start: ranks run "
@@ -831,9 +886,6 @@ class OwnerReduceRuntime:
                             + by_value(column(9), lambda d: f"{d:012x}" if d else "none"))
         if differs(13):
             problems.append(f"{key_name(VERDICTS)} differs across ranks: " + by_value(column(13), _verdict_state))
-        if len({v for v in column(6) if v > 0}) > 1:
-            problems.append("ranks per node (LOCAL_WORLD_SIZE) differ across ranks: "
-                            + by_value(column(6), lambda v: str(v) if v > 0 else "unknown"))
         bad_ranks = [r for r, row in enumerate(rows) if row[5]]
         if bad_ranks:
             problems.append(f"the owner map contradicts the optimizer on {ranks_phrase(bad_ranks)}"
@@ -841,7 +893,16 @@ class OwnerReduceRuntime:
         if problems:
             raise OwnerReduceMismatchError(f"owner_reduce on rank {self.comm.rank}: refusing to start: "
                                            + "; ".join(problems))
-        topology = agreed_topology(self.comm.world_size, column(6), column(7), column(12))
+        self.hosts = [unpack_host(row[_HOST_AT:_HOST_AT + HOST_INTS]) for row in rows]
+        self.global_ranks = column(18)
+        layout = self.node_layout = node_layout(self.hosts, list(zip(column(15), column(6), strict=True)),
+                                                list(zip(column(16), column(17), strict=True)))
+        if self.comm.rank == 0 and layout.warnings:
+            from deepspeed.utils import logger
+
+            for warning in layout.warnings:
+                logger.warning(warning)
+        topology = agreed_topology(self.comm.world_size, [layout.ranks_per_node], column(7), column(12))
         if calibration is not None and topology is not None and self.comm.rank == 0:
             lines = format_fits(calibration)
             emit(lines[0])
@@ -944,6 +1005,18 @@ def _order_problem(levels: TwoLevel, facts: list[tuple[int, int]]) -> str | None
         return (f"the ranks of node {split[0]} ({', '.join(map(str, levels.node_groups()[split[0]]))}) run on "
                 f"different hosts")
     return None
+
+
+def _backend_of(process_group: Any) -> str | None:
+    """The backend of the data-parallel group (``gloo``, ``nccl``), or None where torch.distributed has none."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        return str(dist.get_backend(process_group))
+    except (RuntimeError, ValueError):
+        return None
 
 
 def _device_free_bytes() -> int | None:
