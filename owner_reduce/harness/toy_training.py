@@ -93,6 +93,10 @@ class TrainSpec:
     # The measured guard's samples from ``fixed_samples.FixedSamples`` instead of the streams' clock: this rank's
     # ((flush, variant, round), us) pairs are ``trial_samples[rank]`` (() keeps the streams' clock)
     trial_samples: tuple[tuple[tuple[tuple[int, int, int], float], ...], ...] = ()
+    # The steps under ``torch.profiler.profile`` (CPU activity), its trace exported as Chrome JSON to this path
+    # (``{rank}`` is this rank's number): what a user's profiler shows of the flushes (``runtime.flush`` Note
+    # (profiler ranges))
+    profile_trace: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -395,6 +399,12 @@ def train(rank: int, world_size: int, spec: TrainSpec,
     full_grads: list[dict[str, Any]] = []
     step_times: list[float] = []
     grad_norms: list[float | None] = []
+    profiler = None
+    if spec.profile_trace is not None:
+        import torch
+
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        profiler.__enter__()
     for step in range(first_step, spec.steps):
         start = time.perf_counter()
         for micro in range(spec.grad_accum):
@@ -440,6 +450,9 @@ def train(rank: int, world_size: int, spec: TrainSpec,
         if step + 1 in ((spec.save_at,) if isinstance(spec.save_at, int) else spec.save_at or ()):
             phase(f"engine.save_checkpoint({spec.checkpoint_dir}) after step {step + 1}")
             engine.save_checkpoint(spec.checkpoint_dir)
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        profiler.export_chrome_trace(spec.profile_trace.format(rank=rank))
     phase("final barrier")
     dist.barrier()
     if spec.destroy:
