@@ -33,6 +33,7 @@ from ..planning.measured import (
     slowest_progress,
     verdicts,
 )
+from ..planning.monitor import due, monitor_events
 from ..planning.nodes import HOST_INTS, NodeLayout, node_layout, pack_host, unpack_host
 from ..planning.owner_map import OwnerMap, Placement
 from ..planning.settings import (
@@ -69,6 +70,7 @@ from .deadline import add_note
 from .errors import OwnerReduceMismatchError
 from .exposure import ExposureProbe, OwnerPathModel
 from .flush import Flusher, Levels, Param
+from .monitor import FlushHooks, MonitorSink, MonitorStep
 from .placement import GradPlacer
 from .schedule import Schedule
 from .stats import FlushRecord, RuntimeStats, emit, emit_detail, say_if_hidden
@@ -90,7 +92,7 @@ __all__ = ["FlushRecord", "OwnerReduceMismatchError", "OwnerReduceRuntime", "Run
            "emit"]
 
 _AGREEMENT_PROTOCOL = 8
-_HOST_AT = 19  # the agreement row's first integer of the host name (``planning.nodes.pack_host``); ``_check_agreement``
+_HOST_AT = 20  # the agreement row's first integer of the host name (``planning.nodes.pack_host``); ``_check_agreement``
 _PROBLEM_TEXT_LIMIT = 600  # bytes of a rank's reasons that reach the other ranks (``_gather_texts``)
 SCHEDULE_PREFIX = "[dc-schedule][r0]"  # rank 0's line when a graph's owner-ordered schedule is learned
 
@@ -156,6 +158,9 @@ class OwnerReduceRuntime:
         self.hosts: list[str] = []
         self.global_ranks: list[int] = []
         self.node_layout: NodeLayout | None = None
+        # DeepSpeed's monitor (``monitor``), set by activation where the config enables one; its step being measured.
+        self.monitor: MonitorSink | None = None
+        self._monitor_step: MonitorStep | None = None
 
     # ---- what tests, the demo and the benchmark read -----------------------------------------------------
 
@@ -265,6 +270,10 @@ class OwnerReduceRuntime:
 
     def start_backward(self, update: bool) -> None:
         self._update = bool(update)
+        monitor = self.monitor
+        if monitor is not None and update and due(monitor.steps_done(), monitor.every):  # ``monitor``: this step's
+            self._monitor_step = MonitorStep(self.comm.rank)  # reduction is measured for DeepSpeed's monitor
+            self._set_flush_hooks()
 
     def enable_profiling(self, enable: bool) -> None:
         self._profiling = bool(enable)
@@ -342,18 +351,25 @@ class OwnerReduceRuntime:
         assert placer is not None, "owner_reduce runtime used before init()"
         probe = self._exposure
         recording = probe is not None and probe.recording
+        measured, self._monitor_step = self._monitor_step, None  # DeepSpeed's monitor's step (``monitor``)
         if recording:
             probe.backward_ending(placer.streams, placer.has_pending)  # the compute mark: before anything is flushed
+        if measured is not None:
+            measured.backward_ending(placer.streams)
         placer.end_backward()
         if recording:
             probe.backward_ended(placer.streams, placer.last_backward)
-            if not probe.recording:
-                self.flusher.exposure = None
+        if measured is not None:
+            measured.backward_ended(placer.streams)
+        if recording or measured is not None:
+            self._set_flush_hooks()
         self._sync_streams("end_backward")  # the optimizer reads the grad buffers next
         if placer.trials_running:
             self._advance_trials()
         if probe is not None:
             self._exposure_after_wait(probe)
+        if measured is not None:
+            self._monitor_after_wait(measured)
         if self._stage == 2 and self._update:
             # z2.cpp: this graph's parameters start the next step by overwriting (other graphs clear theirs).
             for ds_id in self._graphs.get(graph_id, ()):
@@ -486,7 +502,8 @@ class OwnerReduceRuntime:
             if cost.topology is not None and cost.calibration is None and cost.two_level is None:
                 cost = replace(cost, two_level=two_level_of(cost.topology, cost.topology.gpus_per_node))
             model = OwnerPathModel(self.settings.owner_map, cost).ratio
-        self._exposure = self.flusher.exposure = ExposureProbe(model)
+        self._exposure = ExposureProbe(model)
+        self._set_flush_hooks()
 
     def _exposure_after_wait(self, probe: ExposureProbe) -> None:
         """After ``end_backward``'s wait: read the step before (``exposure`` Note (no host wait)); once the probe's
@@ -494,13 +511,34 @@ class OwnerReduceRuntime:
         probe.after_wait()
         if not probe.done:
             return
-        self._exposure = self.flusher.exposure = None
+        self._exposure = None
+        self._set_flush_hooks()
         rows = self.comm.all_gather_ints(probe.row())
         self.stats.exposure_samples = list(probe.samples)
         if self.comm.rank == 0:
             for line in probe.lines(rows):
                 self.stats.exposure_lines.append(line)
                 emit(line)
+
+    def _set_flush_hooks(self) -> None:
+        """The flusher's hooks (``flush_started`` / ``flush_ended``): the probe's while it records, the monitor's step
+        while one is measured, both, or None (the flush's one check)."""
+        probe = self._exposure if self._exposure is not None and self._exposure.recording else None
+        measured = self._monitor_step
+        self.flusher.exposure = (FlushHooks(probe, measured) if probe is not None and measured is not None
+                                 else probe if probe is not None else measured)
+
+    # ---- DeepSpeed's monitor (``monitor``) ----------------------------------------------------------------------
+
+    def _monitor_after_wait(self, measured: MonitorStep) -> None:
+        """After ``end_backward``'s wait on a measured step: every rank's row in one gather (``monitor`` Note (one
+        exchange, none in between)), and rank 0 writes the min / median / max events to DeepSpeed's monitor."""
+        rows = self.comm.all_gather_ints(measured.row())
+        self.stats.monitor_steps += 1
+        if self.comm.rank == 0:
+            events = monitor_events(rows, self.monitor.x())
+            self.stats.monitor_events += len(events)
+            self.monitor.write(events)
 
     # ---- the measured guard ------------------------------------------------------------------------------
 
@@ -815,7 +853,7 @@ class OwnerReduceRuntime:
     # ---- agreement across ranks --------------------------------------------------------------------------
 
     def _check_agreement(self, bucket_size: int) -> tuple[FlushCost, list[tuple[int, int]]]:
-        """One all_gather of 27 integers (the facts below, this rank's host name among them: ``planning.nodes``), and
+        """One all_gather of 28 integers (the facts below, this rank's host name among them: ``planning.nodes``), and
         a second one of every rank's reasons where any rank has one; every rank raises on any mismatch or reason, so no
         rank is left hanging. Returns the flush cost model every rank derives from the same gathered facts, and keeps
         every rank's host and global rank (``hosts``, ``global_ranks``: the stall report names them) and the nodes
@@ -846,13 +884,14 @@ class OwnerReduceRuntime:
         host = host_name()
         # 0 protocol, 1 flags, 2 bucket, 3 map digest, 4 algo, 5 map problems, 6 the launcher's ranks per node, 7 sm,
         # 8 deadline (ms), 9 calibration, 10 local rank, 11 host digest, 12 nvlinks, 13 verdicts, 14 reasons' length,
-        # 15 the launcher's variable, 16 SLURM's variable, 17 SLURM's tasks on this node, 18 global rank, 19- host name
+        # 15 the launcher's variable, 16 SLURM's variable, 17 SLURM's tasks on this node, 18 global rank, 19 DeepSpeed's
+        # monitor's steps between writes (0: none), 20- host name
         mine = [_AGREEMENT_PROTOCOL, pack_flags(flags), bucket_size,
                 int(settings.owner_map.digest()[:15], 16), ALGO_VALUES.index(settings.algo),
                 len(settings.map_problems), launcher_count, sm_major(), timeout_ms,
                 int(calibration.digest(), 16) if calibration is not None else 0, local_rank(), host_digest(host),
                 nvlinks(), verdict_state, len(reason_bytes), launcher_var, slurm_var, slurm_count,
-                self.comm.global_rank, *pack_host(host)]
+                self.comm.global_rank, self.monitor.every if self.monitor is not None else 0, *pack_host(host)]
         assert len(mine) == _HOST_AT + HOST_INTS
         rows = self.comm.all_gather_ints(mine)
         if len({row[0] for row in rows}) > 1 or len({len(row) for row in rows}) > 1:
@@ -886,6 +925,9 @@ class OwnerReduceRuntime:
                             + by_value(column(9), lambda d: f"{d:012x}" if d else "none"))
         if differs(13):
             problems.append(f"{key_name(VERDICTS)} differs across ranks: " + by_value(column(13), _verdict_state))
+        if differs(19):
+            problems.append("DeepSpeed's monitor (steps_per_print with a monitor enabled) differs across ranks: "
+                            + by_value(column(19), lambda n: f"every {n} steps" if n else "off"))
         bad_ranks = [r for r, row in enumerate(rows) if row[5]]
         if bad_ranks:
             problems.append(f"the owner map contradicts the optimizer on {ranks_phrase(bad_ranks)}"

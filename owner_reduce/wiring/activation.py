@@ -16,6 +16,7 @@ from ..planning.rank_inputs import RankInputs, read_inputs, removed_variables_se
 from ..planning.settings import OwnerReduceSettings, settings_of
 from ..runtime.comm import ReduceComm
 from ..runtime.handle import OwnerReduceRuntime, RuntimeSettings
+from ..runtime.monitor import MonitorSink
 from . import cpu_compat
 from .checkpoint import RUNTIME_ATTR, hand_pending_verdicts
 from .compile_pass import owner_schedule, start_at_first_step
@@ -61,12 +62,27 @@ def build_runtime(engine: Any, settings: OwnerReduceSettings) -> OwnerReduceRunt
     inputs = rank_inputs(settings, int(getattr(engine, "global_rank", 0)))
     owner_map = build_owner_map(engine)
     problems = tuple(disagreements_with_optimizer(owner_map, engine))
-    return OwnerReduceRuntime(RuntimeSettings(flags=settings.flags, owner_map=owner_map, map_problems=problems,
-                                              flush_algo=settings.flush_algo, measure=settings.measure,
-                                              calibration=inputs.calibration, verdicts=inputs.verdicts,
-                                              verdicts_path=inputs.verdicts_path, env_problems=inputs.problems,
-                                              timeout_s=settings.timeout_s),
-                              make_comm)
+    runtime = OwnerReduceRuntime(RuntimeSettings(flags=settings.flags, owner_map=owner_map, map_problems=problems,
+                                                 flush_algo=settings.flush_algo, measure=settings.measure,
+                                                 calibration=inputs.calibration, verdicts=inputs.verdicts,
+                                                 verdicts_path=inputs.verdicts_path, env_problems=inputs.problems,
+                                                 timeout_s=settings.timeout_s),
+                                 make_comm)
+    runtime.monitor = monitor_sink(engine)
+    return runtime
+
+
+def monitor_sink(engine: Any) -> MonitorSink | None:
+    """The engine's monitor for the runtime (``runtime.monitor``), where the DeepSpeed config enables one (TensorBoard,
+    wandb, CSV or comet) and prints every ``steps_per_print`` steps; None otherwise. On every rank alike (the config
+    is): every rank joins the measured steps' exchange, rank 0 writes. Events are written at DeepSpeed's own step
+    axis: the global sample count at the end of the step (``step()`` adds the train batch size after the backward)."""
+    monitor = getattr(engine, "monitor", None)
+    every = int(engine.steps_per_print() or 0) if monitor is not None and monitor.enabled else 0
+    if every <= 0:
+        return None
+    return MonitorSink(write=monitor.write_events, every=every, steps_done=lambda: int(engine.global_steps),
+                       x=lambda: int(engine.global_samples) + int(engine.train_batch_size()))
 
 
 def wrap_init_z1_and_2(original: Any) -> Any:
