@@ -271,9 +271,11 @@ class OwnerReduceRuntime:
     def start_backward(self, update: bool) -> None:
         self._update = bool(update)
         monitor = self.monitor
-        if monitor is not None and update and due(monitor.steps_done(), monitor.every):  # ``monitor``: this step's
-            self._monitor_step = MonitorStep(self.comm.rank)  # reduction is measured for DeepSpeed's monitor
-            self._set_flush_hooks()
+        if monitor is not None:  # ``monitor``: this step's reduction is measured for DeepSpeed's monitor, or not
+            measured = MonitorStep(self.comm.rank) if update and due(monitor.steps_done(), monitor.every) else None
+            if measured is not None or self._monitor_step is not None:  # (one left by a backward DeepCompile profiled)
+                self._monitor_step = measured
+                self._set_flush_hooks()
 
     def enable_profiling(self, enable: bool) -> None:
         self._profiling = bool(enable)
