@@ -175,9 +175,9 @@ def test_agreement_mismatch_is_refused(column, name):
 
     # protocol, flags, bucket, map digest, algo (compile.reduce_to_owner_algo), map problems, LOCAL_WORLD_SIZE, sm,
     # compile.reduce_to_owner_timeout_s (ms), calibration, local rank, host digest, nvlinks, verdicts, reasons'
-    # length, the launcher's variable, SLURM's variable, SLURM's count, global rank, monitor, the host name
+    # length, the launcher's variable, SLURM's variable, SLURM's count, global rank, monitor, runtime number, host
     good = [_AGREEMENT_PROTOCOL, 3, 64, int(settings.owner_map.digest()[:15], 16), 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0,
-            0, -1, 0, 0, 0, *pack_host("gpu-node-01")]
+            0, -1, 0, 0, 0, 1, *pack_host("gpu-node-01")]
     bad = list(good)
     bad[column] += 1 if not name.startswith("flags") else 8  # an unknown flag bit: the generic sentence
     if name.startswith("compile.reduce_to_owner differs"):

@@ -8,6 +8,7 @@ issue's "within the deadline plus 10 s"."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import types
@@ -17,9 +18,11 @@ import torch
 from fakes import MirrorComm, flat_map
 from sim_cuda import Sim, SimHang
 from sim_runtime import GRAPH, cupy_runtimes, exact_grads, group_ranks_as_nodes, train_step
+from torch.distributed import HashStore
 
 from owner_reduce import OwnerReduceCommError
 from owner_reduce.runtime import deadline as deadlines
+from owner_reduce.runtime import stall_report
 from owner_reduce.runtime.nccl_comm import CupyNcclComm, new_unique_id
 
 DEADLINE_S = 1.0
@@ -69,12 +72,14 @@ DEEP = [8] * 128  # 128 layers of 8-element gradients; 32-element buckets: a flu
 
 
 @pytest.mark.timeout(120)
-def test_a_stalled_peer_in_a_deep_model_fails_every_rank_within_the_deadline():
+def test_a_stalled_peer_in_a_deep_model_fails_every_rank_within_the_deadline(monkeypatch):
     """Rank 1's data-parallel kernels stop completing (a hung GPU) in the second backward of a 128-layer model with
     four compute ops per layer between its ``reduce_grad`` calls. Before the fix nothing watches the flushes: flush i
     never completes, flush i + 2 reuses its bucket, the compute stream waits on its free event, and the backward keeps
     launching onto the blocked stream until the launch queue (256 here) blocks the host inside the backward: every
     rank hangs (``SimHang``), never reaching ``end_backward``'s bounded wait."""
+    store = HashStore()  # torch's default store of a real job: the stall report's marks (``stall_report``)
+    monkeypatch.setattr(stall_report, "default_store", lambda: store)
     with Sim(launch_bound=256, hang_bound_s=HANG_BOUND_S) as sim:
         owner_map = flat_map(DEEP, 2)
         runtimes = cupy_runtimes(sim, owner_map, algo="reduce", bucket=32, timeout_s=DEADLINE_S)
@@ -89,6 +94,9 @@ def test_a_stalled_peer_in_a_deep_model_fails_every_rank_within_the_deadline():
         outcomes = _backward_outcomes(sim, runtimes, 1, between=layer, numels=DEEP)
         _assert_bounded_failures(sim, outcomes, (0, 1))
         assert all("flush #" in str(error) for error, _ in outcomes), outcomes
+        # Rank 1's host issued every flush (its GPU hung): both ranks marked the stalled flush, and each says so.
+        assert all(re.search(r"; every rank reached flush #\d+ \(reduce on the data-parallel communicator\); the "
+                             r"stall is on the device or the network$", str(error)) for error, _ in outcomes), outcomes
 
 
 # ---- finding 2 -------------------------------------------------------------------------------------------------

@@ -24,10 +24,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..planning.settings import TIMEOUT, key_name
+from .stall_report import MARK_AFTER_S
 
 T = TypeVar("T")
 
@@ -50,16 +51,21 @@ class OwnerReduceCommError(RuntimeError):
     """A collective of owner_reduce did not complete: a timeout, or an error NCCL or gloo reported.
 
     Names the rank, the flush (None: outside a flush, e.g. the init-time agreement), the call, the deadline and the
-    seconds measured (``waited_s``). On the cupy path the communicator has been aborted by then; the job cannot
-    continue. The message's "after waiting N s" is the configured deadline, so one failure reads the same on every
-    run; the measured seconds follow as a separate, labelled fact (see ``outcome``).
+    seconds measured (``waited_s``); after a timeout in a flush, the deadline's stall report (``stall_report``): the
+    ranks that never reached the flush and their hosts. On the cupy path the communicator has been aborted by then;
+    the job cannot continue. The message's "after waiting N s" is the configured deadline, so one failure reads the
+    same on every run; the measured seconds follow as a separate, labelled fact (see ``outcome``).
     """
 
     def __init__(self, *, rank: int, flush: int | None, call: str, waited_s: float, deadline: Deadline,
                  reason: str, dp_rank: int | None = None) -> None:
         where = "outside a flush" if flush is None else f"flush #{flush}"
         who = f"rank {rank}" + ("" if dp_rank is None or dp_rank == rank else f" (data-parallel rank {dp_rank})")
-        super().__init__(f"owner_reduce: {who}, {where}: {call} {outcome(reason, waited_s, deadline)}")
+        # A stalled flush's report (``stall_report``): the ranks that never reached it and their hosts, from the store.
+        stalled = deadline.stall is not None and flush is not None and not reason.startswith("failed")
+        self.stall_report = deadline.stall.explain(flush, call) if stalled else None
+        report = "" if self.stall_report is None else f"; {self.stall_report}"
+        super().__init__(f"owner_reduce: {who}, {where}: {call} {outcome(reason, waited_s, deadline)}{report}")
         self.rank = rank
         self.dp_rank = rank if dp_rank is None else dp_rank
         self.flush = flush
@@ -86,6 +92,9 @@ class Deadline:
     seconds: float
     source: str  # where the value came from, for the error message
     until: float | None = None  # init's one deadline: every wait ends by then (time.monotonic); Note (one for init)
+    # The flushes' stall reporter (``stall_report.StallReporter``), set by the runtime after init: marks this rank's
+    # arrival at a flush that waits (``wait_work``, the flush watchdog) and explains a stalled one in the error.
+    stall: Any = field(default=None, compare=False, repr=False)
 
     def describe(self) -> str:
         return f"{self.seconds:g} s from {self.source}" + ("" if self.until is None else ", shared by all of init")
@@ -231,6 +240,19 @@ def wait_work(work: Any, *, deadline: Deadline, started: float, rank: int, flush
     try:
         if remaining <= 0 and not work.is_completed():
             raise TimeoutError("Operation timed out!")
+        stall = deadline.stall
+        first = MARK_AFTER_S - (clock() - started)
+        if stall is not None and flush is not None and 0 < first < remaining:
+            # ``stall_report``: a flush still waiting after MARK_AFTER_S marks this rank's arrival in the store. gloo's
+            # work survives a wait that timed out, and the rest of the deadline is waited for next.
+            try:
+                work.wait(datetime.timedelta(seconds=first))
+                return
+            except Exception as error:  # noqa: BLE001 - a timeout goes on to the mark; anything else is the error
+                if "timed out" not in first_line(error).lower():
+                    raise
+            stall.arrived(flush)
+            remaining = deadline.allowed_s(started) - (clock() - started)
         work.wait(datetime.timedelta(seconds=max(remaining, 0.001)))
     except Exception as error:  # noqa: BLE001 - gloo and NCCL raise RuntimeError (or DistBackendError)
         text = first_line(error)

@@ -63,6 +63,7 @@ from ..planning.verdict_book import (
 )
 from ..planning.wording import by_reason, by_value, count_noun, ranks_phrase
 from . import deadline as deadlines
+from . import stall_report
 from .accumulate import Accumulator
 from .buckets import DoubleBufferedBuckets
 from .comm import ReduceComm
@@ -92,7 +93,7 @@ __all__ = ["FlushRecord", "OwnerReduceMismatchError", "OwnerReduceRuntime", "Run
            "emit"]
 
 _AGREEMENT_PROTOCOL = 8
-_HOST_AT = 20  # the agreement row's first integer of the host name (``planning.nodes.pack_host``); ``_check_agreement``
+_HOST_AT = 21  # the agreement row's first integer of the host name (``planning.nodes.pack_host``); ``_check_agreement``
 _PROBLEM_TEXT_LIMIT = 600  # bytes of a rank's reasons that reach the other ranks (``_gather_texts``)
 SCHEDULE_PREFIX = "[dc-schedule][r0]"  # rank 0's line when a graph's owner-ordered schedule is learned
 
@@ -161,6 +162,8 @@ class OwnerReduceRuntime:
         # DeepSpeed's monitor (``monitor``), set by activation where the config enables one; its step being measured.
         self.monitor: MonitorSink | None = None
         self._monitor_step: MonitorStep | None = None
+        self._stall_keys = ""  # the stall report's keys in the store, agreed at init
+        self.stall_reporter: stall_report.StallReporter | None = None  # where torch's default store exists
 
     # ---- what tests, the demo and the benchmark read -----------------------------------------------------
 
@@ -210,6 +213,7 @@ class OwnerReduceRuntime:
                 cost, facts = self._check_agreement(int(reduce_bucket_size))
                 self.flusher.comm = self.comm
                 cost = self._make_levels(cost, facts, bool(compile_config.double_buffer))
+                flush_deadline = self._with_stall_report(flush_deadline)
                 self.flusher.cost = cost
                 buckets = DoubleBufferedBuckets(int(reduce_bucket_size), bool(compile_config.double_buffer),
                                                 self._bucket_limits)
@@ -855,7 +859,7 @@ class OwnerReduceRuntime:
     # ---- agreement across ranks --------------------------------------------------------------------------
 
     def _check_agreement(self, bucket_size: int) -> tuple[FlushCost, list[tuple[int, int]]]:
-        """One all_gather of 28 integers (the facts below, this rank's host name among them: ``planning.nodes``), and
+        """One all_gather of 29 integers (the facts below, this rank's host name among them: ``planning.nodes``), and
         a second one of every rank's reasons where any rank has one; every rank raises on any mismatch or reason, so no
         rank is left hanging. Returns the flush cost model every rank derives from the same gathered facts, and keeps
         every rank's host and global rank (``hosts``, ``global_ranks``: the stall report names them) and the nodes
@@ -887,13 +891,15 @@ class OwnerReduceRuntime:
         # 0 protocol, 1 flags, 2 bucket, 3 map digest, 4 algo, 5 map problems, 6 the launcher's ranks per node, 7 sm,
         # 8 deadline (ms), 9 calibration, 10 local rank, 11 host digest, 12 nvlinks, 13 verdicts, 14 reasons' length,
         # 15 the launcher's variable, 16 SLURM's variable, 17 SLURM's tasks on this node, 18 global rank, 19 DeepSpeed's
-        # monitor's steps between writes (0: none), 20- host name
+        # monitor's steps between writes (0: none), 20 this process's runtime number (rank 0's names the stall report's
+        # keys: ``stall_report``), 21- host name
         mine = [_AGREEMENT_PROTOCOL, pack_flags(flags), bucket_size,
                 int(settings.owner_map.digest()[:15], 16), ALGO_VALUES.index(settings.algo),
                 len(settings.map_problems), launcher_count, sm_major(), timeout_ms,
                 int(calibration.digest(), 16) if calibration is not None else 0, local_rank(), host_digest(host),
                 nvlinks(), verdict_state, len(reason_bytes), launcher_var, slurm_var, slurm_count,
-                self.comm.global_rank, self.monitor.every if self.monitor is not None else 0, *pack_host(host)]
+                self.comm.global_rank, self.monitor.every if self.monitor is not None else 0,
+                stall_report.next_sequence(), *pack_host(host)]
         assert len(mine) == _HOST_AT + HOST_INTS
         rows = self.comm.all_gather_ints(mine)
         if len({row[0] for row in rows}) > 1 or len({len(row) for row in rows}) > 1:
@@ -939,6 +945,7 @@ class OwnerReduceRuntime:
                                            + "; ".join(problems))
         self.hosts = [unpack_host(row[_HOST_AT:_HOST_AT + HOST_INTS]) for row in rows]
         self.global_ranks = column(18)
+        self._stall_keys = f"{stall_report.KEY_PREFIX}/{rows[0][18]}/{rows[0][20]}"  # this runtime's, every rank alike
         layout = self.node_layout = node_layout(self.hosts, list(zip(column(15), column(6), strict=True)),
                                                 list(zip(column(16), column(17), strict=True)))
         if self.comm.rank == 0 and layout.warnings:
@@ -1028,6 +1035,18 @@ class OwnerReduceRuntime:
             emit(line)
             emit_detail(detail)
         return replace(cost, two_level=levels)
+
+    def _with_stall_report(self, deadline: deadlines.Deadline) -> deadlines.Deadline:
+        """The flushes' deadline with this runtime's stall reporter (``stall_report``) where torch's default store
+        exists: the ranks and hosts of the agreement, this rank's node and rail communicators' members by role."""
+        store = stall_report.default_store()
+        if store is None:
+            return deadline
+        levels = self.flusher.levels
+        members = {} if levels is None else {sub.role: sub.members for sub in levels if sub is not None}
+        self.stall_reporter = stall_report.StallReporter(store, self._stall_keys, self.comm.rank, self.global_ranks,
+                                                         self.hosts, members)
+        return replace(deadline, stall=self.stall_reporter)
 
     def _close_levels(self) -> None:
         """Close the node and rail communicators (the data-parallel one stays)."""
