@@ -869,7 +869,8 @@ class OwnerReduceRuntime:
         read, one of another world size, ``NCCL_COMM_BLOCKING`` other than 1: ``planning.rank_inputs``) is not raised
         here but gathered: every rank then raises the same ``OwnerReduceMismatchError`` naming each failing rank, its
         key or variable and its reason, within init's deadline (the gathers are the communicator's, bounded), instead
-        of one rank raising alone while the others wait for it. Ranks in messages are folded and capped (``planning.wording``)."""
+        of one rank raising alone while the others wait for it. Ranks in messages are folded and capped
+        (``planning.wording``)."""
         settings = self.settings
         flags = settings.flags
         calibration = settings.calibration
