@@ -89,6 +89,24 @@ def test_a_mark_is_written_once_per_stalled_flush_and_only_after_a_second():
     assert store.store.add("owner_reduce/stall/16/1/rank19", 0) == 9  # the key holds the newest flush reached
 
 
+def test_a_blocking_wait_is_marked_by_the_reporters_thread_after_a_second():
+    """gloo's bounded wait blocks in ``Work.wait``: it only tells the reporter (``watch``), whose thread writes the
+    mark once the wait has lasted ``MARK_AFTER_S``; a wait that ended first writes nothing."""
+    store = CountingStore()
+    reporter = _reporters(store)[2]
+    try:
+        reporter.watch(4, since=time.monotonic())
+        time.sleep(0.3)
+        reporter.unwatch()  # a healthy wait: over before the second
+        time.sleep(MARK_AFTER_S)
+        assert (reporter.marks_written, store.calls) == (0, 0)
+        reporter.watch(5, since=time.monotonic() - MARK_AFTER_S)  # this one has waited a second already
+        time.sleep(0.6)
+        assert reporter.marks_written == 1 and store.store.add("owner_reduce/stall/16/1/rank18", 0) == 5
+    finally:
+        reporter.close()
+
+
 def test_a_stalled_sub_communicators_members_are_the_expected_ranks():
     rail = {"rail": (0, 4)}  # this rank's rail: data-parallel ranks 0 and 4
     reporters = _reporters(HashStore(), rail)

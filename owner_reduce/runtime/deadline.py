@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..planning.settings import TIMEOUT, key_name
-from .stall_report import MARK_AFTER_S
 
 T = TypeVar("T")
 
@@ -241,19 +240,16 @@ def wait_work(work: Any, *, deadline: Deadline, started: float, rank: int, flush
         if remaining <= 0 and not work.is_completed():
             raise TimeoutError("Operation timed out!")
         stall = deadline.stall
-        first = MARK_AFTER_S - (clock() - started)
-        if stall is not None and flush is not None and 0 < first < remaining:
-            # ``stall_report``: a flush still waiting after MARK_AFTER_S marks this rank's arrival in the store. gloo's
-            # work survives a wait that timed out, and the rest of the deadline is waited for next.
+        if stall is not None and flush is not None:
+            # ``stall_report``: the reporter's thread marks this rank's arrival if the wait lasts MARK_AFTER_S (a gloo
+            # wait cut short would close a send/recv pair: the wait itself stays whole).
+            stall.watch(flush, started)
             try:
-                work.wait(datetime.timedelta(seconds=first))
-                return
-            except Exception as error:  # noqa: BLE001 - a timeout goes on to the mark; anything else is the error
-                if "timed out" not in first_line(error).lower():
-                    raise
-            stall.arrived(flush)
-            remaining = deadline.allowed_s(started) - (clock() - started)
-        work.wait(datetime.timedelta(seconds=max(remaining, 0.001)))
+                work.wait(datetime.timedelta(seconds=max(remaining, 0.001)))
+            finally:
+                stall.unwatch()
+        else:
+            work.wait(datetime.timedelta(seconds=max(remaining, 0.001)))
     except Exception as error:  # noqa: BLE001 - gloo and NCCL raise RuntimeError (or DistBackendError)
         text = first_line(error)
         reason = "timed out" if "timed out" in text.lower() else f"failed: {type(error).__name__}: {text}"

@@ -829,6 +829,8 @@ class OwnerReduceRuntime:
         waits within the deadline and may raise: the handle is handed back all the same, and that error is the one
         raised (see Note (cleanup always releases))."""
         comm, self.comm, self.flusher.comm = self.comm, None, None
+        if self.stall_reporter is not None:
+            self.stall_reporter.close()
         self._forget_graphs()
         self._accumulator.clear()
         self._params.clear()

@@ -8,10 +8,12 @@ already holds.
 
 Note (zero store traffic in healthy steps): nothing is written while flushes complete. A rank whose oldest pending
 flush has waited ``MARK_AFTER_S`` (healthy flushes take milliseconds) writes one mark, "arrived at flush N", once per
-stalled flush, from where it already polls: the gloo path's bounded wait (``deadline.wait_work``, whose first wait
-is cut at the mark's time) and, on a GPU, the flush watchdog's thread (``watchdog``), which polls every flush in
-flight whether or not the main thread reaches a wait. A mark is one ``store.add`` on this rank's own key: the key holds
-the newest flush the rank reached, so a rank stuck at a later flush counts as having passed an earlier one.
+stalled flush, from where its waits are polled: on a GPU, the flush watchdog's thread (``watchdog``), which polls
+every flush in flight whether or not the main thread reaches a wait; on gloo, whose bounded wait blocks in
+``Work.wait`` and cannot be cut short (a timed-out wait closes a send/recv pair), this reporter's own thread, told of
+each wait by ``deadline.wait_work`` (``watch``: two attribute writes), which looks every ``WATCH_POLL_S``. A mark is
+one ``store.add`` on this rank's own key: the key holds the newest flush the rank reached, so a rank stuck at a later
+flush counts as having passed an earlier one.
 
 Note (the report): where a wait times out, ``OwnerReduceCommError`` asks the deadline's reporter (``Deadline.stall``)
 to explain the flush: it reads every expected rank's key (``store.add(key, 0)``: a read that never blocks on a missing
@@ -39,6 +41,7 @@ from typing import Any
 from ..planning.wording import GROUPS_SHOWN, count_noun, ranks_phrase
 
 MARK_AFTER_S = 1.0  # a flush waiting this long on a rank writes its arrival (Note (zero store traffic ...))
+WATCH_POLL_S = 0.25  # how often the reporter's thread looks at a blocking wait (``watch``)
 GRACE_S = 1.5  # the report's wait for the marks of ranks that arrived in the last second (MARK_AFTER_S + polls)
 STORE_BOUND_S = 2.0  # the report's store reads, all together, before it says the store did not answer
 REPORT_BOUND_S = GRACE_S + STORE_BOUND_S  # how much later a stalled flush's error comes
@@ -101,6 +104,9 @@ class StallReporter:
         self._marked = 0  # the newest flush this rank's key holds
         self._reports: dict[tuple[int, str], str] = {}
         self.marks_written = 0  # tests: marks this rank wrote (each one store call)
+        self._watched: tuple[int, float] | None = None  # (flush, since): the main thread's blocking wait (``watch``)
+        self._watcher: threading.Thread | None = None
+        self._closed = threading.Event()
 
     # ---- marks -------------------------------------------------------------------------------------------------
 
@@ -112,6 +118,32 @@ class StallReporter:
         if (self._clock() if now is None else now) - since < MARK_AFTER_S:
             return
         self.arrived(flush)
+
+    def watch(self, flush: int, since: float) -> None:
+        """The main thread starts a blocking wait on ``flush`` (gloo's ``Work.wait``, which cannot be cut short: a
+        timed-out wait closes a send/recv pair): this reporter's thread marks the arrival if it lasts ``MARK_AFTER_S``.
+        Two attribute writes on the hot path; the thread is started at the first watch and polls every
+        ``WATCH_POLL_S``."""
+        self._watched = (flush, since)
+        if self._watcher is None:
+            self._start_watcher()
+
+    def unwatch(self) -> None:
+        self._watched = None
+
+    def _start_watcher(self) -> None:
+        def run() -> None:
+            while not self._closed.wait(WATCH_POLL_S):
+                watched = self._watched
+                if watched is not None:
+                    self.waiting(watched[0], watched[1])
+
+        self._watcher = threading.Thread(target=run, name="owner_reduce stall report: watch", daemon=True)
+        self._watcher.start()
+
+    def close(self) -> None:
+        """Stop the watching thread (the runtime's cleanup)."""
+        self._closed.set()
 
     def arrived(self, flush: int) -> None:
         """This rank reached ``flush`` and it has waited ``MARK_AFTER_S`` (the caller's own timed wait said so): the
@@ -181,5 +213,5 @@ class StallReporter:
         return text
 
 
-__all__ = ["GRACE_S", "KEY_PREFIX", "MARK_AFTER_S", "REPORT_BOUND_S", "STORE_BOUND_S", "StallReporter",
-           "default_store", "next_sequence"]
+__all__ = ["GRACE_S", "KEY_PREFIX", "MARK_AFTER_S", "REPORT_BOUND_S", "STORE_BOUND_S", "WATCH_POLL_S",
+           "StallReporter", "default_store", "next_sequence"]
