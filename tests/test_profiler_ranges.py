@@ -159,6 +159,10 @@ def test_on_the_simulated_device_each_flush_and_level_is_one_nvtx_range(monkeypa
         stats = [rt.stats for rt in runtimes]
         for rt in runtimes:
             rt.cleanup()
+    # The settings line of the cupy path: the NCCL cupy loaded (the sim's 2.30.3; this CPU torch has none of its own),
+    # the nodes from the host names the harness gives each node (and LOCAL_WORLD_SIZE agreeing).
+    assert stats[0].settings_line.endswith("; cupy NCCL 2.30.3, 4 ranks = 2 nodes x 2 (host names = LOCAL_WORLD_SIZE), "
+                                           "bucket 64 elements, owner_reduce 0.1.0"), stats[0].settings_line
     assert depth[0] == 0, "every range pushed was popped"
     flushes = [n for n in pushed if RANGE.match(n)]
     assert len(flushes) == sum(s.flushes for s in stats) > 0
