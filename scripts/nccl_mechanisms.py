@@ -12,9 +12,9 @@ two rank processes on the visible GPU(s) (ranks sharing one GPU need NCCL >= 2.3
   once from the start return.
 - ``product-stall``: owner_reduce's runtime with its cupy communicator on real CUDA tensors, a deep model (``--layers``
   layers, a few kernels each, small buckets, so that the backward holds far more launches than the launch queue):
-  rank 1 stops before its ``--stall-step``-th backward; rank 0 must fail within the deadline (``--deadline``,
-  ``OWNER_REDUCE_TIMEOUT_S``) plus 10 s, naming the call, the communicator and the flush (raised, or written by the
-  flush watchdog as it ends the process).
+  rank 1 stops before its ``--stall-step``-th backward; rank 0 must fail within the deadline (``--deadline``, the
+  runtime's ``compile.reduce_to_owner_timeout_s``) plus 10 s, naming the call, the communicator and the flush (raised,
+  or written by the flush watchdog as it ends the process).
 
 Each prints ``RESULT nccl_mechanisms check=<name> ...`` and exits 0 when the mechanism (or the product's bound) showed
 as claimed, 1 when it did not, 3 without a CUDA GPU, 5 when a rank crashed or the check ran past ``--timeout``.
@@ -256,8 +256,8 @@ def rank_product_stall(rank: int, world_size: int, args: argparse.Namespace) -> 
     device = _setup(rank, world_size)
     numels = deep_model_numels(args.layers)
     owner_map = OwnerMap.from_group_tables([owner_tables(numels, world_size)], world_size)
-    rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, False), owner_map, measure=False),
-                            comm_factory=CupyNcclComm.from_process_group)
+    rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, False), owner_map, measure=False,
+                                            timeout_s=args.deadline), comm_factory=CupyNcclComm.from_process_group)
     rt.init(dist.group.WORLD, types.SimpleNamespace(double_buffer=True), args.bucket)
     for pid, n in enumerate(numels):
         offset, length = kept_slice(numels, world_size, rank, pid)
@@ -303,7 +303,7 @@ def _spawn(args: argparse.Namespace, out_dir: Path) -> list[subprocess.Popen]:
         env = {**os.environ, **SHARED_GPU_ENV, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-               "PYTHONUNBUFFERED": "1", "OWNER_REDUCE_TIMEOUT_S": str(args.deadline)}
+               "PYTHONUNBUFFERED": "1"}
         log = (out_dir / f"{args.check}-rank{rank}.log").open("w")
         procs.append(subprocess.Popen(_rank_command(args.argv, rank, out_dir), env=env, stdout=log,
                                       stderr=subprocess.STDOUT, cwd=ROOT))
@@ -422,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket", type=int, default=16384, help="product-stall: reduce bucket size, elements")
     parser.add_argument("--steps", type=int, default=6, help="product-stall: steps rank 0 would run")
     parser.add_argument("--stall-step", type=int, default=3, help="product-stall: rank 1 stops before this backward")
-    parser.add_argument("--deadline", type=float, default=8.0, help="product-stall: OWNER_REDUCE_TIMEOUT_S")
+    parser.add_argument("--deadline", type=float, default=8.0,
+                        help="product-stall: the flushes' deadline (compile.reduce_to_owner_timeout_s)")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--dir", default=None, help="where the ranks' logs go (default: $OUT/nccl_mechanisms)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

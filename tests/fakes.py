@@ -605,9 +605,30 @@ def exchange_thread_rank() -> int:
 
 
 def group_threads_as_nodes(monkeypatch: Any, per_node: int) -> None:
-    """In-process ranks as nodes of ``per_node`` in launcher order: each thread's rank R reports local rank
-    R % per_node and ``per_node`` ranks per node to the runtime's agreement (what torchrun sets per process)."""
+    """In-process ranks as nodes of ``per_node`` in launcher order: each thread's rank R reports the host name
+    ``node-<R // per_node>``, local rank R % per_node and ``LOCAL_WORLD_SIZE`` ``per_node`` to the runtime's agreement
+    (what torchrun sets per process on several hosts)."""
     from owner_reduce.runtime import handle
 
+    monkeypatch.setattr(handle, "host_name", lambda: f"node-{exchange_thread_rank() // per_node}")
     monkeypatch.setattr(handle, "local_rank", lambda environ=None: exchange_thread_rank() % per_node)
-    monkeypatch.setattr(handle, "ranks_per_node", lambda environ=None: per_node)
+    monkeypatch.setattr(handle, "launcher_ranks_per_node", lambda environ=None: (0, per_node))
+
+
+def rows_in_nodes(values: list[int], world_size: int, per_node: int) -> list[list[int]]:
+    """Every rank's row of a gather of ``values``, where ``values`` is this rank's init-time agreement row (any other
+    gather: ``values`` for every rank), as ranks in nodes of ``per_node`` in launcher order send it: rank R with its
+    global rank, local rank R % per_node and the host name ``node-<R // per_node>`` (a mirror communicator's world,
+    which one process plays)."""
+    from owner_reduce.planning.nodes import HOST_INTS, pack_host
+    from owner_reduce.runtime.handle import _AGREEMENT_PROTOCOL, _HOST_AT
+    from owner_reduce.runtime.topology import host_digest
+
+    rows = [list(values) for _ in range(world_size)]
+    if len(values) != _HOST_AT + HOST_INTS or values[0] != _AGREEMENT_PROTOCOL:
+        return rows
+    for r, row in enumerate(rows):
+        host = f"node-{r // per_node}"
+        row[10], row[11], row[18] = r % per_node, host_digest(host), r
+        row[_HOST_AT:] = pack_host(host)
+    return rows

@@ -23,23 +23,27 @@ GRAPH = 11
 
 
 def group_ranks_as_nodes(monkeypatch: Any, sim: Sim, per_node: int) -> None:
-    """The sim's in-process ranks as nodes of ``per_node`` in launcher order: rank R reports local rank R % per_node
-    and ``per_node`` ranks per node to the runtime's agreement (what torchrun sets per process)."""
+    """The sim's in-process ranks as nodes of ``per_node`` in launcher order: rank R reports the host name
+    ``sim-node-<R // per_node>``, local rank R % per_node and ``LOCAL_WORLD_SIZE`` ``per_node`` to the runtime's
+    agreement (what torchrun sets per process on several hosts)."""
     from owner_reduce.runtime import handle
 
+    monkeypatch.setattr(handle, "host_name", lambda: f"sim-node-{sim._this_process().rank // per_node}")
     monkeypatch.setattr(handle, "local_rank", lambda environ=None: sim._this_process().rank % per_node)
-    monkeypatch.setattr(handle, "ranks_per_node", lambda environ=None: per_node)
+    monkeypatch.setattr(handle, "launcher_ranks_per_node", lambda environ=None: (0, per_node))
 
 
 def make_runtime(owner_map: OwnerMap, rank: int, comm_factory: Callable[[Any], Any], *, algo: str = "auto",
                  stage: int = 1, bucket: int = 64, measure: bool = False, dtype_of: Callable[[int], torch.dtype]
-                 | None = None, double_buffer: bool = True, graph_id: int = GRAPH) -> Any:
+                 | None = None, double_buffer: bool = True, graph_id: int = GRAPH,
+                 timeout_s: float | None = None) -> Any:
     """Rank ``rank``'s runtime, initialised (its communicator from ``comm_factory``), every parameter registered as
-    DeepCompile registers it: this rank's slice of each gradient as a device grad buffer."""
+    DeepCompile registers it: this rank's slice of each gradient as a device grad buffer. ``timeout_s``: the flushes'
+    deadline, as ``compile.reduce_to_owner_timeout_s`` gives it (None: torch's default, no process group here)."""
     from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
 
     rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, False), owner_map, flush_algo=algo,
-                                            measure=measure), comm_factory=comm_factory)
+                                            measure=measure, timeout_s=timeout_s), comm_factory=comm_factory)
     rt.init(None, types.SimpleNamespace(double_buffer=double_buffer), bucket)
     # The calls init made on each of this rank's communicators (the connection warm-up: ``comm`` Note (lazy
     # connections)): ``check_collective_log`` counts the flushes' calls after them.

@@ -109,7 +109,8 @@ def _spec(stage: int, workdir: Path, **changes) -> TrainSpec:
                 grad_accum=2, same_data=False, bf16=True, check_grad_overflow=True, gradient_clipping=0.05,
                 inf_at=(2, 0), reduce_probe=False, reduce_bucket_size=700, trial_samples=_samples(),
                 checkpoint_dir=str(workdir / f"ckpt-z{stage}"),
-                compile_keys=(("reduce_to_owner_calibration", str(workdir / "calibration.json")),))
+                compile_keys=(("reduce_to_owner_calibration", str(workdir / "calibration.json")),
+                              ("reduce_to_owner_timeout_s", 60)))  # ranks that diverge fail within a minute
     return TrainSpec(**{**base, **changes})
 
 
@@ -129,7 +130,7 @@ def _run(stage: int, name: str, workdir: Path, save: int = 0) -> tuple:
                          load_before_compile=mode.startswith("before"),
                          compile_at_loaded_step=mode.endswith("loaded step"),
                          inject_fault="drop_trial_state" if name == "dropped" else None)
-        by_rank = run_ranks(train_each, WS, args=((spec,),), timeout=300, env={"OWNER_REDUCE_TIMEOUT_S": "60"})
+        by_rank = run_ranks(train_each, WS, args=((spec,),), timeout=300)
         _RUNS[key] = tuple(r[0] for r in by_rank)
     return _RUNS[key]
 

@@ -69,8 +69,9 @@ OWNER_CASES = tuple(c for c in CASES if c.writer == "owner")
 def _specs(case: Case, checkpoint_dir: str) -> dict[str, TrainSpec]:
     base = TrainSpec(mode="plain", steps=STEPS, grad_accum=case.grad_accum, zero_stage=case.stage, reduce_probe=False,
                      checkpoint_dir=checkpoint_dir)
+    # A bounded wait on owner_reduce's collectives: ranks that diverge fail, naming the call, within a minute.
     owner = dataclasses.replace(base, mode="owner", compile_steps=case.compile_steps, record_collectives=True,
-                                reuse_graph_ids=case.reuse_graph_ids)
+                                reuse_graph_ids=case.reuse_graph_ids, compile_keys=(("reduce_to_owner_timeout_s", 60),))
     save = {"save_at": SAVE_AT}
     return {
         "plain": dataclasses.replace(base, full_grads=True, **(save if case.writer == "plain" else {})),
@@ -102,9 +103,7 @@ def runs(tmp_path_factory):
             names = {("write", "owner"): ("plain", "owner"), ("write", "plain"): ("plain",),
                      ("resume", "owner"): ("plain resumed", "owner resumed"),  # plain first: owner_reduce not installed
                      ("resume", "plain"): ("owner resumed",)}[launch, case.writer]
-            # A bounded wait on owner_reduce's collectives: ranks that diverge fail, naming the call, within a minute.
-            by_rank = run_ranks(_run_each, WORLD_SIZE, args=(tuple(specs[n] for n in names),), timeout=240,
-                                env={"OWNER_REDUCE_TIMEOUT_S": "60"})
+            by_rank = run_ranks(_run_each, WORLD_SIZE, args=(tuple(specs[n] for n in names),), timeout=240)
             done[case, launch] = {name: tuple(r[i] for r in by_rank) for i, name in enumerate(names)}
         return done[case, launch]
 

@@ -18,7 +18,7 @@ from collections import Counter
 
 import pytest
 import torch
-from fakes import MirrorComm, flat_map
+from fakes import MirrorComm, flat_map, rows_in_nodes
 from sim_cuda import Sim
 from sim_runtime import make_runtime
 
@@ -117,15 +117,11 @@ def test_the_measured_guard_times_each_trial_flush_with_two_events_and_stops_aft
 
 
 class _NodesOfTwo(MirrorComm):
-    """The mirror communicator for ranks in nodes of two (launcher order): the agreement sees each rank's local rank,
-    and ``split`` makes the node and rail communicators (mirrors too)."""
+    """The mirror communicator for ranks in nodes of two (launcher order): the agreement sees each rank's host and
+    local rank, and ``split`` makes the node and rail communicators (mirrors too)."""
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
-        rows = [list(values) for _ in range(self.world_size)]
-        for r, row in enumerate(rows):
-            if len(row) > 10:
-                row[10] = r % 2
-        return rows
+        return rows_in_nodes(values, self.world_size, 2)
 
     def _split(self, groups):
         members = list(next(g for g in groups if self.rank in g))

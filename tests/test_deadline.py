@@ -23,7 +23,7 @@ from owner_reduce import OwnerReduceCommError
 from owner_reduce.harness.launch import run_ranks
 from owner_reduce.runtime import deadline as deadlines
 from owner_reduce.runtime import nccl_comm
-from owner_reduce.runtime.deadline import ENV_VAR, Deadline, poll_until_done, resolve, wait_work
+from owner_reduce.runtime.deadline import CONFIG_SOURCE, Deadline, poll_until_done, resolve, wait_work
 
 SHORT = Deadline(0.2, "test")
 # A stall fails within its deadline plus this. The bound is the claim; the slack is this loaded 2-core host's
@@ -43,23 +43,19 @@ def _no_flush_watchdog(monkeypatch):
 # ---- where the deadline comes from ---------------------------------------------------------------------------
 
 
-def test_resolve_prefers_the_environment_then_the_group_then_torch():
-    assert resolve("7.5", 20.0) == Deadline(7.5, ENV_VAR)
+def test_resolve_prefers_the_config_key_then_the_group_then_torch():
+    assert resolve(7.5, 20.0) == Deadline(7.5, "compile.reduce_to_owner_timeout_s")
+    assert resolve(7.5, 20.0).short_source == CONFIG_SOURCE
     assert resolve(None, 20.0) == Deadline(20.0, "the default process group (init_distributed timeout)")
-    assert resolve("  ", 20.0).seconds == 20.0
+    assert resolve(None, 20.0).short_source == "init_distributed"
     assert resolve(None, None).seconds == deadlines.TORCH_DEFAULT_S == 1800.0
     assert "torch's default" in resolve(None, None).source
 
 
-@pytest.mark.parametrize("value", ["0", "-3", "soon", "inf", "nan"])
-def test_resolve_refuses_a_bad_override_naming_it(value):
-    with pytest.raises(ValueError, match=rf"{ENV_VAR} must be a positive number of seconds, got '{value}'"):
-        resolve(value, 20.0)
-
-
-def test_no_process_group_means_no_group_timeout():
+def test_no_process_group_means_no_group_timeout(monkeypatch):
+    monkeypatch.setenv("OWNER_REDUCE_TIMEOUT_S", "3")  # no longer read: the key replaced it
     assert deadlines.default_group_timeout_s() is None
-    assert deadlines.from_environment({ENV_VAR: "3"}) == Deadline(3.0, ENV_VAR)
+    assert deadlines.from_environment() == resolve(None, None)
 
 
 # ---- the polling core, with a fake event ---------------------------------------------------------------------
@@ -493,9 +489,8 @@ def test_torch_dist_on_gloo_still_waits_on_the_host_within_the_deadline():
 
 
 def _gloo_stall(rank: int, world_size: int) -> dict:
-    """Rank 1 never joins the flush: rank 0's group must fail at OWNER_REDUCE_TIMEOUT_S (2 s), naming it."""
-    import os
-
+    """Rank 1 never joins the flush: rank 0's group must fail at its deadline (2 s, as compile.reduce_to_owner_timeout_s
+    gives it), naming it."""
     import deepspeed.comm as dist
     from deepspeed.utils import groups
 
@@ -504,9 +499,9 @@ def _gloo_stall(rank: int, world_size: int) -> dict:
     data_parallel = groups._get_data_parallel_group()
     out = {"group_timeout_s": deadlines.default_group_timeout_s(),
            "dp_group_timeout_s": data_parallel._get_backend(torch.device("cpu")).options._timeout.total_seconds()}
-    if rank == 1:
-        os.environ.pop(ENV_VAR, None)
     comm = TorchDistComm(data_parallel)
+    if rank == 0:
+        comm.set_deadline(resolve(2.0, deadlines.default_group_timeout_s()))  # what the runtime does after init
     out["deadline"] = comm.deadline
     out["gathered"] = comm.all_gather_ints([rank])  # both ranks: completes
     if rank == 0:
@@ -540,14 +535,15 @@ def _gloo_stall(rank: int, world_size: int) -> dict:
 
 @pytest.mark.timeout(120)
 def test_torch_dist_flush_fails_at_the_deadline_when_a_peer_stalls():
-    r0, r1 = run_ranks(_gloo_stall, 2, timeout=90, rank_env=[{ENV_VAR: "2"}, {}])
-    assert r0["deadline"] == Deadline(2.0, ENV_VAR)
-    # Without the override: init_distributed's timeout (DeepSpeed's default, 10 min), read from the default
+    r0, r1 = run_ranks(_gloo_stall, 2, timeout=90)
+    assert r0["deadline"] == Deadline(2.0, CONFIG_SOURCE)
+    # Without the key: init_distributed's timeout (DeepSpeed's default, 10 min), read from the default
     # group; DeepSpeed's data-parallel group itself carries torch's 30 minutes.
     assert r1["deadline"] == Deadline(600.0, "the default process group (init_distributed timeout)")
     assert r0["group_timeout_s"] == 600.0 and r0["dp_group_timeout_s"] == 1800.0
     assert r0["gathered"] == r1["gathered"] == [[0], [1]]
-    waited = "(call 1 of 2) timed out after waiting 2 s (the deadline, from OWNER_REDUCE_TIMEOUT_S; measured "
+    waited = ("(call 1 of 2) timed out after waiting 2 s (the deadline, from compile.reduce_to_owner_timeout_s; "
+              "measured ")
     assert r0["error"].startswith(f"owner_reduce: rank 0, flush #5: reduce(root=0, count=4, dtype=float32) "
                                   f"{waited}"), r0
     # It waited the deadline (less gloo's timed wait waking a few ms early) and failed within the deadline plus 8 s
@@ -592,6 +588,7 @@ def _gpu_peer_never_joins(rank: int, world_size: int) -> dict:
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
     comm = nccl_comm.CupyNcclComm.from_process_group(dist.group.WORLD)
+    comm.set_deadline(deadlines.resolve(3.0, None))  # compile.reduce_to_owner_timeout_s 3, as the runtime sets it
     out: dict = {"deadline": comm.deadline}
     buf = torch.ones(1 << 16, device="cuda")
     # Warm-up flush on both ranks: NCCL connects its transports lazily, on the host inside ncclGroupEnd, which
@@ -619,9 +616,8 @@ def _gpu_peer_never_joins(rank: int, world_size: int) -> dict:
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.timeout(180)
 def test_real_nccl_flush_fails_at_the_deadline_when_a_peer_never_joins():
-    env = {ENV_VAR: "3", **two_gpu_ranks_env()}
-    r0, r1 = run_ranks(_gpu_peer_never_joins, 2, timeout=150, env=env)
-    assert r0["deadline"] == Deadline(3.0, ENV_VAR)
+    r0, r1 = run_ranks(_gpu_peer_never_joins, 2, timeout=150, env=two_gpu_ranks_env())
+    assert r0["deadline"] == Deadline(3.0, CONFIG_SOURCE)
     assert r0["error"] and "rank 0, flush #1: end_backward " in r0["error"] and r0["aborted"], r0
     assert 3.0 <= r0["elapsed"] < 15.0, r0
     assert r1["error"] and r1["aborted"] and r1["elapsed"] < 15.0, r1  # its peer aborted: it cannot finish either
@@ -684,21 +680,21 @@ def test_a_creation_still_blocked_at_the_deadline_says_why_and_ends_the_process(
         released.set()
 
     started = time.monotonic()
-    deadlines.end_process_if_still_blocked(lambda: released.wait(10), deadline=Deadline(0.3, ENV_VAR), rank=5,
+    deadlines.end_process_if_still_blocked(lambda: released.wait(10), deadline=Deadline(0.3, CONFIG_SOURCE), rank=5,
                                            what="ncclCommInitRank (world_size=8, rank=5, device=cuda:5)",
                                            write=said.append, end=end)
     assert 0.3 <= time.monotonic() - started < 5
     assert ends == [deadlines.BLOCKED_EXIT_CODE]
     (message,) = said
     assert message.startswith("owner_reduce: rank 5: ncclCommInitRank (world_size=8, rank=5, device=cuda:5) has not "
-                              f"returned after 0.3 s (deadline 0.3 s from {ENV_VAR}): a peer never joined it")
+                              f"returned after 0.3 s (deadline 0.3 s from {CONFIG_SOURCE}): a peer never joined it")
     assert "ends this process (exit status 1)" in message
 
 
 _BLOCKED_CREATION = """
-import contextlib, threading, sys, types
+import contextlib, threading, sys, time, types
 import cupy
-from owner_reduce.runtime import nccl_comm
+from owner_reduce.runtime import deadline, nccl_comm
 
 class Blocked:  # ncclCommInitRank waiting for a peer that never joins
     def __init__(self, world_size, unique_id, rank):
@@ -706,7 +702,9 @@ class Blocked:  # ncclCommInitRank waiting for a peer that never joins
 
 nccl_comm._nccl = lambda: types.SimpleNamespace(NcclCommunicator=Blocked, NCCL_SUM=0)
 cupy.cuda.Device = lambda device: contextlib.nullcontext()
-nccl_comm.CupyNcclComm(bytes(128), 1, 2, device=0)
+flushes = deadline.resolve(1.5, None)  # compile.reduce_to_owner_timeout_s 1.5, no process group
+with deadline.init_window(deadline.for_init(flushes, 1.5, time.monotonic())):  # as the runtime's init makes it
+    nccl_comm.CupyNcclComm(bytes(128), 1, 2, device=0)
 print("returned", flush=True)
 """
 
@@ -720,15 +718,14 @@ def test_a_cupy_communicator_whose_peer_never_joins_ends_its_process_at_the_dead
     import subprocess
     import sys
 
-    env = {**os.environ, ENV_VAR: "1.5"}
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", _BLOCKED_CREATION], env=env, capture_output=True, text=True,
-                            timeout=50)
+    result = subprocess.run([sys.executable, "-c", _BLOCKED_CREATION], env=dict(os.environ), capture_output=True,
+                            text=True, timeout=50)
     took = time.monotonic() - started
     assert result.returncode == deadlines.BLOCKED_EXIT_CODE, (result.stdout, result.stderr[-2000:])
     assert "returned" not in result.stdout and took < 45
-    assert ("owner_reduce: rank 1: ncclCommInitRank (world_size=2, rank=1, device=cuda:0) has not returned after "
-            f"1.5 s (deadline 1.5 s from {ENV_VAR})") in result.stderr
+    assert ("owner_reduce: rank 1: ncclCommInitRank (world_size=2, rank=1, device=cuda:0) has not returned by init's "
+            f"deadline (1.5 s from {CONFIG_SOURCE}, counted from the start of init") in result.stderr
 
 
 # ---- issue 31: node and rail failures name the global rank, the data-parallel root, the communicator, the flush -----
@@ -784,17 +781,16 @@ def test_torch_sub_groups_are_made_by_their_members_only_and_named_by_their_rank
 
 
 def test_inits_waits_share_one_deadline_no_shorter_than_the_default_groups(monkeypatch):
-    flush = Deadline(2.0, ENV_VAR)
+    flush = Deadline(2.0, CONFIG_SOURCE)
     init = deadlines.for_init(flush, 600.0, now=100.0)
     assert (init.seconds, init.until) == (600.0, 700.0) and "counted from the start of init" in init.describe()
     assert init.allowed_s(650.0) == 50.0 and init.allowed_s(800.0) == 0.0  # what is left, never more
-    longer = deadlines.for_init(Deadline(900.0, ENV_VAR), 600.0, now=0.0)
-    assert longer.seconds == 900.0 and longer.source.startswith(ENV_VAR)
+    longer = deadlines.for_init(Deadline(900.0, CONFIG_SOURCE), 600.0, now=0.0)
+    assert longer.seconds == 900.0 and longer.source.startswith(CONFIG_SOURCE)
     assert deadlines.for_init(flush, None, now=0.0).seconds == deadlines.TORCH_DEFAULT_S
     with deadlines.init_window(init):
-        assert deadlines.from_environment({ENV_VAR: "bad"}) is init  # every communicator made here takes it
-    assert deadlines.from_environment({ENV_VAR: "3"}) == Deadline(3.0, ENV_VAR)
-    assert deadlines.lenient_from_environment({ENV_VAR: "bad"}).source != ENV_VAR  # refused by the agreement
+        assert deadlines.from_environment() is init  # every communicator made here takes it
+    assert deadlines.from_environment() == resolve(None, None)
 
 
 def test_the_runtime_inits_under_one_deadline_then_gives_its_communicators_the_flushes(monkeypatch):
@@ -803,15 +799,14 @@ def test_the_runtime_inits_under_one_deadline_then_gives_its_communicators_the_f
     from owner_reduce.planning.flags import OwnerReduceFlags
     from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
 
-    monkeypatch.setenv(ENV_VAR, "2")
     made = []
 
     def factory(group):
         made.append(MirrorComm(0, 2))  # made inside init: from_environment gives init's deadline
         return made[-1]
 
-    rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, False), flat_map([8, 8], 2), measure=False),
-                            comm_factory=factory)
+    rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, False), flat_map([8, 8], 2), measure=False,
+                                            timeout_s=2.0), comm_factory=factory)
     seen = []
     original = MirrorComm.all_gather_ints
     monkeypatch.setattr(MirrorComm, "all_gather_ints", lambda self, values: (seen.append(self.deadline),
@@ -819,7 +814,7 @@ def test_the_runtime_inits_under_one_deadline_then_gives_its_communicators_the_f
     rt.init(None, types.SimpleNamespace(double_buffer=True), 64)
     (agreement,) = seen
     assert agreement.until is not None and agreement.seconds == deadlines.TORCH_DEFAULT_S  # init's, not 2 s
-    assert made[0].deadline == Deadline(2.0, ENV_VAR)  # the flushes' from then on
+    assert made[0].deadline == Deadline(2.0, CONFIG_SOURCE)  # the flushes' from then on
 
 
 def test_a_creation_gets_only_what_is_left_of_inits_deadline():

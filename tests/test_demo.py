@@ -28,7 +28,8 @@ def test_demo_short_run(tmp_path):
     assert len(bars) == 8 and all(re.fullmatch(r"  \[[#.]{30}\] [1-4]/4 steps  loss \d+\.\d{4}", b) for b in bars)
     assert re.search(r"^DeepCompile reduce_to_owner: \d+/30 gradients reduce to one rank(; .*)?$", out, re.M)
     assert re.search(r"^owner_reduce: settings: algo=auto, calibration none, verdicts none, probe rank 0, timeout "
-                     r"\d+ s \(init_distributed\)$", out, re.M)
+                     r"\d+ s \(init_distributed\); torch.distributed gloo, 2 ranks = 1 node x 2 \(host names = "
+                     r"LOCAL_WORLD_SIZE\), bucket \d+ elements, owner_reduce \d+\.\d+\.\d+$", out, re.M)
     assert re.search(r"^\[dc-probe\]\[r0\] flushReduceBucket #1 dtype=Float tasks=\d+ ", out, re.M)
     assert "collective calls per flush" in out and "bytes saved:" in out
     for name in ("loss_curves.png", "bytes_per_flush.png"):

@@ -22,7 +22,7 @@ from owner_reduce.planning.flags import OwnerReduceFlags
 from owner_reduce.planning.rank_inputs import NCCL_BLOCKING_ENV_VAR, check_nccl_blocking, read_inputs
 from owner_reduce.planning.settings import OwnerReduceSettings
 from owner_reduce.runtime.comm import TorchDistComm
-from owner_reduce.runtime.deadline import ENV_VAR, Deadline
+from owner_reduce.runtime.deadline import Deadline
 from owner_reduce.runtime.handle import OwnerReduceMismatchError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,6 +129,7 @@ def test_a_warm_up_that_never_completes_fails_within_inits_deadline_naming_the_g
 
 _BLOCKED_WARM_UP = """
 import threading, types, torch
+from owner_reduce.runtime import deadline
 from owner_reduce.runtime.comm import TorchDistComm
 
 class Tdist:  # torch's NCCL backend creating the new group's communicator inside its first call: a peer never joins
@@ -141,7 +142,9 @@ class Tdist:  # torch's NCCL backend creating the new group's communicator insid
     def new_group(self, ranks, timeout, use_local_synchronization=False): return object()
     def all_reduce(self, buf, op, group, async_op): threading.Event().wait()
 
-TorchDistComm(None, tdist=Tdist()).split([[0, 1]], "node")
+comm = TorchDistComm(None, tdist=Tdist())
+comm.set_deadline(deadline.resolve(1.5, None))  # compile.reduce_to_owner_timeout_s 1.5
+comm.split([[0, 1]], "node")
 print("returned", flush=True)
 """
 
@@ -150,7 +153,7 @@ print("returned", flush=True)
 def test_a_warm_up_blocked_in_its_call_ends_the_process_at_the_deadline():
     """The call itself cannot be interrupted (torch creates the NCCL communicator inside it, waiting for every rank):
     as a blocked ``ncclCommInitRank``, the process ends with status 1 at the deadline, saying which group."""
-    env = {**os.environ, ENV_VAR: "1.5", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-c", _BLOCKED_WARM_UP], env=env, capture_output=True, text=True,
                           timeout=50)

@@ -63,12 +63,13 @@ def test_each_rank_registers_what_the_owner_map_gives_it(mech, rank):
 def test_the_product_stall_is_judged_on_the_bound_and_the_named_error(mech):
     raised = ("Traceback ...\nowner_reduce.runtime.deadline.OwnerReduceCommError: owner_reduce: rank 0, flush #70: "
               "flush watchdog: reduce(root=1, count=8256, dtype=float32) (call 1 of 2) on the data-parallel "
-              "communicator timed out after waiting 8 s (the deadline, from OWNER_REDUCE_TIMEOUT_S; measured 8.0 s)\n")
+              "communicator timed out after waiting 8 s (the deadline, from compile.reduce_to_owner_timeout_s; "
+              "measured 8.0 s)\n")
     ended = ("owner_reduce flush watchdog: OwnerReduceCommError: owner_reduce: rank 0, flush #70: flush watchdog: "
              "reduce(root=1, count=8256, dtype=float32) (call 1 of 2) on the data-parallel communicator timed out "
-             "after waiting 8 s (the deadline, from OWNER_REDUCE_TIMEOUT_S; measured 8.0 s)\nowner_reduce: the main "
-             "thread is inside an NCCL group ...; owner_reduce ends this process (exit status 1), as torch's NCCL "
-             "watchdog does\n")
+             "after waiting 8 s (the deadline, from compile.reduce_to_owner_timeout_s; measured 8.0 s)\n"
+             "owner_reduce: the main thread is inside an NCCL group ...; owner_reduce ends this process (exit status "
+             "1), as torch's NCCL watchdog does\n")
     ok, why = mech.judge_product_stall(1, 9.3, 8.0, raised)
     assert ok and "flush #70: flush watchdog: reduce(root=1" in why
     assert mech.judge_product_stall(1, 9.3, 8.0, ended)[0]

@@ -164,17 +164,20 @@ def test_probe_lines_stop_after_twenty_flushes():
                                              "false on rank 1"),
                                          (4, "compile.reduce_to_owner_algo differs across ranks: auto on rank 0, "
                                              "model on rank 1"),
-                                         (8, "OWNER_REDUCE_TIMEOUT_S differs across ranks: unset on rank 0, 0.001 s "
-                                             "on rank 1")])
+                                         (8, "compile.reduce_to_owner_timeout_s differs across ranks: unset on rank "
+                                             "0, 0.001 s on rank 1")])
 def test_agreement_mismatch_is_refused(column, name):
     comm = MirrorComm()
     settings = RuntimeSettings(OwnerReduceFlags(True, True), OwnerMap.from_group_tables([TABLES], 2))
     rt = OwnerReduceRuntime(settings, comm_factory=lambda group: comm)
+    from owner_reduce.planning.nodes import pack_host
     from owner_reduce.runtime.handle import _AGREEMENT_PROTOCOL
 
-    # protocol, flags, bucket, map digest, algo (compile.reduce_to_owner_algo), map problems, ranks per node, sm,
-    # OWNER_REDUCE_TIMEOUT_S (ms), calibration, local rank, host, nvlinks, verdicts, reasons' length
-    good = [_AGREEMENT_PROTOCOL, 3, 64, int(settings.owner_map.digest()[:15], 16), 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0]
+    # protocol, flags, bucket, map digest, algo (compile.reduce_to_owner_algo), map problems, LOCAL_WORLD_SIZE, sm,
+    # compile.reduce_to_owner_timeout_s (ms), calibration, local rank, host digest, nvlinks, verdicts, reasons'
+    # length, the launcher's variable, SLURM's variable, SLURM's count, global rank, monitor, runtime number, host
+    good = [_AGREEMENT_PROTOCOL, 3, 64, int(settings.owner_map.digest()[:15], 16), 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0,
+            0, -1, 0, 0, 0, 1, *pack_host("gpu-node-01")]
     bad = list(good)
     bad[column] += 1 if not name.startswith("flags") else 8  # an unknown flag bit: the generic sentence
     if name.startswith("compile.reduce_to_owner differs"):

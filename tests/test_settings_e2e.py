@@ -10,14 +10,16 @@ doubled share does not), each owner run's config a JSON file naming its settings
 - ``auto``: the owner path, the probe (rank 0's lines), ``algo: auto`` with a calibration (its digest in the settings
   line; its AllReduce dear, so the model picks the owner path and the measured guard tries it against native's calls)
   and a verdicts file that does not exist yet (written after the trial);
-- ``forced``: ``algo: handoff`` (the hand-off in every rank's collective log, no trial) and every rank's probe lines;
+- ``forced``: ``algo: handoff`` (the hand-off in every rank's collective log, no trial), every rank's probe lines and
+  the flushes' deadline from the config;
 - ``replay``: ``auto``'s config again at DeepSpeed's default log level: the verdicts file now exists and is replayed
   (no trial), and the probe says once that the level hides its lines;
 - ``plain``: plain ZeRO-1 on the same data, the reference for every owner run's parameters, bitwise.
 
 Each setting is read back from what it changes (collective logs, trial counters, the settings line, the file, the
 lines on the launcher's stdout), and each run differs from another in that respect, so a setting that did not take
-effect fails its assertion. The deadline is DeepSpeed's own: the script's ``init_distributed(timeout=900 s)``.
+effect fails its assertion. The deadline is DeepSpeed's own, the script's ``init_distributed(timeout=900 s)``, except in
+``forced``, whose ``compile.reduce_to_owner_timeout_s`` is 300 s.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import pytest
 import torch
 from test_calibration import _cal
 
+import owner_reduce
 from owner_reduce.harness.launch import free_port, run_ranks
 from owner_reduce.harness.toy_training import TrainSpec, ds_config, train_each
 from owner_reduce.planning.measured import TRIAL_ROUNDS
@@ -96,7 +99,7 @@ def test_every_setting_from_a_config_file_through_deepspeeds_launcher_without_ow
         # hand-off's ReduceScatter fall: nothing to hand off)
         ("forced", _config_file(tmp_path / "forced.json", dataclasses.replace(BASE, reduce_bucket_size=300), "info", **{
             **every, "reduce_to_owner_algo": "handoff", "reduce_probe_all_ranks": True,
-            "reduce_to_owner_verdicts": None})),
+            "reduce_to_owner_verdicts": None, "reduce_to_owner_timeout_s": 300})),
         ("replay", _config_file(tmp_path / "replay.json", BASE, "warning", **every)),
         ("plain", dataclasses.asdict(dataclasses.replace(BASE, mode="plain", destroy=False))),
     ]
@@ -123,13 +126,19 @@ def test_every_setting_from_a_config_file_through_deepspeeds_launcher_without_ow
     auto, forced, replay = by_run["auto"], by_run["forced"], by_run["replay"]
     book = load_verdicts(verdicts)  # written by run auto's rank 0 after its trial
     timeout = "timeout 900 s (init_distributed)"  # DeepSpeed's own, from the script's init_distributed
+
+    def runs_on(bucket: int = 500_000_000) -> str:  # DeepSpeed's launcher sets LOCAL_SIZE (4 on one host)
+        return (f"; torch.distributed gloo, 4 ranks = 1 node x 4 (host names = LOCAL_SIZE), bucket {bucket} elements, "
+                f"owner_reduce {owner_reduce.__version__}")
+
     assert auto[0]["stats"].settings_line == (f"owner_reduce: settings: algo=auto, calibration {calibration.digest()}, "
-                                              f"verdicts write {verdicts}, probe rank 0, {timeout}")
+                                              f"verdicts write {verdicts}, probe rank 0, {timeout}{runs_on()}")
     assert forced[0]["stats"].settings_line == (f"owner_reduce: settings: algo=handoff, calibration "
-                                                f"{calibration.digest()}, verdicts none, probe all ranks, {timeout}")
+                                                f"{calibration.digest()}, verdicts none, probe all ranks, timeout "
+                                                f"300 s (compile.reduce_to_owner_timeout_s){runs_on(300)}")
     assert replay[0]["stats"].settings_line == (f"owner_reduce: settings: algo=auto, calibration "
                                                 f"{calibration.digest()}, verdicts replay {book.digest()} (1 "
-                                                f"schedule), probe rank 0, {timeout}")
+                                                f"schedule), probe rank 0, {timeout}{runs_on()}")
     assert all(r[0]["stats"].settings_line in log for r in (auto, forced)), "rank 0 logged them at INFO"
     assert all(r["stats"].settings_line is None for run in (auto, forced, replay) for r in run[1:]), "rank 0 only"
 
@@ -174,6 +183,7 @@ def test_at_ws_8_only_rank_0_prints_probe_lines_by_default():
     assert all(lines == [] and r["stats"].probe_lines == [] for lines, r in zip(probe[1:], runs[1:], strict=True))
     assert sum(r["stats"].flushes for r in runs) >= 8, "every rank flushed: the probe had something to say"
     assert runs[0]["stats"].init_line in runs[0]["log"] and runs[0]["stats"].settings_line in runs[0]["log"]
-    assert re.search(r", probe rank 0, timeout \d+ s \(init_distributed\)$", runs[0]["stats"].settings_line)
+    assert re.search(r", probe rank 0, timeout \d+ s \(init_distributed\); torch.distributed gloo, 8 ranks = 1 node "
+                     r"x 8 \(host names = LOCAL_WORLD_SIZE\), ", runs[0]["stats"].settings_line)
     rank_0_lines = ("owner_reduce: settings:", "DeepCompile reduce_to_owner:")
     assert all(not any(line.startswith(rank_0_lines) for line in r["log"]) for r in runs[1:])

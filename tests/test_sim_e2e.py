@@ -154,11 +154,10 @@ def test_negative_control_a_wrong_root_in_one_ranks_two_level_stage_is_caught(mo
 
     from owner_reduce import OwnerReduceCommError
 
-    monkeypatch.setenv("OWNER_REDUCE_TIMEOUT_S", "1")
     with Sim(hang_bound_s=3) as sim:
         _two_level(monkeypatch, sim, 2, "reduce", "by_owner")
         owner_map = flat_map(NUMELS, 4)
-        runtimes = cupy_runtimes(sim, owner_map, algo="two_level", bucket=64)
+        runtimes = cupy_runtimes(sim, owner_map, algo="two_level", bucket=64, timeout_s=1.0)
         train_step(sim, runtimes, NUMELS, 0, 1)
         check_buffers(sim, runtimes, owner_map, NUMELS, 0, 1)
         rail = runtimes[3].flusher.levels.rail

@@ -2,12 +2,13 @@
 so each FAILS on the product before its fix (``xfail(strict=True)``: the suite passes, and a test that starts passing
 is reported; the fixes remove the marks). What each shows before the fix is in its docstring.
 
-Bounds: the product's deadline (``OWNER_REDUCE_TIMEOUT_S``) is 1 s; the sim's hang bound (what a GPU would never
-return from) is longer, so a hang is told from a failure within the deadline; each test's own bound is the issue's
-"within the deadline plus 10 s"."""
+Bounds: the product's deadline (``compile.reduce_to_owner_timeout_s``) is 1 s; the sim's hang bound (what a GPU
+would never return from) is longer, so a hang is told from a failure within the deadline; each test's own bound is the
+issue's "within the deadline plus 10 s"."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import types
@@ -17,9 +18,11 @@ import torch
 from fakes import MirrorComm, flat_map
 from sim_cuda import Sim, SimHang
 from sim_runtime import GRAPH, connect_comms, cupy_runtimes, exact_grads, group_ranks_as_nodes, train_step
+from torch.distributed import HashStore
 
 from owner_reduce import OwnerReduceCommError
 from owner_reduce.runtime import deadline as deadlines
+from owner_reduce.runtime import stall_report
 from owner_reduce.runtime.nccl_comm import CupyNcclComm, new_unique_id
 
 DEADLINE_S = 1.0
@@ -75,10 +78,11 @@ def test_a_stalled_peer_in_a_deep_model_fails_every_rank_within_the_deadline(mon
     never completes, flush i + 2 reuses its bucket, the compute stream waits on its free event, and the backward keeps
     launching onto the blocked stream until the launch queue (256 here) blocks the host inside the backward: every
     rank hangs (``SimHang``), never reaching ``end_backward``'s bounded wait."""
-    monkeypatch.setenv("OWNER_REDUCE_TIMEOUT_S", str(DEADLINE_S))
+    store = HashStore()  # torch's default store of a real job: the stall report's marks (``stall_report``)
+    monkeypatch.setattr(stall_report, "default_store", lambda: store)
     with Sim(launch_bound=256, hang_bound_s=HANG_BOUND_S) as sim:
         owner_map = flat_map(DEEP, 2)
-        runtimes = cupy_runtimes(sim, owner_map, algo="reduce", bucket=32)
+        runtimes = cupy_runtimes(sim, owner_map, algo="reduce", bucket=32, timeout_s=DEADLINE_S)
         activations = sim.run_ranks(lambda rank: torch.ones(64, device="cuda"), 2)
 
         def layer(rank, pid):  # a layer's backward: four kernels on the compute stream
@@ -90,6 +94,9 @@ def test_a_stalled_peer_in_a_deep_model_fails_every_rank_within_the_deadline(mon
         outcomes = _backward_outcomes(sim, runtimes, 1, between=layer, numels=DEEP)
         _assert_bounded_failures(sim, outcomes, (0, 1))
         assert all("flush #" in str(error) for error, _ in outcomes), outcomes
+        # Rank 1's host issued every flush (its GPU hung): both ranks marked the stalled flush, and each says so.
+        assert all(re.search(r"; every rank reached flush #\d+ \(reduce on the data-parallel communicator\); the "
+                             r"stall is on the device or the network$", str(error)) for error, _ in outcomes), outcomes
 
 
 # ---- finding 2 -------------------------------------------------------------------------------------------------
@@ -105,12 +112,11 @@ def test_a_stalled_rail_fails_within_the_deadline_although_the_node_step_waits_b
     mechanism: ``test_sim_cuda.py::test_aborting_both_communicators_concurrently_returns``)."""
     from owner_reduce.planning import two_level
 
-    monkeypatch.setenv("OWNER_REDUCE_TIMEOUT_S", str(DEADLINE_S))
     with Sim(hang_bound_s=HANG_BOUND_S) as sim:
         group_ranks_as_nodes(monkeypatch, sim, 2)
         monkeypatch.setattr(two_level, "RAIL_STEPS", (two_level.RAIL_REDUCE,))
         monkeypatch.setattr(two_level, "RAIL_LAYOUTS", (two_level.BY_OWNER,))
-        runtimes = cupy_runtimes(sim, flat_map(NUMELS, 4), algo="two_level", bucket=64)
+        runtimes = cupy_runtimes(sim, flat_map(NUMELS, 4), algo="two_level", bucket=64, timeout_s=DEADLINE_S)
         train_step(sim, runtimes, NUMELS, 0, 1)
         rail = sim.nccl.comms(2)[2]  # rank 2's communicators: data-parallel, node, rail, node hand-off
         assert rail.group.nranks == 2 and runtimes[2].flusher.levels.rail.members == (0, 2)
@@ -132,12 +138,11 @@ def test_after_a_failed_nccl_call_no_communicator_is_left_to_a_destroy_at_exit(m
     ``process_exit``)."""
     from owner_reduce.planning import two_level
 
-    monkeypatch.setenv("OWNER_REDUCE_TIMEOUT_S", str(DEADLINE_S))
     with Sim(hang_bound_s=3.0) as sim:
         group_ranks_as_nodes(monkeypatch, sim, 2)
         monkeypatch.setattr(two_level, "RAIL_STEPS", (two_level.RAIL_REDUCE,))
         monkeypatch.setattr(two_level, "RAIL_LAYOUTS", (two_level.BY_OWNER,))
-        runtimes = cupy_runtimes(sim, flat_map(NUMELS, 4), algo="two_level", bucket=64)
+        runtimes = cupy_runtimes(sim, flat_map(NUMELS, 4), algo="two_level", bucket=64, timeout_s=DEADLINE_S)
         train_step(sim, runtimes, NUMELS, 0, 1)
         logged = len(runtimes[0].collective_log)
         train_step(sim, runtimes, NUMELS, 1, 1)  # the schedule, followed: the next backward issues the same calls
@@ -218,18 +223,17 @@ def test_nccl_comm_blocking_0_is_refused_at_init_by_every_rank_naming_the_variab
 
 
 @pytest.mark.timeout(60)
-def test_all_gather_ints_fails_within_the_deadline_behind_a_stalled_collective(monkeypatch):
+def test_all_gather_ints_fails_within_the_deadline_behind_a_stalled_collective():
     """Rank 0's all_reduce spins (rank 1 never joins it); then rank 0's ``all_gather_ints`` (the init-time agreement,
     the split) builds its input with ``torch.tensor(values, device=cuda)``: a blocking host-to-device copy, which
     synchronizes the current stream outside the deadline and waits behind the spinning kernel forever (``SimHang``).
     With a non-blocking copy its allGather queues behind it and the bounded wait fails at the deadline."""
-    monkeypatch.setenv("OWNER_REDUCE_TIMEOUT_S", str(DEADLINE_S))
     with Sim(hang_bound_s=HANG_BOUND_S) as sim:
         uid = new_unique_id()
         comms = sim.run_ranks(lambda rank: CupyNcclComm(uid, rank, 2), 2)
         connect_comms(sim, comms)  # as the runtime's init (``comm`` Note (lazy connections))
         comm = comms[0]
-        comm.set_deadline(deadlines.from_environment())
+        comm.set_deadline(deadlines.resolve(DEADLINE_S, None))
         buf = torch.ones(8, device="cuda")
         comm.all_reduce(buf)  # rank 1 never calls it
         start = time.monotonic()

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from fakes import MirrorComm, flat_map
+from fakes import MirrorComm, flat_map, rows_in_nodes
 from sim_cuda import Sim
 
 from owner_reduce.planning.flags import OwnerReduceFlags
@@ -57,17 +57,14 @@ class HbComm(MirrorComm):
 
 
 class LevelComm(HbComm):
-    """``HbComm`` for ranks in nodes of ``PER_NODE`` (launcher order): the agreement sees each rank's local rank, and
-    ``split`` makes the node and rail communicators (mirrors too, so the sums stay ``world_size`` times a share)."""
+    """``HbComm`` for ranks in nodes of ``PER_NODE`` (launcher order): the agreement sees each rank's host and local
+    rank, and ``split`` makes the node and rail communicators (mirrors too, so the sums stay ``world_size`` times a
+    share)."""
 
     PER_NODE = 2
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
-        rows = [list(values) for _ in range(self.world_size)]
-        for r, row in enumerate(rows):
-            if len(row) > 10:
-                row[10] = r % self.PER_NODE
-        return rows
+        return rows_in_nodes(values, self.world_size, self.PER_NODE)
 
     def _split(self, groups):
         members = list(next(g for g in groups if self.rank in g))

@@ -1,10 +1,11 @@
 """The two-level flush end to end: real DeepSpeed, real DeepCompile graphs, gloo ranks grouped as nodes.
 
-Ranks are grouped as torchrun groups them on several nodes (``LOCAL_WORLD_SIZE``, ``LOCAL_RANK = rank % it``), so the
-runtime makes its node and rail communicators (torch.distributed groups over gloo) and, with
-``compile.reduce_to_owner_algo: "two_level"``, runs every owner-ordered flush as a node ReduceScatter then rail Reduces,
-pipelined. Each run is compared bitwise with plain ZeRO on the same data, the two-level calls are counted on each
-communicator, and a region reduced on the wrong rail (negative control) must show as a difference.
+Ranks are grouped as torchrun groups them on several nodes (``LOCAL_WORLD_SIZE``, ``LOCAL_RANK = rank % it``, each node
+a host name of its own, from which the runtime counts its ranks per node: ``planning.nodes``), so the runtime makes its
+node and rail communicators (torch.distributed groups over gloo) and, with ``compile.reduce_to_owner_algo:
+"two_level"``, runs every owner-ordered flush as a node ReduceScatter then rail Reduces, pipelined. Each run is
+compared bitwise with plain ZeRO on the same data, the two-level calls are counted on each communicator, and a region
+reduced on the wrong rail (negative control) must show as a difference.
 
 What these launches cover is what only gloo processes under DeepSpeed and DeepCompile have: the torch.distributed node,
 rail and node hand-off groups, each kind of call on them (node ReduceScatter and tail Reduce, rail Reduce, rail
@@ -138,12 +139,13 @@ def test_ranks_sharing_a_gpu_are_grouped_as_nodes_without_moving_local_rank(monk
     from owner_reduce.runtime import handle
 
     monkeypatch.setattr(handle, "local_rank", handle.local_rank)  # restored after the test
+    monkeypatch.setattr(handle, "host_name", handle.host_name)
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     toy_training._group_as_nodes(3, 2)
     assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == ("0", "2")
-    assert handle.local_rank() == 1
+    assert handle.local_rank() == 1 and handle.host_name().endswith("-node1")  # rank 3 in nodes of 2
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     toy_training._group_as_nodes(3, 2)  # on the CPU through LOCAL_RANK itself
     assert os.environ["LOCAL_RANK"] == "1"

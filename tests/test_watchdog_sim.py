@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -29,7 +30,7 @@ BOUND_S = 10.0  # the issue: within the deadline plus 10 s
 
 
 def stalled_peer_main(world_size: int, stall_rank: int, layers: int, kernels: int, bucket: int, steps: int,
-                      stall_step: int) -> None:
+                      stall_step: int, deadline_s: float = DEADLINE_S) -> None:
     """The acceptance scenario, in this process (``python -c``): prints one JSON line per rank."""
     from fakes import flat_map
     from sim_cuda import Sim
@@ -45,12 +46,18 @@ def stalled_peer_main(world_size: int, stall_rank: int, layers: int, kernels: in
     lock = threading.Lock()
     computes: dict = {}  # rank -> its compute (current) stream
     fullest: dict = {}  # rank -> the most operations its compute stream held pending at once
+    from torch.distributed import HashStore
+
+    from owner_reduce.runtime import stall_report
+
+    store = HashStore()  # torch's default store of a real job: the ranks' stall marks (``stall_report``)
+    stall_report.default_store = lambda: store
     with Sim(hang_bound_s=30.0) as sim:  # launch_bound: the default, about a thousand
         uid = nccl_comm.new_unique_id()
 
         def rank_main(rank: int) -> dict:
             rt = make_runtime(owner_map, rank, lambda group: nccl_comm.CupyNcclComm(uid, rank, world_size),
-                              bucket=bucket)
+                              bucket=bucket, timeout_s=deadline_s)
             grads = [torch.ones(n, device="cuda") for n in numels]
             out: dict = {"rank": rank}
             computes[rank] = torch.cuda.current_stream()
@@ -106,7 +113,7 @@ def stalled_peer_main(world_size: int, stall_rank: int, layers: int, kernels: in
 
 @pytest.mark.timeout(240)
 def test_a_stalled_peer_in_a_deep_model_fails_every_survivor_within_the_deadline_plus_10s():
-    env = {**os.environ, "OWNER_REDUCE_TIMEOUT_S": str(DEADLINE_S), "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
     code = ("from test_watchdog_sim import stalled_peer_main; "
             "stalled_peer_main(world_size=3, stall_rank=2, layers=128, kernels=8, bucket=1024, steps=4, stall_step=3)")
     started = time.monotonic()
@@ -122,6 +129,9 @@ def test_a_stalled_peer_in_a_deep_model_fails_every_survivor_within_the_deadline
         error = r.get("error", "")
         assert error.startswith(f"OwnerReduceCommError: owner_reduce: rank {r['rank']}, flush #"), detail
         assert "flush watchdog: " in error and " communicator timed out after waiting " in error, detail
+        # The stall report: the rank that never reached the stalled flush, and its host (issue 48).
+        assert f"(reduce on the data-parallel communicator): rank 2 on host {socket.gethostname()} never arrived" \
+            in error, detail
         assert r["failed_after_s"] is not None and r["failed_after_s"] <= DEADLINE_S + BOUND_S, detail
         assert r["fullest_launch_queue"] >= r["launch_bound"], detail  # the host blocked in a launch (finding 1)
 

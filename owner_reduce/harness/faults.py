@@ -10,6 +10,8 @@ sums there). ``drop_trial_state``: a checkpoint's trials under way are dropped w
 (``runtime.handle``), so a resumed run measures its trials anew (issue 40's negative control). ``no_host_cost``: the
 runtime's cost model charges no host time for a call (``planning.host_cost.NONE``), as before issue 39: the cut of
 Reduces, the stage count and the hand-offs are chosen on NCCL's latency and bandwidth alone (its negative control).
+``monitor_every_step``: the runtime measures every step for DeepSpeed's monitor instead of every ``steps_per_print``-th
+(``planning.monitor.due``, looked up in ``runtime.handle``): the monitor test's negative control.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ..planning.flush_plan import FlushRange
 from ..planning.owner_layout import OwnerLayout
 
 FAULTS = ("wrong_root", "skip_range", "layout_off_by_one", "handoff_wrong_owner", "wrong_rail",
-          "show_unoptimized_params", "drop_trial_state", "no_host_cost")
+          "show_unoptimized_params", "drop_trial_state", "no_host_cost", "monitor_every_step")
 
 
 def misroute_handoff(layout: OwnerLayout, world_size: int) -> OwnerLayout:
@@ -108,6 +110,11 @@ def inject(fault: str, world_size: int) -> None:
             return book, recordings, ()
 
         handle.parse_checkpoint_payload = without_trials
+        return
+    if fault == "monitor_every_step":
+        import owner_reduce.runtime.handle as handle
+
+        handle.due = lambda steps_done, every: every > 0
         return
     if fault == "no_host_cost":
         import owner_reduce.runtime.handle as handle

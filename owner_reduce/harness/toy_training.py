@@ -65,7 +65,7 @@ class TrainSpec:
     # Ranks grouped as nodes of this many (LOCAL_WORLD_SIZE, and LOCAL_RANK = rank % it, as torchrun sets them on
     # several nodes): the two-level flush's node and rail communicators; 0 keeps the launch's (one node).
     ranks_per_node: int = 0
-    env: tuple[tuple[str, str], ...] = ()  # environment variables for this run only (e.g. OWNER_REDUCE_TIMEOUT_S)
+    env: tuple[tuple[str, str], ...] = ()  # environment variables for this run only (e.g. NCCL_DEBUG)
     # More keys of the compile section (planning.settings), e.g. (("reduce_to_owner_verdicts", path),)
     compile_keys: tuple[tuple[str, Any], ...] = ()
     log_level: str | None = None  # the DeepSpeed config's log_level ("info": owner_reduce's lines are shown)
@@ -93,6 +93,10 @@ class TrainSpec:
     # The measured guard's samples from ``fixed_samples.FixedSamples`` instead of the streams' clock: this rank's
     # ((flush, variant, round), us) pairs are ``trial_samples[rank]`` (() keeps the streams' clock)
     trial_samples: tuple[tuple[tuple[tuple[int, int, int], float], ...], ...] = ()
+    # The steps under ``torch.profiler.profile`` (CPU activity), its trace exported as Chrome JSON to this path
+    # (``{rank}`` is this rank's number): what a user's profiler shows of the flushes (``runtime.flush`` Note
+    # (profiler ranges))
+    profile_trace: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -297,17 +301,23 @@ def _capture_log() -> _CapturedLog:
 
 
 def _group_as_nodes(rank: int, ranks_per_node: int) -> None:
-    """Make this rank look like local rank ``rank % ranks_per_node`` of a node of ``ranks_per_node`` (what torchrun
-    sets on several nodes). On the CPU through ``LOCAL_RANK`` itself. Where ranks share a GPU (the launchers here
-    give every rank one visible device, ``LOCAL_RANK`` 0, the device DeepSpeed binds), ``LOCAL_RANK`` must stay:
-    only the owner_reduce runtime's reading of it is replaced, for this process."""
+    """Make this rank look like local rank ``rank % ranks_per_node`` of a node of ``ranks_per_node`` on a host of its
+    node's own (what torchrun sets on several hosts). The runtime counts the ranks per node from the host names
+    (``planning.nodes``): its reading of this host's name is replaced, for this process, by ``<host>-node<N>``. The
+    local rank on the CPU through ``LOCAL_RANK`` itself. Where ranks share a GPU (the launchers here give every rank
+    one visible device, ``LOCAL_RANK`` 0, the device DeepSpeed binds), ``LOCAL_RANK`` must stay: only the runtime's
+    reading of it is replaced."""
+    import socket
+
     import torch
 
+    from ..runtime import handle
+
     local = rank % ranks_per_node
+    host = f"{socket.gethostname()}-node{rank // ranks_per_node}"
+    handle.host_name = lambda: host
     os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)
     if torch.cuda.is_available():
-        from ..runtime import handle
-
         handle.local_rank = lambda environ=None: local
     else:
         os.environ["LOCAL_RANK"] = str(local)
@@ -389,6 +399,12 @@ def train(rank: int, world_size: int, spec: TrainSpec,
     full_grads: list[dict[str, Any]] = []
     step_times: list[float] = []
     grad_norms: list[float | None] = []
+    profiler = None
+    if spec.profile_trace is not None:
+        import torch
+
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        profiler.__enter__()
     for step in range(first_step, spec.steps):
         start = time.perf_counter()
         for micro in range(spec.grad_accum):
@@ -434,6 +450,9 @@ def train(rank: int, world_size: int, spec: TrainSpec,
         if step + 1 in ((spec.save_at,) if isinstance(spec.save_at, int) else spec.save_at or ()):
             phase(f"engine.save_checkpoint({spec.checkpoint_dir}) after step {step + 1}")
             engine.save_checkpoint(spec.checkpoint_dir)
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        profiler.export_chrome_trace(spec.profile_trace.format(rank=rank))
     phase("final barrier")
     dist.barrier()
     if spec.destroy:

@@ -1,34 +1,31 @@
-"""What each rank reads on its own when the runtime starts: the files the config names, and the one developer
-override in its environment; each failure kept as a reason instead of raised.
+"""What each rank reads on its own when the runtime starts: the files the config names, and the one variable of
+NCCL's it must refuse; each failure kept as a reason instead of raised.
 
 Why not raise: each rank reads its own files and its own environment. A rank that raised here alone (a calibration
 file its node cannot read, a typo in one rank's launcher line) would leave every other rank waiting for it in the
 first collective of init, on DeepSpeed's group, for DeepSpeed's timeout, never learning why. So each input that fails
 is kept as (name, reason) with the default in its place; the runtime's init-time agreement gathers every rank's
 reasons within the package's deadline and every rank refuses together, naming the ranks, the key or variable and the
-reason (``runtime.handle``). What may differ across ranks without failing here (another calibration file, another
-override) is compared there too.
+reason (``runtime.handle``). What may differ across ranks without failing here (another calibration file) is compared
+there too.
 
-The environment: ``OWNER_REDUCE_TIMEOUT_S`` is the one variable still read, a documented developer override of the
-flushes' deadline (fault tests, stall diagnosis), warned about on rank 0 and agreed at init. The variables that held
-settings before they moved into the config (``REMOVED_ENV_VARS``) are no longer read; one that is still set is named
-in a warning with the key that replaced it.
+The environment: no owner_reduce variable is read. The variables that held settings before they moved into the config
+(``REMOVED_ENV_VARS``, the flushes' deadline override among them) are named in a warning, with the key that replaced
+them, where one is still set.
 Pure: a settings object and a mapping in, values and reasons out (the named files are read).
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from .calibration import Calibration, load_calibration
-from .settings import ALGO, CALIBRATION, VERDICTS, OwnerReduceSettings, key_name
+from .settings import ALGO, CALIBRATION, TIMEOUT, VERDICTS, OwnerReduceSettings, key_name
 from .verdict_book import VerdictBook, load_verdicts
 
-TIMEOUT_ENV_VAR = "OWNER_REDUCE_TIMEOUT_S"
 NCCL_BLOCKING_ENV_VAR = "NCCL_COMM_BLOCKING"  # NCCL's own variable, read here only to refuse what cupy cannot handle
 
 
@@ -43,26 +40,16 @@ def check_nccl_blocking(value: str | None) -> None:
     raise ValueError(f"owner_reduce: {NCCL_BLOCKING_ENV_VAR}={value!r}: owner_reduce's NCCL calls through cupy need "
                      f"blocking communicators ({NCCL_BLOCKING_ENV_VAR} unset or 1): in a non-blocking one every call "
                      f"may return ncclInProgress (7), which cupy's NcclError cannot represent")
-# variable -> what replaced it (each one was read until issue 38)
+
+
+# variable -> what replaced it (read until issue 38; OWNER_REDUCE_TIMEOUT_S, a developer override, until issue 48)
 REMOVED_ENV_VARS: dict[str, str] = {
     "OWNER_REDUCE_FLUSH_ALGO": key_name(ALGO),
     "OWNER_REDUCE_MEASURE": f'{key_name(ALGO)} "model" (for OWNER_REDUCE_MEASURE=0)',
     "OWNER_REDUCE_CALIBRATION": key_name(CALIBRATION),
     "OWNER_REDUCE_VERDICTS": key_name(VERDICTS),
+    "OWNER_REDUCE_TIMEOUT_S": key_name(TIMEOUT),
 }
-
-
-def parse_timeout_s(value: str | None) -> float | None:
-    """``OWNER_REDUCE_TIMEOUT_S``: seconds > 0, or None when unset; ValueError naming the variable otherwise."""
-    if value is None or not value.strip():
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not seconds > 0 or seconds == math.inf:
-        raise ValueError(f"owner_reduce: {TIMEOUT_ENV_VAR} must be a positive number of seconds, got {value!r}")
-    return seconds
 
 
 def removed_variables_set(environ: Mapping[str, str]) -> list[str]:
@@ -80,7 +67,6 @@ class RankInputs:
     calibration: Calibration | None = None
     verdicts: VerdictBook | None = None  # the verdicts file exists: replay it
     verdicts_path: str | None = None  # the verdicts file (replayed, or written when it does not exist yet)
-    timeout_s: float | None = None  # OWNER_REDUCE_TIMEOUT_S (None: unset, or refused: see problems)
     problems: tuple[tuple[str, str], ...] = ()
 
     @property
@@ -99,7 +85,8 @@ def _reason(error: ValueError) -> str:
 
 def read_inputs(settings: OwnerReduceSettings, environ: Mapping[str, str] | None = None) -> RankInputs:
     """Read the files ``settings`` names (only with the owner path on: otherwise they cannot take effect, and
-    ``settings.inapplicable_settings`` said so at config time) and the override; never raises for a bad value."""
+    ``settings.inapplicable_settings`` said so at config time) and NCCL's blocking variable; never raises for a bad
+    value."""
     env = os.environ if environ is None else environ
     problems: list[tuple[str, str]] = []
     values: dict[str, object] = {}
@@ -110,7 +97,6 @@ def read_inputs(settings: OwnerReduceSettings, environ: Mapping[str, str] | None
         except ValueError as error:
             problems.append((name, _reason(error)))
 
-    read(TIMEOUT_ENV_VAR, "timeout_s", lambda: parse_timeout_s(env.get(TIMEOUT_ENV_VAR)))
     try:
         check_nccl_blocking(env.get(NCCL_BLOCKING_ENV_VAR))
     except ValueError as error:

@@ -17,6 +17,11 @@ The keys, beside ``deepcompile`` (every error names ``compile.<key>``, with the 
   written by ``scripts/calibrate.py``) in place of NCCL's tables.
 - ``reduce_to_owner_verdicts`` (string path or null): the measured guard's verdicts (``planning.verdict_book``):
   replayed where the file exists, written there after each trial where it does not yet.
+- ``reduce_to_owner_timeout_s`` (positive number or null): the flushes' deadline in seconds (``runtime.deadline``);
+  null, the default, is the default process group's timeout (``deepspeed.init_distributed(timeout=...)``).
+
+``settings_line`` also says what the run runs on: the transport (``transport_text``: cupy's NCCL against torch's,
+``nccl_mismatch`` where their major.minor differ), the world and its nodes, the bucket, the package's version.
 
 The files are read later, on every rank, when the runtime starts (``planning.rank_inputs``), and agreed there: a file
 one rank cannot read must make every rank refuse together, not one rank raise alone at ``deepspeed.initialize``.
@@ -25,6 +30,7 @@ Pure: no torch.distributed, no DeepSpeed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +53,8 @@ from .flush_choice import AUTO
 ALGO = "reduce_to_owner_algo"
 CALIBRATION = "reduce_to_owner_calibration"
 VERDICTS = "reduce_to_owner_verdicts"
-SETTING_KEYS: tuple[str, ...] = (*BOOL_KEYS, ALGO, CALIBRATION, VERDICTS)  # every key owner_reduce adds to compile
+TIMEOUT = "reduce_to_owner_timeout_s"
+SETTING_KEYS: tuple[str, ...] = (*BOOL_KEYS, ALGO, CALIBRATION, VERDICTS, TIMEOUT)  # every key owner_reduce adds
 PATH_KEYS: tuple[str, ...] = (CALIBRATION, VERDICTS)
 
 MODEL = "model"  # the model's choice without the measured guard
@@ -67,6 +74,7 @@ class OwnerReduceSettings:
     algo: str = AUTO
     calibration: str | None = None  # a path, read on every rank when the runtime starts
     verdicts: str | None = None  # a path: replayed where the file exists, written where it does not
+    timeout_s: float | None = None  # the flushes' deadline; None: the default process group's timeout
 
     @property
     def flush_algo(self) -> str:
@@ -81,7 +89,8 @@ class OwnerReduceSettings:
 
     def config_values(self) -> dict[str, Any]:
         """The values of every key, as the ``CompileConfig`` fields carry them."""
-        return {**self.flags.as_dict(), ALGO: self.algo, CALIBRATION: self.calibration, VERDICTS: self.verdicts}
+        return {**self.flags.as_dict(), ALGO: self.algo, CALIBRATION: self.calibration, VERDICTS: self.verdicts,
+                TIMEOUT: self.timeout_s}
 
     def keys_set(self) -> tuple[str, ...]:
         """The keys whose value is not their default, in ``SETTING_KEYS`` order."""
@@ -110,6 +119,16 @@ def _check_path(key: str, value: Any) -> str | None:
     return value
 
 
+def _check_timeout(value: Any) -> float | None:
+    """Seconds, a JSON number greater than 0 and finite (``true`` is no number here), or null (the default)."""
+    if value is None:
+        return None
+    if type(value) not in (int, float) or not 0 < value < math.inf:
+        raise OwnerReduceConfigError(f"DeepSpeed config: {key_name(TIMEOUT)} must be a positive number of seconds or "
+                                     f"null, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
 def parse_settings(compile_section: Mapping[str, Any] | None) -> OwnerReduceSettings:
     """Read every setting from a raw ``compile`` dict; absent keys take their defaults; a bad value raises
     ``OwnerReduceConfigError`` naming ``compile.<key>``."""
@@ -119,14 +138,16 @@ def parse_settings(compile_section: Mapping[str, Any] | None) -> OwnerReduceSett
         flags=flags,
         algo=_check_algo(section[ALGO]) if ALGO in section else AUTO,
         calibration=_check_path(CALIBRATION, section.get(CALIBRATION)),
-        verdicts=_check_path(VERDICTS, section.get(VERDICTS)))
+        verdicts=_check_path(VERDICTS, section.get(VERDICTS)),
+        timeout_s=_check_timeout(section.get(TIMEOUT)))
 
 
 def settings_of(compile_config: Any) -> OwnerReduceSettings:
     """The settings a built ``CompileConfig`` carries (DeepSpeed's own class carries none: the defaults)."""
     return OwnerReduceSettings(flags=flags_of(compile_config), algo=getattr(compile_config, ALGO, AUTO) or AUTO,
                                calibration=getattr(compile_config, CALIBRATION, None),
-                               verdicts=getattr(compile_config, VERDICTS, None))
+                               verdicts=getattr(compile_config, VERDICTS, None),
+                               timeout_s=getattr(compile_config, TIMEOUT, None))
 
 
 def _listed(keys: list[str]) -> str:
@@ -162,6 +183,9 @@ def inapplicable_settings(top_level: Mapping[str, Any], settings: OwnerReduceSet
                           "DeepCompile runs its own native stage-3 runtime (owner_reduce supports ZeRO stages 1 and "
                           "2)")
     flags = settings.flags
+    if settings.timeout_s is not None and not flags.any_on:
+        reasons.append(f"owner_reduce: {_listed([TIMEOUT])} no effect: {key_name(REDUCE_TO_OWNER)} and "
+                       f"{key_name(REDUCE_PROBE)} are false, so owner_reduce's runtime does not run")
     if flags.reduce_probe_all_ranks and not flags.reduce_probe:
         reasons.append(f"owner_reduce: {_listed([PROBE_ALL_RANKS])} no effect: {key_name(REDUCE_PROBE)} is false, so "
                        "no rank prints probe lines")
@@ -203,20 +227,74 @@ def forgotten_install_message(keys: list[str]) -> str:
             "every process, or start the script with python -m owner_reduce.run")
 
 
+NcclVersion = tuple[int, int, int]
+
+
+def nccl_version_of_code(code: int) -> NcclVersion:
+    """NCCL's ``ncclGetVersion`` code as (major, minor, patch): ``major * 10000 + minor * 100 + patch`` since 2.9,
+    ``major * 1000 + minor * 100 + patch`` before."""
+    if code >= 10000:
+        return code // 10000, code % 10000 // 100, code % 100
+    return code // 1000, code % 1000 // 100, code % 100
+
+
+def transport_text(comm: str, backend: str | None, cupy_nccl: NcclVersion | None, torch_nccl: NcclVersion | None
+                   ) -> str:
+    """How the flushes move bytes, for the settings line: ``cupy NCCL 2.27.7 (torch's 2.27.5)``, ``torch.distributed
+    nccl (NCCL 2.27.5)``, ``torch.distributed gloo``; ``comm`` is the communicator's name (``cupy-nccl``,
+    ``torch.distributed``, a test's own)."""
+    def v(version: NcclVersion) -> str:
+        return ".".join(map(str, version))
+
+    if comm == "cupy-nccl":
+        return f"cupy NCCL {v(cupy_nccl) if cupy_nccl else 'unknown'}" + (
+            f" (torch's {v(torch_nccl)})" if torch_nccl else "")
+    if comm == "torch.distributed":
+        nccl = f" (NCCL {v(torch_nccl)})" if backend and "nccl" in backend and torch_nccl else ""
+        return f"torch.distributed {backend or 'unknown backend'}{nccl}"
+    return comm
+
+
+def nccl_mismatch(cupy_nccl: NcclVersion | None, torch_nccl: NcclVersion | None) -> str | None:
+    """The warning where cupy's NCCL and torch's differ in major.minor (both known), else None."""
+    if cupy_nccl is None or torch_nccl is None or cupy_nccl[:2] == torch_nccl[:2]:
+        return None
+    ours, torchs = ".".join(map(str, cupy_nccl)), ".".join(map(str, torch_nccl))
+    return (f"owner_reduce: cupy loaded NCCL {ours} but torch uses NCCL {torchs} (their major.minor differ): the "
+            f"flushes run on cupy's, DeepSpeed's own collectives on torch's, so the two may differ in protocols, "
+            f"tuning and fixes; install the NCCL wheel torch was built with")
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """What the settings line says about the run beside the settings: how the flushes move bytes
+    (``transport_text``), the world, the nodes (``planning.nodes.NodeLayout.describe``), the bucket, the package."""
+
+    transport: str
+    world_size: int
+    nodes: str
+    bucket_elems: int
+    version: str
+
+
 def settings_line(settings: OwnerReduceSettings, *, calibration_digest: str | None, verdicts: str,
-                  timeout_s: float, timeout_source: str) -> str:
-    """What rank 0 logs once at init, after the init line: the settings in effect, in about 20 words, e.g.
+                  timeout_s: float, timeout_source: str, setup: RunSetup) -> str:
+    """What rank 0 logs once at init, after the init line: the settings in effect, then what the run runs on, e.g.
     ``owner_reduce: settings: algo=auto, calibration none, verdicts none, probe rank 0, timeout 1800 s
-    (init_distributed)``. ``verdicts``: ``none``, ``replay <digest> (N schedules)`` or ``write <path>``;
-    ``timeout_source``: where the flushes' deadline came from (``init_distributed``, ``torch default`` or the
-    developer override's variable)."""
+    (init_distributed); cupy NCCL 2.27.7 (torch's 2.27.5), 512 ranks = 64 nodes x 8 (host names = LOCAL_WORLD_SIZE),
+    bucket 500000000 elements, owner_reduce 0.1.0``. ``verdicts``: ``none``, ``replay <digest> (N schedules)`` or
+    ``write <path>``; ``timeout_source``: where the flushes' deadline came from (``init_distributed``, ``torch
+    default`` or ``compile.reduce_to_owner_timeout_s``)."""
     flags = settings.flags
     probe = ("off" if not flags.reduce_probe else "all ranks" if flags.reduce_probe_all_ranks else "rank 0")
     owner = (f"algo={settings.algo}, calibration {calibration_digest or 'none'}, verdicts {verdicts}"
              if flags.reduce_to_owner else "owner path off (every flush AllReduces)")
-    return f"owner_reduce: settings: {owner}, probe {probe}, timeout {timeout_s:g} s ({timeout_source})"
+    return (f"owner_reduce: settings: {owner}, probe {probe}, timeout {timeout_s:g} s ({timeout_source}); "
+            f"{setup.transport}, {setup.world_size} rank{'s' if setup.world_size != 1 else ''} = {setup.nodes}, "
+            f"bucket {setup.bucket_elems} elements, owner_reduce {setup.version}")
 
 
 __all__ = ["ALGO", "ALGO_VALUES", "AUTO", "CALIBRATION", "FLAG_KEYS", "MODEL", "PATH_KEYS", "SETTING_KEYS",
-           "VERDICTS", "OwnerReduceSettings", "forgotten_install_message", "inapplicable_settings", "key_name",
-           "parse_settings", "settings_line", "settings_of", "uncompiled_settings"]
+           "TIMEOUT", "VERDICTS", "OwnerReduceSettings", "RunSetup", "forgotten_install_message",
+           "inapplicable_settings", "key_name", "nccl_mismatch", "nccl_version_of_code", "parse_settings",
+           "settings_line", "settings_of", "transport_text", "uncompiled_settings"]

@@ -3,10 +3,10 @@
 Why: torch's ProcessGroupNCCL watchdog never sees NCCL kernels launched through cupy, and DeepSpeed creates
 its data-parallel group with torch's default timeout (30 minutes), not the one the user gave
 ``deepspeed.init_distributed(timeout=...)``. A stalled or dead peer would hang every survivor for that long,
-or forever on the cupy path. So each wait here is bounded by the user's timeout: the default process
-group's, read once at communicator creation (there is no config key: the timeout is DeepSpeed's own). The developer
-override ``OWNER_REDUCE_TIMEOUT_S`` replaces it for the flushes (fault tests, stall diagnosis); rank 0 warns when it
-is set, and the ranks agree on it at init (``planning.rank_inputs``).
+or forever on the cupy path. So each wait here is bounded: by ``compile.reduce_to_owner_timeout_s`` where the config
+sets it (``planning.settings``; agreed across ranks at init), else by the user's timeout, the default process group's,
+read once at communicator creation. A job whose group timeout is long for slow checkpoints sets the key to learn of
+a stalled flush in minutes.
 
 The core (``resolve``, ``poll_until_done``, ``wait_work``) takes its clock, sleep, completion and error
 checks as arguments, so it is tested with fakes and no process group. What happens on failure is the
@@ -23,15 +23,15 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..planning.rank_inputs import TIMEOUT_ENV_VAR, parse_timeout_s
+from ..planning.settings import TIMEOUT, key_name
 
 T = TypeVar("T")
 
-ENV_VAR = TIMEOUT_ENV_VAR
+CONFIG_SOURCE = key_name(TIMEOUT)  # compile.reduce_to_owner_timeout_s
 BLOCKED_EXIT_CODE = 1  # the exit status of a process ended by ``end_process_if_still_blocked``
 TORCH_DEFAULT_S = 1800.0  # torch's default_pg_timeout, used only when the default group's cannot be read
 GROUP_SOURCE = "the default process group (init_distributed timeout)"
@@ -50,16 +50,21 @@ class OwnerReduceCommError(RuntimeError):
     """A collective of owner_reduce did not complete: a timeout, or an error NCCL or gloo reported.
 
     Names the rank, the flush (None: outside a flush, e.g. the init-time agreement), the call, the deadline and the
-    seconds measured (``waited_s``). On the cupy path the communicator has been aborted by then; the job cannot
-    continue. The message's "after waiting N s" is the configured deadline, so one failure reads the same on every
-    run; the measured seconds follow as a separate, labelled fact (see ``outcome``).
+    seconds measured (``waited_s``); after a timeout in a flush, the deadline's stall report (``stall_report``): the
+    ranks that never reached the flush and their hosts. On the cupy path the communicator has been aborted by then;
+    the job cannot continue. The message's "after waiting N s" is the configured deadline, so one failure reads the
+    same on every run; the measured seconds follow as a separate, labelled fact (see ``outcome``).
     """
 
     def __init__(self, *, rank: int, flush: int | None, call: str, waited_s: float, deadline: Deadline,
                  reason: str, dp_rank: int | None = None) -> None:
         where = "outside a flush" if flush is None else f"flush #{flush}"
         who = f"rank {rank}" + ("" if dp_rank is None or dp_rank == rank else f" (data-parallel rank {dp_rank})")
-        super().__init__(f"owner_reduce: {who}, {where}: {call} {outcome(reason, waited_s, deadline)}")
+        # A stalled flush's report (``stall_report``): the ranks that never reached it and their hosts, from the store.
+        stalled = deadline.stall is not None and flush is not None and not reason.startswith("failed")
+        self.stall_report = deadline.stall.explain(flush, call) if stalled else None
+        report = "" if self.stall_report is None else f"; {self.stall_report}"
+        super().__init__(f"owner_reduce: {who}, {where}: {call} {outcome(reason, waited_s, deadline)}{report}")
         self.rank = rank
         self.dp_rank = rank if dp_rank is None else dp_rank
         self.flush = flush
@@ -86,6 +91,9 @@ class Deadline:
     seconds: float
     source: str  # where the value came from, for the error message
     until: float | None = None  # init's one deadline: every wait ends by then (time.monotonic); Note (one for init)
+    # The flushes' stall reporter (``stall_report.StallReporter``), set by the runtime after init: marks this rank's
+    # arrival at a flush that waits (``wait_work``, the flush watchdog) and explains a stalled one in the error.
+    stall: Any = field(default=None, compare=False, repr=False)
 
     def describe(self) -> str:
         return f"{self.seconds:g} s from {self.source}" + ("" if self.until is None else ", shared by all of init")
@@ -93,9 +101,9 @@ class Deadline:
     @property
     def short_source(self) -> str:
         """Where the seconds came from, in a word or two (the settings line): ``init_distributed``,
-        ``torch default`` or the override's variable."""
-        if self.source.startswith(ENV_VAR):
-            return ENV_VAR
+        ``torch default`` or the config key."""
+        if self.source.startswith(CONFIG_SOURCE):
+            return CONFIG_SOURCE
         return "init_distributed" if self.source.startswith(GROUP_SOURCE) else "torch default"
 
     def allowed_s(self, start: float) -> float:
@@ -103,11 +111,11 @@ class Deadline:
         return self.seconds if self.until is None else max(0.0, min(self.seconds, self.until - start))
 
 
-def resolve(env_value: str | None, group_timeout_s: float | None) -> Deadline:
-    """The deadline: ``OWNER_REDUCE_TIMEOUT_S`` if set, else the default group's timeout, else torch's default."""
-    seconds = parse_timeout_s(env_value)
-    if seconds is not None:
-        return Deadline(seconds, ENV_VAR)
+def resolve(timeout_s: float | None, group_timeout_s: float | None) -> Deadline:
+    """The flushes' deadline: ``compile.reduce_to_owner_timeout_s`` (``timeout_s``, already validated) if set, else the
+    default group's timeout, else torch's default."""
+    if timeout_s is not None:
+        return Deadline(float(timeout_s), CONFIG_SOURCE)
     if group_timeout_s is not None and group_timeout_s > 0:
         return Deadline(float(group_timeout_s), GROUP_SOURCE)
     return Deadline(TORCH_DEFAULT_S, TORCH_SOURCE)
@@ -136,25 +144,15 @@ def default_group_timeout_s() -> float | None:
     return None
 
 
-def from_environment(environ: Mapping[str, str] | None = None) -> Deadline:
-    """The deadline for this process, now: read once per communicator, never per call; inside ``init_window``, init's
-    one deadline (Note (one deadline for init))."""
+def from_environment() -> Deadline:
+    """The deadline a communicator made now takes, read once per communicator, never per call: inside
+    ``init_window``, init's one deadline (Note (one deadline for init)); elsewhere the default process group's timeout
+    (a communicator made outside the runtime's init: tests, scripts). The runtime gives its communicators the flushes'
+    deadline after init (``set_deadline``)."""
     init = _INIT_DEADLINE.get()
     if init is not None:
         return init
-    env = os.environ if environ is None else environ
-    return resolve(env.get(ENV_VAR), default_group_timeout_s())
-
-
-def lenient_from_environment(environ: Mapping[str, str] | None = None) -> Deadline:
-    """``from_environment`` outside any init window, with a bad ``OWNER_REDUCE_TIMEOUT_S`` taken as unset: the
-    runtime's init refuses it on every rank together (``planning.rank_inputs``) instead of one rank raising here."""
-    env = os.environ if environ is None else environ
-    try:
-        value = parse_timeout_s(env.get(ENV_VAR))
-    except ValueError:
-        value = None
-    return resolve(None if value is None else str(value), default_group_timeout_s())
+    return resolve(None, default_group_timeout_s())
 
 
 def for_init(flush: Deadline, group_timeout_s: float | None, now: float) -> Deadline:
@@ -241,7 +239,17 @@ def wait_work(work: Any, *, deadline: Deadline, started: float, rank: int, flush
     try:
         if remaining <= 0 and not work.is_completed():
             raise TimeoutError("Operation timed out!")
-        work.wait(datetime.timedelta(seconds=max(remaining, 0.001)))
+        stall = deadline.stall
+        if stall is not None and flush is not None:
+            # ``stall_report``: the reporter's thread marks this rank's arrival if the wait lasts MARK_AFTER_S (a gloo
+            # wait cut short would close a send/recv pair: the wait itself stays whole).
+            stall.watch(flush, started)
+            try:
+                work.wait(datetime.timedelta(seconds=max(remaining, 0.001)))
+            finally:
+                stall.unwatch()
+        else:
+            work.wait(datetime.timedelta(seconds=max(remaining, 0.001)))
     except Exception as error:  # noqa: BLE001 - gloo and NCCL raise RuntimeError (or DistBackendError)
         text = first_line(error)
         reason = "timed out" if "timed out" in text.lower() else f"failed: {type(error).__name__}: {text}"
@@ -296,9 +304,9 @@ timeout; the launcher then stops the others. A call that returns, or raises, in 
 
 Note (one deadline for init): the runtime's init (the communicator's choice and creation, the agreement, the node and
 rail communicators) is one phase that waits for every rank several times. All of it shares one deadline counted from
-its start (``Deadline.until``), not a fresh one per wait: the larger of ``OWNER_REDUCE_TIMEOUT_S`` (or the default
-group's timeout, the flushes' deadline) and the default process group's timeout, so that a short
-``OWNER_REDUCE_TIMEOUT_S`` meant to detect a stalled flush quickly never ends healthy ranks whose init at hundreds of
-ranks is merely slow. Every communicator made inside ``init_window`` takes it; after init the runtime gives each the
-flushes' deadline.
+its start (``Deadline.until``), not a fresh one per wait: the larger of the flushes' deadline
+(``compile.reduce_to_owner_timeout_s``, or the default group's timeout) and the default process group's timeout, so
+that a short ``compile.reduce_to_owner_timeout_s`` meant to detect a stalled flush quickly never ends healthy ranks
+whose init at hundreds of ranks is merely slow. Every communicator made inside ``init_window`` takes it; after init the
+runtime gives each the flushes' deadline.
 """

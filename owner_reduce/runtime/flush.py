@@ -18,6 +18,15 @@ pieces present are first copied, each gradient whole and in arrival order (each 
 issues them: the flush then costs native's calls plus one device copy, never an AllReduce over the holes or one call
 per scattered piece (issue 23 item 7).
 
+Note (profiler ranges): every flush runs inside a ``torch.profiler.record_function`` range named ``owner_reduce
+flush #<n> <algo> <bytes> B`` (the probe's flush number and ``algo=``, the bytes it reduces), and each stage of a
+two-level flush has a range per level (``owner_reduce flush #<n> stage <k> node reduce_scatter <bytes> B``, ``... rail
+...``), so that a flush on the cupy communicator shows as one in a torch profiler trace as torch's own collectives do;
+on CUDA each is also an NVTX range (``torch.cuda.nvtx``), for Nsight, always (nothing tells a flush that Nsight
+records). Nothing per gradient. With no torch profiler running and no CUDA, a flush pays one
+``torch.autograd._profiler_enabled()`` call and formats no name (the host time is measured with
+``scripts/benchmark_runtime.py``).
+
 Note (flush plan cache): a graph's buckets hold the same gradients in the same order every step, so the plan and
 the copy-out list are computed once per distinct bucket content and reused: for an owner-ordered flush, the
 scheduled flush itself (held by the entry, so its id is never reused while cached) and how many of its gradients
@@ -29,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -65,6 +75,48 @@ _LEVEL_LOG_NAMES = {(NODE, REDUCE_SCATTER): "node_reduce_scatter", (NODE, REDUCE
 _LevelViews = tuple[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]], ...]
 _FLUSH_CACHE_LIMIT = 256  # distinct bucket contents remembered; beyond it the cache starts over
 _VIEWS_PER_BUCKET_LIMIT = 512  # plans whose copy-out views one bucket keeps; beyond it they start over
+
+
+_profiler_enabled = torch.autograd._profiler_enabled  # a torch profiler records: Note (profiler ranges)
+
+
+def _nvtx_functions() -> tuple[Callable[[str], Any], Callable[[], Any]] | tuple[None, None]:
+    """torch's NVTX range push and pop, or (None, None) where this torch build has no NVTX (a CPU build, whose
+    ``torch.cuda.nvtx`` functions raise): then no NVTX range is made, on any device."""
+    try:
+        from torch._C import _nvtx  # noqa: F401 - what torch.cuda.nvtx calls; absent from a CPU build
+    except ImportError:
+        return None, None
+    return torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop
+
+
+_nvtx_push, _nvtx_pop = _nvtx_functions()
+
+
+class _Range:
+    """One ``record_function`` range where a torch profiler runs, and one NVTX range where ``nvtx`` (CUDA buffers and
+    a torch build with NVTX), around a flush or a level of it (Note (profiler ranges)). Made only where either holds."""
+
+    __slots__ = ("_name", "_nvtx", "_record")
+
+    def __init__(self, name: str, cuda: bool) -> None:
+        self._name = name
+        self._nvtx = cuda
+        self._record: Any = None
+
+    def __enter__(self) -> None:
+        if _profiler_enabled():
+            self._record = torch.autograd.profiler.record_function(self._name)
+            self._record.__enter__()
+        if self._nvtx:
+            _nvtx_push(self._name)
+
+    def __exit__(self, *exc: object) -> None:
+        """Also on an error: the range closes with the flush that raised."""
+        if self._nvtx:
+            _nvtx_pop()
+        if self._record is not None:
+            self._record.__exit__(None, None, None)
 
 
 class Param(NamedTuple):
@@ -201,13 +253,29 @@ class Flusher:
         buffer = bucket.buffer
         cached = self._scheduled(pending) if pending.scheduled is not None else self._arrival(pending, buffer.dtype)
         index = self._stats.flushes + 1
+        # Note (profiler ranges): a range only where a torch profiler records or NVTX can (CUDA); else one check.
+        nvtx = _nvtx_push is not None and buffer.is_cuda
+        ranged = None
+        if nvtx or _profiler_enabled():
+            ranged = _Range(f"owner_reduce flush #{index} {cached.algo} {cached.span * buffer.element_size()} B", nvtx)
+            ranged.__enter__()
+        try:
+            self._flush(pending, streams, cached, index, buffer, ranged is not None)
+        finally:
+            if ranged is not None:
+                ranged.__exit__()
+
+    def _flush(self, pending: Pending, streams: Any, cached: _CachedFlush, index: int, buffer: torch.Tensor,
+               ranged: bool) -> None:
+        comm = self.comm
+        bucket = pending.bucket
         timed = self.timed
         key = None
         if timed is not None and pending.scheduled is not None and pending.count == len(pending.scheduled.ids):
             key = timed.get(id(pending.scheduled))
         probe = self.exposure
         if cached.stages:
-            end = self._flush_two_level(cached, bucket, streams, index, key, probe)
+            end = self._flush_two_level(cached, bucket, streams, index, key, probe, ranged)
         else:
             with streams.reducing():
                 start = streams.mark() if key is not None else None
@@ -231,7 +299,7 @@ class Flusher:
         self._count(cached, buffer, pending.scheduled is not None)
 
     def _flush_two_level(self, cached: _CachedFlush, bucket: Any, streams: Any, index: int, key: Any,
-                         probe: Any = None) -> Any:
+                         probe: Any = None, ranged: bool = False) -> Any:
         """Padding, pre-division and the node steps on the node stream, the rail steps, the data-parallel calls, the
         copy-out and the bucket's free event on the rail stream (``streams`` Note (two levels)): the next flush's node
         step waits for none of this flush's rail step. Returns the free event (the probe's end mark), where asked."""
@@ -242,7 +310,7 @@ class Flusher:
                 probe.flush_started(streams, NODE)
             sources, views, pads = self._views(cached, bucket, buffer)
             self._prepare(cached, buffer, pads)
-            self._two_level(cached, views, streams, index, buffer)
+            self._two_level(cached, views, streams, index, buffer, ranged)
             with streams.level(RAIL):
                 if cached.calls:
                     self._world_calls(self.comm, cached, buffer, index)
@@ -294,7 +362,7 @@ class Flusher:
                     comm.all_reduce(segment)
 
     def _two_level(self, cached: _CachedFlush, views: _LevelViews, streams: Any, index: int,
-                   buffer: torch.Tensor) -> None:
+                   buffer: torch.Tensor, ranged: bool = False) -> None:
         """Each stage: the node ReduceScatter or the tail's node Reduces (node stream), then this rank's rail step (rail
         stream, after that stage's node step): its Reduces, or its ReduceScatter and then its hand-off round (a
         second group: Note (two groups for a hand-off)); see ``streams`` Note (two levels). Each stage's calls on one
@@ -302,9 +370,10 @@ class Flusher:
         levels = self.levels
         assert levels is not None, "a two-level flush without node and rail communicators"
         node, rail = levels.node, levels.rail
-        for (node_calls, rail_calls, handoff, parts), (node_views, rail_views) in zip(cached.stages, views,
-                                                                                      strict=True):
-            with streams.level(NODE), node.group(flush=index):
+        for k, ((node_calls, rail_calls, handoff, parts), (node_views, rail_views)) in enumerate(
+                zip(cached.stages, views, strict=True)):
+            with (self._level_range(index, k, NODE, node_calls, buffer) if ranged else nullcontext()), \
+                    streams.level(NODE), node.group(flush=index):
                 for c, view in zip(node_calls, node_views, strict=True):
                     if c.kind == REDUCE_SCATTER:
                         node.reduce_scatter(view, c.per_rank)
@@ -312,7 +381,8 @@ class Flusher:
                         node.reduce(view, c.root)
             streams.node_stage_done()
             if rail_calls:
-                with streams.level(RAIL):
+                with (self._level_range(index, k, RAIL, rail_calls, buffer) if ranged else nullcontext()), \
+                        streams.level(RAIL):
                     with rail.group(flush=index):
                         for c, view in zip(rail_calls, rail_views, strict=True):
                             if c.kind == REDUCE_SCATTER:
@@ -324,6 +394,15 @@ class Flusher:
                             self._p2p(rail, handoff, buffer)
             if parts:
                 self._node_handoff(streams, parts, buffer, index)
+
+    @staticmethod
+    def _level_range(index: int, stage: int, level: str, calls: Sequence[Collective], buffer: torch.Tensor
+                     ) -> AbstractContextManager[None]:
+        """A two-level stage's range on one level (Note (profiler ranges)): its calls' kinds and bytes."""
+        kinds = "+".join(dict.fromkeys(_LOG_NAMES[c.kind] for c in calls))
+        count = sum(c.count for c in calls)
+        return _Range(f"owner_reduce flush #{index} stage {stage} {level} {kinds} {count * buffer.element_size()} B",
+                      buffer.is_cuda and _nvtx_push is not None)
 
     def _node_handoff(self, streams: Any, parts: Sequence[_P2p], buffer: torch.Tensor, index: int) -> None:
         """A balanced layout's hand-off round inside the node (``two_level`` Note (balanced rails)): on the rail

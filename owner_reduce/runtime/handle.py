@@ -8,9 +8,9 @@ it is complete) -> ``flush`` (the plan, the collectives, the copy-out). Semantic
 ``deepcompile.h``; nothing communicates while DeepCompile profiles.
 
 At ``init`` the ranks agree, in one all_gather, on everything the flushes depend on: the settings (the config's
-``compile`` keys, ``planning.settings``, and the files they name), bucket size, owner map, the developer override of
-the deadline, and the facts of the topology that the cost model uses to choose each flush's algorithm (ranks per
-node, GPU generation). Rank 0 then logs the init line and the settings line.
+``compile`` keys, ``planning.settings``, and the files they name, the flushes' deadline among them), bucket size, owner
+map, and the facts of the topology that the cost model uses to choose each flush's algorithm (ranks per node, GPU
+generation). Rank 0 then logs the init line and the settings line.
 """
 
 from __future__ import annotations
@@ -34,17 +34,22 @@ from ..planning.measured import (
     slowest_progress,
     verdicts,
 )
+from ..planning.monitor import due, monitor_events
+from ..planning.nodes import HOST_INTS, NodeLayout, node_layout, pack_host, unpack_host
 from ..planning.owner_map import OwnerMap, Placement
-from ..planning.rank_inputs import TIMEOUT_ENV_VAR
 from ..planning.settings import (
     ALGO,
     ALGO_VALUES,
     CALIBRATION,
     MODEL,
+    TIMEOUT,
     VERDICTS,
     OwnerReduceSettings,
+    RunSetup,
     key_name,
+    nccl_mismatch,
     settings_line,
+    transport_text,
 )
 from ..planning.step_plan import FlushTimes, native_step_us
 from ..planning.two_level import TwoLevel, two_level_of
@@ -59,6 +64,7 @@ from ..planning.verdict_book import (
 )
 from ..planning.wording import by_reason, by_value, count_noun, ranks_phrase
 from . import deadline as deadlines
+from . import stall_report
 from .accumulate import Accumulator
 from .buckets import DoubleBufferedBuckets
 from .comm import ReduceComm
@@ -66,10 +72,19 @@ from .deadline import add_note
 from .errors import OwnerReduceMismatchError
 from .exposure import ExposureProbe, OwnerPathModel
 from .flush import Flusher, Levels, Param
+from .monitor import FlushHooks, MonitorSink, MonitorStep
 from .placement import GradPlacer
 from .schedule import Schedule
 from .stats import FlushRecord, RuntimeStats, emit, emit_detail, say_if_hidden
-from .topology import host_digest, local_rank, nvlinks, ranks_per_node, sm_major
+from .topology import (
+    host_digest,
+    host_name,
+    launcher_ranks_per_node,
+    local_rank,
+    nvlinks,
+    slurm_ranks_on_node,
+    sm_major,
+)
 from .trial import Trial, key_of, trial_flushes
 from .trial_clock import StreamClock, TrialClock
 
@@ -78,7 +93,8 @@ NODE_HANDOFF_ROLE = "node hand-off"  # the communicator's name in messages (``co
 __all__ = ["FlushRecord", "OwnerReduceMismatchError", "OwnerReduceRuntime", "RuntimeSettings", "RuntimeStats",
            "emit"]
 
-_AGREEMENT_PROTOCOL = 7
+_AGREEMENT_PROTOCOL = 8
+_HOST_AT = 21  # the agreement row's first integer of the host name (``planning.nodes.pack_host``); ``_check_agreement``
 _PROBLEM_TEXT_LIMIT = 600  # bytes of a rank's reasons that reach the other ranks (``_gather_texts``)
 SCHEDULE_PREFIX = "[dc-schedule][r0]"  # rank 0's line when a graph's owner-ordered schedule is learned
 
@@ -99,7 +115,7 @@ class RuntimeSettings:
     # (key or variable, reason) for every input this rank could not use (``planning.rank_inputs``): refused at init on
     # every rank together, by the agreement
     env_problems: tuple[tuple[str, str], ...] = ()
-    timeout_s: float | None = None  # OWNER_REDUCE_TIMEOUT_S as this rank read it (the developer override; agreed)
+    timeout_s: float | None = None  # compile.reduce_to_owner_timeout_s (None: the default group's timeout; agreed)
 
     @property
     def algo(self) -> str:
@@ -140,6 +156,15 @@ class OwnerReduceRuntime:
         self._resumed_trials: dict[str, tuple[TrialProgress, str]] = {}
         self._trial_clock: TrialClock = StreamClock()  # the measured guard's samples (``trial_clock``)
         self.on_cleanup: Any = None  # set by activation: hands get_deepcompile_handle() back
+        # From init's agreement, by data-parallel rank: each rank's host and global rank, and the nodes they form.
+        self.hosts: list[str] = []
+        self.global_ranks: list[int] = []
+        self.node_layout: NodeLayout | None = None
+        # DeepSpeed's monitor (``monitor``), set by activation where the config enables one; its step being measured.
+        self.monitor: MonitorSink | None = None
+        self._monitor_step: MonitorStep | None = None
+        self._stall_keys = ""  # the stall report's keys in the store, agreed at init
+        self.stall_reporter: stall_report.StallReporter | None = None  # where torch's default store exists
 
     # ---- what tests, the demo and the benchmark read -----------------------------------------------------
 
@@ -180,8 +205,9 @@ class OwnerReduceRuntime:
         """Make the communicator, agree with every rank, make the node and rail communicators where a two-level flush
         can run: all of it under init's one deadline (``deadline`` Note (one deadline for init)); the flushes' deadline
         from then on."""
-        flush_deadline = deadlines.lenient_from_environment()
-        init_deadline = deadlines.for_init(flush_deadline, deadlines.default_group_timeout_s(), time.monotonic())
+        group_timeout_s = deadlines.default_group_timeout_s()
+        flush_deadline = deadlines.resolve(self.settings.timeout_s, group_timeout_s)
+        init_deadline = deadlines.for_init(flush_deadline, group_timeout_s, time.monotonic())
         with deadlines.init_window(init_deadline):
             self.comm = self._comm_factory(process_group)
             try:
@@ -191,6 +217,7 @@ class OwnerReduceRuntime:
                 self.comm.warm_up(KINDS_BY_COMM[WORLD] if self.settings.flags.reduce_to_owner else NATIVE_KINDS,
                                   int(reduce_bucket_size))
                 cost = self._make_levels(cost, facts, bool(compile_config.double_buffer), int(reduce_bucket_size))
+                flush_deadline = self._with_stall_report(flush_deadline)
                 self.flusher.cost = cost
                 buckets = DoubleBufferedBuckets(int(reduce_bucket_size), bool(compile_config.double_buffer),
                                                 self._bucket_limits)
@@ -219,7 +246,7 @@ class OwnerReduceRuntime:
         if self.comm.rank == 0:
             self.stats.init_line = self.settings.owner_map.init_line(sliced=self.settings.flags.reduce_to_owner)
             emit(self.stats.init_line, even_if_hidden=True)
-            self.stats.settings_line = self._settings_line(flush_deadline)
+            self.stats.settings_line = self._settings_line(flush_deadline, int(reduce_bucket_size), process_group)
             emit(self.stats.settings_line)
             if self.settings.verdicts_path is not None:
                 self._say_verdicts()
@@ -251,6 +278,12 @@ class OwnerReduceRuntime:
 
     def start_backward(self, update: bool) -> None:
         self._update = bool(update)
+        monitor = self.monitor
+        if monitor is not None:  # ``monitor``: this step's reduction is measured for DeepSpeed's monitor, or not
+            measured = MonitorStep(self.comm.rank) if update and due(monitor.steps_done(), monitor.every) else None
+            if measured is not None or self._monitor_step is not None:  # (one left by a backward DeepCompile profiled)
+                self._monitor_step = measured
+                self._set_flush_hooks()
 
     def enable_profiling(self, enable: bool) -> None:
         self._profiling = bool(enable)
@@ -328,18 +361,25 @@ class OwnerReduceRuntime:
         assert placer is not None, "owner_reduce runtime used before init()"
         probe = self._exposure
         recording = probe is not None and probe.recording
+        measured, self._monitor_step = self._monitor_step, None  # DeepSpeed's monitor's step (``monitor``)
         if recording:
             probe.backward_ending(placer.streams, placer.has_pending)  # the compute mark: before anything is flushed
+        if measured is not None:
+            measured.backward_ending(placer.streams)
         placer.end_backward()
         if recording:
             probe.backward_ended(placer.streams, placer.last_backward)
-            if not probe.recording:
-                self.flusher.exposure = None
+        if measured is not None:
+            measured.backward_ended(placer.streams)
+        if recording or measured is not None:
+            self._set_flush_hooks()
         self._sync_streams("end_backward")  # the optimizer reads the grad buffers next
         if placer.trials_running:
             self._advance_trials()
         if probe is not None:
             self._exposure_after_wait(probe)
+        if measured is not None:
+            self._monitor_after_wait(measured)
         if self._stage == 2 and self._update:
             # z2.cpp: this graph's parameters start the next step by overwriting (other graphs clear theirs).
             for ds_id in self._graphs.get(graph_id, ()):
@@ -485,7 +525,8 @@ class OwnerReduceRuntime:
             if cost.topology is not None and cost.calibration is None and cost.two_level is None:
                 cost = replace(cost, two_level=two_level_of(cost.topology, cost.topology.gpus_per_node))
             model = OwnerPathModel(self.settings.owner_map, cost).ratio
-        self._exposure = self.flusher.exposure = ExposureProbe(model)
+        self._exposure = ExposureProbe(model)
+        self._set_flush_hooks()
 
     def _exposure_after_wait(self, probe: ExposureProbe) -> None:
         """After ``end_backward``'s wait: read the step before (``exposure`` Note (no host wait)); once the probe's
@@ -493,13 +534,34 @@ class OwnerReduceRuntime:
         probe.after_wait()
         if not probe.done:
             return
-        self._exposure = self.flusher.exposure = None
+        self._exposure = None
+        self._set_flush_hooks()
         rows = self.comm.all_gather_ints(probe.row())
         self.stats.exposure_samples = list(probe.samples)
         if self.comm.rank == 0:
             for line in probe.lines(rows):
                 self.stats.exposure_lines.append(line)
                 emit(line)
+
+    def _set_flush_hooks(self) -> None:
+        """The flusher's hooks (``flush_started`` / ``flush_ended``): the probe's while it records, the monitor's step
+        while one is measured, both, or None (the flush's one check)."""
+        probe = self._exposure if self._exposure is not None and self._exposure.recording else None
+        measured = self._monitor_step
+        self.flusher.exposure = (FlushHooks(probe, measured) if probe is not None and measured is not None
+                                 else probe if probe is not None else measured)
+
+    # ---- DeepSpeed's monitor (``monitor``) ----------------------------------------------------------------------
+
+    def _monitor_after_wait(self, measured: MonitorStep) -> None:
+        """After ``end_backward``'s wait on a measured step: every rank's row in one gather (``monitor`` Note (one
+        exchange, none in between)), and rank 0 writes the min / median / max events to DeepSpeed's monitor."""
+        rows = self.comm.all_gather_ints(measured.row())
+        self.stats.monitor_steps += 1
+        if self.comm.rank == 0:
+            events = monitor_events(rows, self.monitor.x())
+            self.stats.monitor_events += len(events)
+            self.monitor.write(events)
 
     # ---- the measured guard ------------------------------------------------------------------------------
 
@@ -644,8 +706,35 @@ class OwnerReduceRuntime:
             logger.warning(f"owner_reduce: {key_name(VERDICTS)} has no effect: the measured guard does not run with "
                            f"{count_noun(self.comm.world_size, 'rank')}")
 
-    def _settings_line(self, deadline: Any) -> str:
-        """The settings line (``planning.settings.settings_line``) of what this runtime runs with."""
+    def _settings_line(self, deadline: Any, bucket_size: int, process_group: Any) -> str:
+        """The settings line (``planning.settings.settings_line``) of what this runtime runs with and on; where cupy's
+        NCCL and torch's differ in major.minor, a warning before it (``planning.settings.nccl_mismatch``)."""
+        import owner_reduce
+
+        comm = self.comm
+        cupy_nccl = torch_nccl = None
+        backend = None
+        if comm.name == "cupy-nccl":
+            from .nccl_comm import nccl_version
+
+            cupy_nccl = nccl_version()
+        elif comm.name == "torch.distributed":
+            backend = _backend_of(process_group)
+        if torch.cuda.is_available():
+            try:
+                torch_nccl = tuple(torch.cuda.nccl.version())
+            except (AttributeError, RuntimeError):  # a torch built without NCCL
+                torch_nccl = None
+        mismatch = nccl_mismatch(cupy_nccl, torch_nccl)
+        if mismatch is not None:
+            from deepspeed.utils import logger
+
+            logger.warning(mismatch)
+        layout = self.node_layout
+        setup = RunSetup(transport=transport_text(comm.name, backend, cupy_nccl, torch_nccl),
+                         world_size=comm.world_size,
+                         nodes=layout.describe() if layout is not None else "nodes unknown",
+                         bucket_elems=bucket_size, version=owner_reduce.__version__)
         s = self.settings
         if s.verdicts_path is None:
             verdicts = "none"
@@ -655,7 +744,8 @@ class OwnerReduceRuntime:
             verdicts = f"write {s.verdicts_path}"
         return settings_line(OwnerReduceSettings(flags=s.flags, algo=s.algo),
                              calibration_digest=s.calibration.digest() if s.calibration is not None else None,
-                             verdicts=verdicts, timeout_s=deadline.seconds, timeout_source=deadline.short_source)
+                             verdicts=verdicts, timeout_s=deadline.seconds, timeout_source=deadline.short_source,
+                             setup=setup)
 
     # ---- the verdicts and checkpoints (``wiring.checkpoint``) ------------------------------------------------
 
@@ -756,6 +846,8 @@ class OwnerReduceRuntime:
         waits within the deadline and may raise: the handle is handed back all the same, and that error is the one
         raised (see Note (cleanup always releases))."""
         comm, self.comm, self.flusher.comm = self.comm, None, None
+        if self.stall_reporter is not None:
+            self.stall_reporter.close()
         self._forget_graphs()
         self._accumulator.clear()
         self._params.clear()
@@ -786,15 +878,18 @@ class OwnerReduceRuntime:
     # ---- agreement across ranks --------------------------------------------------------------------------
 
     def _check_agreement(self, bucket_size: int) -> tuple[FlushCost, list[tuple[int, int]]]:
-        """One all_gather of fifteen integers (the facts below), and a second one of every rank's reasons where any
-        rank has one; every rank raises on any mismatch or reason, so no rank is left hanging. Returns the flush
-        cost model every rank derives from the same gathered facts.
+        """One all_gather of 29 integers (the facts below, this rank's host name among them: ``planning.nodes``), and
+        a second one of every rank's reasons where any rank has one; every rank raises on any mismatch or reason, so no
+        rank is left hanging. Returns the flush cost model every rank derives from the same gathered facts, and keeps
+        every rank's host and global rank (``hosts``, ``global_ranks``: the stall report names them) and the nodes
+        they form (``node_layout``: the hosts decide; a variable that disagrees is a warning on rank 0).
 
         Note (every rank refuses together): whatever this rank could not use (a file its config names that it cannot
-        read, one of another world size, a bad override: ``planning.rank_inputs``) is not raised here but gathered:
-        every rank then raises the same ``OwnerReduceMismatchError`` naming each failing rank, its key or variable and
-        its reason, within init's deadline (the gathers are the communicator's, bounded), instead of one rank raising
-        alone while the others wait for it. Ranks in messages are folded and capped (``planning.wording``)."""
+        read, one of another world size, ``NCCL_COMM_BLOCKING`` other than 1: ``planning.rank_inputs``) is not raised
+        here but gathered: every rank then raises the same ``OwnerReduceMismatchError`` naming each failing rank, its
+        key or variable and its reason, within init's deadline (the gathers are the communicator's, bounded), instead
+        of one rank raising alone while the others wait for it. Ranks in messages are folded and capped
+        (``planning.wording``)."""
         settings = self.settings
         flags = settings.flags
         calibration = settings.calibration
@@ -810,11 +905,22 @@ class OwnerReduceRuntime:
         verdict_state = (int(verdict_file.digest(), 16) if verdict_file is not None
                          else -1 if settings.verdicts_path is not None else 0)
         timeout_ms = round(settings.timeout_s * 1000) if settings.timeout_s is not None else 0
+        launcher_var, launcher_count = launcher_ranks_per_node()
+        slurm_var, slurm_count = slurm_ranks_on_node()
+        host = host_name()
+        # 0 protocol, 1 flags, 2 bucket, 3 map digest, 4 algo, 5 map problems, 6 the launcher's ranks per node, 7 sm,
+        # 8 deadline (ms), 9 calibration, 10 local rank, 11 host digest, 12 nvlinks, 13 verdicts, 14 reasons' length,
+        # 15 the launcher's variable, 16 SLURM's variable, 17 SLURM's tasks on this node, 18 global rank, 19 DeepSpeed's
+        # monitor's steps between writes (0: none), 20 this process's runtime number (rank 0's names the stall report's
+        # keys: ``stall_report``), 21- host name
         mine = [_AGREEMENT_PROTOCOL, pack_flags(flags), bucket_size,
                 int(settings.owner_map.digest()[:15], 16), ALGO_VALUES.index(settings.algo),
-                len(settings.map_problems), ranks_per_node(), sm_major(), timeout_ms,
-                int(calibration.digest(), 16) if calibration is not None else 0, local_rank(), host_digest(), nvlinks(),
-                verdict_state, len(reason_bytes)]
+                len(settings.map_problems), launcher_count, sm_major(), timeout_ms,
+                int(calibration.digest(), 16) if calibration is not None else 0, local_rank(), host_digest(host),
+                nvlinks(), verdict_state, len(reason_bytes), launcher_var, slurm_var, slurm_count,
+                self.comm.global_rank, self.monitor.every if self.monitor is not None else 0,
+                stall_report.next_sequence(), *pack_host(host)]
+        assert len(mine) == _HOST_AT + HOST_INTS
         rows = self.comm.all_gather_ints(mine)
         if len({row[0] for row in rows}) > 1 or len({len(row) for row in rows}) > 1:
             raise OwnerReduceMismatchError(f"owner_reduce on rank {self.comm.rank}: refusing to start: ranks run "
@@ -840,16 +946,16 @@ class OwnerReduceRuntime:
             problems.append(f"{key_name(ALGO)} differs across ranks: "
                             + by_value(column(4), lambda v: ALGO_VALUES[v] if 0 <= v < len(ALGO_VALUES) else str(v)))
         if differs(8):
-            problems.append(f"{TIMEOUT_ENV_VAR} differs across ranks: "
+            problems.append(f"{key_name(TIMEOUT)} differs across ranks: "
                             + by_value(column(8), lambda ms: f"{ms / 1000:g} s" if ms else "unset"))
         if differs(9):
             problems.append(f"{key_name(CALIBRATION)} names different calibrations across ranks: "
                             + by_value(column(9), lambda d: f"{d:012x}" if d else "none"))
         if differs(13):
             problems.append(f"{key_name(VERDICTS)} differs across ranks: " + by_value(column(13), _verdict_state))
-        if len({v for v in column(6) if v > 0}) > 1:
-            problems.append("ranks per node (LOCAL_WORLD_SIZE) differ across ranks: "
-                            + by_value(column(6), lambda v: str(v) if v > 0 else "unknown"))
+        if differs(19):
+            problems.append("DeepSpeed's monitor (steps_per_print with a monitor enabled) differs across ranks: "
+                            + by_value(column(19), lambda n: f"every {n} steps" if n else "off"))
         bad_ranks = [r for r, row in enumerate(rows) if row[5]]
         if bad_ranks:
             problems.append(f"the owner map contradicts the optimizer on {ranks_phrase(bad_ranks)}"
@@ -857,7 +963,17 @@ class OwnerReduceRuntime:
         if problems:
             raise OwnerReduceMismatchError(f"owner_reduce on rank {self.comm.rank}: refusing to start: "
                                            + "; ".join(problems))
-        topology = agreed_topology(self.comm.world_size, column(6), column(7), column(12))
+        self.hosts = [unpack_host(row[_HOST_AT:_HOST_AT + HOST_INTS]) for row in rows]
+        self.global_ranks = column(18)
+        self._stall_keys = f"{stall_report.KEY_PREFIX}/{rows[0][18]}/{rows[0][20]}"  # this runtime's, every rank alike
+        layout = self.node_layout = node_layout(self.hosts, list(zip(column(15), column(6), strict=True)),
+                                                list(zip(column(16), column(17), strict=True)))
+        if self.comm.rank == 0 and layout.warnings:
+            from deepspeed.utils import logger
+
+            for warning in layout.warnings:
+                logger.warning(warning)
+        topology = agreed_topology(self.comm.world_size, [layout.ranks_per_node], column(7), column(12))
         if calibration is not None and topology is not None and self.comm.rank == 0:
             lines = format_fits(calibration)
             emit(lines[0])
@@ -942,6 +1058,18 @@ class OwnerReduceRuntime:
             emit_detail(detail)
         return replace(cost, two_level=levels)
 
+    def _with_stall_report(self, deadline: deadlines.Deadline) -> deadlines.Deadline:
+        """The flushes' deadline with this runtime's stall reporter (``stall_report``) where torch's default store
+        exists: the ranks and hosts of the agreement, this rank's node and rail communicators' members by role."""
+        store = stall_report.default_store()
+        if store is None:
+            return deadline
+        levels = self.flusher.levels
+        members = {} if levels is None else {sub.role: sub.members for sub in levels if sub is not None}
+        self.stall_reporter = stall_report.StallReporter(store, self._stall_keys, self.comm.rank, self.global_ranks,
+                                                         self.hosts, members)
+        return replace(deadline, stall=self.stall_reporter)
+
     def _close_levels(self) -> None:
         """Close the node and rail communicators (the data-parallel one stays)."""
         self.flusher.levels = None
@@ -962,6 +1090,18 @@ def _order_problem(levels: TwoLevel, facts: list[tuple[int, int]]) -> str | None
         return (f"the ranks of node {split[0]} ({', '.join(map(str, levels.node_groups()[split[0]]))}) run on "
                 f"different hosts")
     return None
+
+
+def _backend_of(process_group: Any) -> str | None:
+    """The backend of the data-parallel group (``gloo``, ``nccl``), or None where torch.distributed has none."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        return str(dist.get_backend(process_group))
+    except (RuntimeError, ValueError):
+        return None
 
 
 def _nccl_memory_mark() -> tuple[int, int] | None:

@@ -93,6 +93,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..planning.settings import nccl_version_of_code
 from ..planning.wording import by_reason, ranks_phrase
 from . import deadline as deadlines
 from . import threads
@@ -119,6 +120,16 @@ def _nccl() -> ModuleType:
     from cupy.cuda import nccl
 
     return nccl
+
+
+def nccl_version() -> tuple[int, int, int] | None:
+    """The NCCL cupy loaded (``ncclGetVersion``) as (major, minor, patch), or None where it cannot be loaded: the
+    settings line names it beside torch's (issue 48)."""
+    try:
+        code = int(_nccl().get_version())
+    except Exception:  # noqa: BLE001 - no cupy, or no libnccl for it: nothing to name
+        return None
+    return nccl_version_of_code(code)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

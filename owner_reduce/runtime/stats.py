@@ -105,6 +105,8 @@ class RuntimeStats:
     # The probe's step summary (``exposure``): this rank's numbers per probe step (None: not measured), rank 0's lines.
     exposure_samples: list = field(default_factory=list)
     exposure_lines: list[str] = field(default_factory=list)
+    monitor_steps: int = 0  # steps measured for DeepSpeed's monitor (``monitor``): every rank's exchanges
+    monitor_events: int = 0  # events rank 0 wrote to it
     init_line: str | None = None  # what rank 0 printed at init
     settings_line: str | None = None  # what rank 0 printed after it: the settings in effect (``planning.settings``)
     schedule_lines: list[str] = field(default_factory=list)  # what rank 0 printed when schedules were learned

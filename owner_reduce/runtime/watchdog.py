@@ -269,6 +269,9 @@ class FlushWatchdog:
         overdue = []
         for comm in self.family():
             entry = self._oldest_pending(comm)
+            stall = comm.deadline.stall
+            if stall is not None and entry is not None:  # ``stall_report``: a flush waiting a second marks arrival
+                stall.waiting(entry.flush, entry.issued_at, now)
             if entry is None or now - entry.issued_at < comm.deadline.allowed_s(entry.issued_at):
                 continue
             if not comm._entry_watched(entry):  # completed and forgotten meanwhile: Note (firing) in ``nccl_comm``

@@ -12,10 +12,11 @@ import os
 from typing import Any
 
 from ..planning.flags import flags_of
-from ..planning.rank_inputs import TIMEOUT_ENV_VAR, RankInputs, read_inputs, removed_variables_set
+from ..planning.rank_inputs import RankInputs, read_inputs, removed_variables_set
 from ..planning.settings import OwnerReduceSettings, settings_of
 from ..runtime.comm import ReduceComm
 from ..runtime.handle import OwnerReduceRuntime, RuntimeSettings
+from ..runtime.monitor import MonitorSink
 from . import cpu_compat
 from .checkpoint import RUNTIME_ATTR, hand_pending_verdicts
 from .compile_pass import owner_schedule, start_at_first_step
@@ -44,18 +45,14 @@ def _warn_once(message: str) -> None:
 
 
 def rank_inputs(settings: OwnerReduceSettings, global_rank: int, environ: Any = None) -> RankInputs:
-    """The files the settings name and the developer override, read on this rank (``planning.rank_inputs``): a bad
-    value never raises here, on this rank alone; init's agreement refuses it on every rank together. On rank 0, a
-    warning for the override when it is set, and for each variable that is set but no longer read."""
+    """The files the settings name, read on this rank (``planning.rank_inputs``): a bad value never raises here, on
+    this rank alone; init's agreement refuses it on every rank together. On rank 0, a warning for each variable that
+    is set but no longer read."""
     env = os.environ if environ is None else environ
     inputs = read_inputs(settings, env)
     if global_rank == 0:
         for message in removed_variables_set(env):
             _warn_once(message)
-        if inputs.timeout_s is not None:
-            _warn_once(f"owner_reduce: {TIMEOUT_ENV_VAR}={env.get(TIMEOUT_ENV_VAR, '').strip()} (a developer "
-                       f"override) sets the flushes' deadline to {inputs.timeout_s:g} s in place of the default "
-                       "process group's timeout (deepspeed.init_distributed(timeout=...))")
     return inputs
 
 
@@ -65,12 +62,27 @@ def build_runtime(engine: Any, settings: OwnerReduceSettings) -> OwnerReduceRunt
     inputs = rank_inputs(settings, int(getattr(engine, "global_rank", 0)))
     owner_map = build_owner_map(engine)
     problems = tuple(disagreements_with_optimizer(owner_map, engine))
-    return OwnerReduceRuntime(RuntimeSettings(flags=settings.flags, owner_map=owner_map, map_problems=problems,
-                                              flush_algo=settings.flush_algo, measure=settings.measure,
-                                              calibration=inputs.calibration, verdicts=inputs.verdicts,
-                                              verdicts_path=inputs.verdicts_path, env_problems=inputs.problems,
-                                              timeout_s=inputs.timeout_s),
-                              make_comm)
+    runtime = OwnerReduceRuntime(RuntimeSettings(flags=settings.flags, owner_map=owner_map, map_problems=problems,
+                                                 flush_algo=settings.flush_algo, measure=settings.measure,
+                                                 calibration=inputs.calibration, verdicts=inputs.verdicts,
+                                                 verdicts_path=inputs.verdicts_path, env_problems=inputs.problems,
+                                                 timeout_s=settings.timeout_s),
+                                 make_comm)
+    runtime.monitor = monitor_sink(engine)
+    return runtime
+
+
+def monitor_sink(engine: Any) -> MonitorSink | None:
+    """The engine's monitor for the runtime (``runtime.monitor``), where the DeepSpeed config enables one (TensorBoard,
+    wandb, CSV or comet) and prints every ``steps_per_print`` steps; None otherwise. On every rank alike (the config
+    is): every rank joins the measured steps' exchange, rank 0 writes. Events are written at DeepSpeed's own step
+    axis: the global sample count at the end of the step (``step()`` adds the train batch size after the backward)."""
+    monitor = getattr(engine, "monitor", None)
+    every = int(engine.steps_per_print() or 0) if monitor is not None and monitor.enabled else 0
+    if every <= 0:
+        return None
+    return MonitorSink(write=monitor.write_events, every=every, steps_done=lambda: int(engine.global_steps),
+                       x=lambda: int(engine.global_samples) + int(engine.train_batch_size()))
 
 
 def wrap_init_z1_and_2(original: Any) -> Any:

@@ -72,6 +72,9 @@ def _make_compile_config_factory(original: type) -> tuple[type, Any]:
         reduce_to_owner_verdicts: str | None = None
         """The measured guard's verdicts: replayed where the file exists, written there where it does not."""
 
+        reduce_to_owner_timeout_s: float | None = None
+        """The flushes' deadline in seconds; null: the default process group's timeout."""
+
     def compile_config(**data: Any) -> Any:
         if not any(key in data for key in SETTING_KEYS):
             return original(**data)
