@@ -157,8 +157,7 @@ def test_on_the_simulated_device_each_flush_and_level_is_one_nvtx_range(monkeypa
         for step in range(2):
             train_step(sim, runtimes, numels, step, 1)
         stats = [rt.stats for rt in runtimes]
-        for rt in runtimes:
-            rt.cleanup()
+        sim.run_ranks(lambda rank: runtimes[rank].cleanup(), 4)  # each rank's on its own thread (its own device)
     # The settings line of the cupy path: the NCCL cupy loaded (the sim's 2.30.3; this CPU torch has none of its own),
     # the nodes from the host names the harness gives each node (and LOCAL_WORLD_SIZE agreeing).
     assert stats[0].settings_line.endswith("; cupy NCCL 2.30.3, 4 ranks = 2 nodes x 2 (host names = LOCAL_WORLD_SIZE), "

@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..planning.wording import GROUPS_SHOWN, count_noun, ranks_phrase
+from . import threads
 
 MARK_AFTER_S = 1.0  # a flush waiting this long on a rank writes its arrival (Note (zero store traffic ...))
 WATCH_POLL_S = 0.25  # how often the reporter's thread looks at a blocking wait (``watch``)
@@ -69,7 +70,7 @@ def next_sequence() -> int:
     return _SEQUENCE[0]
 
 
-def _detached(fn: Callable[[], Any], name: str) -> tuple[threading.Thread, list[Any]]:
+def _detached(fn: Callable[[], Any], name: str) -> tuple[threads.DeviceThread, list[Any]]:
     """Run ``fn`` on a daemon thread: (the thread, a list that gets its result or its exception)."""
     out: list[Any] = []
 
@@ -79,8 +80,8 @@ def _detached(fn: Callable[[], Any], name: str) -> tuple[threading.Thread, list[
         except BaseException as error:  # noqa: BLE001 - handed to the caller
             out.append(error)
 
-    thread = threading.Thread(target=run, name=f"owner_reduce stall report: {name}", daemon=True)
-    thread.start()
+    # On the rank's device, as every thread of the runtime (``threads``), although it makes no CUDA call.
+    thread = threads.start(run, name=f"owner_reduce stall report: {name}", device=threads.current_cuda_device())
     return thread, out
 
 
@@ -105,7 +106,7 @@ class StallReporter:
         self._reports: dict[tuple[int, str], str] = {}
         self.marks_written = 0  # tests: marks this rank wrote (each one store call)
         self._watched: tuple[int, float] | None = None  # (flush, since): the main thread's blocking wait (``watch``)
-        self._watcher: threading.Thread | None = None
+        self._watcher: threads.DeviceThread | None = None
         self._closed = threading.Event()
 
     # ---- marks -------------------------------------------------------------------------------------------------
@@ -138,8 +139,8 @@ class StallReporter:
                 if watched is not None:
                     self.waiting(watched[0], watched[1])
 
-        self._watcher = threading.Thread(target=run, name="owner_reduce stall report: watch", daemon=True)
-        self._watcher.start()
+        self._watcher = threads.start(run, name="owner_reduce stall report: watch",
+                                      device=threads.current_cuda_device())
 
     def close(self) -> None:
         """Stop the watching thread (the runtime's cleanup)."""
