@@ -11,12 +11,11 @@ from .planning.owner_map import GroupTables, OwnerMap, OwnerMapError, ParamPlace
 from .planning.settings import SETTING_KEYS, OwnerReduceSettings, parse_settings, settings_of
 from .runtime.deadline import OwnerReduceCommError
 from .runtime.errors import OwnerReduceMismatchError
+from .version import __version__ as __version__
 from .wiring.install import OwnerReduceInstallError, OwnerReduceInUseError, install, is_installed, uninstall
 from .wiring.install_guard import arm as _arm_install_guard
 
 _arm_install_guard()
-
-__version__ = "0.1.0"
 
 
 def build_owner_map(engine):  # noqa: ANN001, ANN201 - thin lazy wrapper, see engine_tables.build_owner_map

@@ -205,7 +205,7 @@ def _comm_costs(rounds: int, calls: int) -> dict[str, float]:
     import torch.distributed as dist
 
     from owner_reduce.harness.launch import free_port
-    from owner_reduce.runtime.comm import TorchDistComm
+    from owner_reduce.runtime.torch_comm import TorchDistComm
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()))
@@ -320,7 +320,11 @@ def _noop_cupy_comm(world_size: int = 4, package: str = "owner_reduce") -> Any:
     class Stream:
         cuda_stream = 0
 
-    nccl_comm._nccl = lambda: types.SimpleNamespace(groupStart=lambda: None, groupEnd=lambda: None, NCCL_SUM=0)
+    fake_nccl = types.SimpleNamespace(groupStart=lambda: None, groupEnd=lambda: None, NCCL_SUM=0)
+    try:  # cupy's binding has a module of its own since issue 47; a copy of an older commit keeps it in nccl_comm
+        importlib.import_module(f"{package}.runtime.nccl_binding").nccl_module = lambda: fake_nccl
+    except ModuleNotFoundError:
+        nccl_comm._nccl = lambda: fake_nccl
     comm = nccl_comm.CupyNcclComm.__new__(nccl_comm.CupyNcclComm)
     ReduceComm.__init__(comm, 0, world_size)
     comm.stream, comm.device, comm._calls_in_group, comm._comm, comm.aborted = None, 0, 0, Handle(), False

@@ -78,7 +78,7 @@ def _cupy_nccl() -> tuple[int, int, int] | None:
     if override:
         return parse_version(override)
     try:
-        from owner_reduce.runtime.nccl_comm import nccl_runtime_version
+        from owner_reduce.runtime.nccl_binding import nccl_runtime_version
 
         return nccl_runtime_version()
     except Exception:  # noqa: BLE001 - no cupy or no libnccl: unknown

@@ -293,7 +293,7 @@ def launched(args: argparse.Namespace, header: dict[str, Any]) -> int:
     communicator alone."""
     import torch.distributed as dist
 
-    from owner_reduce.runtime.nccl_comm import new_unique_id
+    from owner_reduce.runtime.nccl_binding import new_unique_id
 
     rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         print("nccl_check: no CUDA GPU is visible (torch.cuda.is_available() is False): nothing to check", flush=True)
         return NO_GPU
     try:
-        from owner_reduce.runtime.nccl_comm import nccl_runtime_version, new_unique_id
+        from owner_reduce.runtime.nccl_binding import nccl_runtime_version, new_unique_id
 
         version = nccl_runtime_version()
         unique_id = None if under_launcher else new_unique_id()

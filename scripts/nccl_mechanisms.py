@@ -126,7 +126,7 @@ def _raw_comm(device: Any) -> Any:
     import torch.distributed as dist
     from cupy.cuda import nccl
 
-    from owner_reduce.runtime.nccl_comm import exchange_unique_id
+    from owner_reduce.runtime.nccl_binding import exchange_unique_id
 
     uid = exchange_unique_id(dist.group.WORLD)
     cupy.cuda.Device(device.index).use()

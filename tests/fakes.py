@@ -18,7 +18,7 @@ import torch
 
 from owner_reduce.planning.flags import OwnerReduceFlags
 from owner_reduce.planning.owner_map import GroupTables, OwnerMap
-from owner_reduce.runtime.comm import ReduceComm
+from owner_reduce.runtime.comm import ReduceComm, check_scatter
 
 
 class MirrorComm(ReduceComm):
@@ -65,7 +65,7 @@ class MirrorComm(ReduceComm):
         buf.mul_(self.world_size)
 
     def reduce_scatter(self, buf: torch.Tensor, per_rank: int) -> None:
-        self._check_scatter(buf, per_rank)
+        check_scatter(self, buf, per_rank)
         self._maybe_fail()
         self.calls.append(("reduce_scatter", None, buf.numel()))
         self._scattered = buf.clone()
@@ -422,20 +422,20 @@ class ExchangeComm(ReduceComm):
         self._collective(ExchangeCall("all_reduce", buf.numel(), buf.dtype), buf)
 
     def reduce_scatter(self, buf: torch.Tensor, per_rank: int) -> None:
-        self._check_scatter(buf, per_rank)
+        check_scatter(self, buf, per_rank)
         self.calls.append(("reduce_scatter", None, buf.numel()))
         self._collective(ExchangeCall("reduce_scatter", buf.numel(), buf.dtype, per_rank), buf)
 
     def send(self, buf: torch.Tensor, peer: int) -> None:
         self.calls.append(("send", peer, buf.numel()))
-        if self._in_group:
+        if self.in_group:
             self._p2p.append((True, buf, peer))
         else:
             self._post_send(buf, peer)
 
     def recv(self, buf: torch.Tensor, peer: int) -> None:
         self.calls.append(("recv", peer, buf.numel()))
-        if self._in_group:
+        if self.in_group:
             self._p2p.append((False, buf, peer))
         else:
             self._do_recv(buf, peer)
@@ -524,13 +524,13 @@ def shared_gpu_env(world_size: int, torch_pg: bool = False) -> dict[str, str]:
     GPUs (``harness.launch.local_device``), never its rank."""
     import pytest
 
-    from owner_reduce.runtime import nccl_comm
+    from owner_reduce.runtime import nccl_binding
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     if torch.cuda.device_count() >= world_size:
         return {}
-    versions = {"cupy": nccl_comm.nccl_runtime_version()}
+    versions = {"cupy": nccl_binding.nccl_runtime_version()}
     if torch_pg:
         versions["torch"] = tuple(torch.cuda.nccl.version())
     old = {k: ".".join(map(str, v)) for k, v in versions.items() if tuple(v) < (2, 30, 0)}

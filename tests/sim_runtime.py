@@ -86,7 +86,8 @@ def _sim_or_none() -> Any:
 def cupy_runtimes(sim: Sim, owner_map: OwnerMap, **kwargs: Any) -> list[Any]:
     """One runtime per rank of ``owner_map``'s world, each on a ``CupyNcclComm`` of one unique id (the product's
     constructor: what ``CupyNcclComm.from_process_group`` builds after broadcasting the id)."""
-    from owner_reduce.runtime.nccl_comm import CupyNcclComm, new_unique_id
+    from owner_reduce.runtime.nccl_binding import new_unique_id
+    from owner_reduce.runtime.nccl_comm import CupyNcclComm
 
     ws = owner_map.dp_world_size
     uid = new_unique_id()

@@ -22,7 +22,7 @@ from fakes import MirrorComm, two_gpu_ranks_env
 from owner_reduce import OwnerReduceCommError
 from owner_reduce.harness.launch import run_ranks
 from owner_reduce.runtime import deadline as deadlines
-from owner_reduce.runtime import nccl_comm
+from owner_reduce.runtime import nccl_binding, nccl_comm
 from owner_reduce.runtime.deadline import CONFIG_SOURCE, Deadline, poll_until_done, resolve, wait_work
 
 SHORT = Deadline(0.2, "test")
@@ -336,7 +336,7 @@ def _device_flush(comm, flush: int) -> None:
 
 
 def test_torch_dist_on_nccl_never_blocks_the_host_per_flush():
-    from owner_reduce.runtime.comm import TorchDistComm
+    from owner_reduce.runtime.torch_comm import TorchDistComm
 
     tdist = FakeTdist(complete=False)  # a peer stalls: nothing ever completes
     comm = TorchDistComm(FakeGroup(), tdist=tdist)
@@ -349,7 +349,7 @@ def test_torch_dist_on_nccl_never_blocks_the_host_per_flush():
 
 
 def test_torch_dist_on_nccl_stall_fails_at_the_next_sync_point_within_the_deadline():
-    from owner_reduce.runtime.comm import TorchDistComm
+    from owner_reduce.runtime.torch_comm import TorchDistComm
 
     group = FakeGroup()
     comm = TorchDistComm(group, tdist=FakeTdist(complete=False))
@@ -373,7 +373,7 @@ def test_torch_dist_on_nccl_stall_fails_at_the_next_sync_point_within_the_deadli
 
 
 def test_torch_dist_on_nccl_sync_point_returns_when_the_works_complete_and_names_a_failed_one():
-    from owner_reduce.runtime.comm import TorchDistComm
+    from owner_reduce.runtime.torch_comm import TorchDistComm
 
     tdist = FakeTdist(complete=False)
     group = FakeGroup()
@@ -398,7 +398,7 @@ def test_torch_dist_on_nccl_sync_point_returns_when_the_works_complete_and_names
 def _levels(dp, node_complete: bool, rail_complete: bool):
     """Data-parallel rank 0's node and rail communicators of two nodes of two ranks, made through ``split`` (so it keeps
     them): its node holds data-parallel ranks 0 and 1, its rail 0 and 2."""
-    from owner_reduce.runtime.comm import TorchDistComm
+    from owner_reduce.runtime.torch_comm import TorchDistComm
 
     made = iter([TorchDistComm(FakeGroup(), tdist=FakeTdist(complete=node_complete)),
                  TorchDistComm(FakeGroup(), tdist=FakeTdist(complete=rail_complete))])
@@ -420,7 +420,7 @@ def test_a_stalled_rail_fails_the_data_parallel_wait_naming_it_and_aborts_every_
     """The runtime waits on the data-parallel communicator only; a two-level flush's rail Reduce that never ends must
     still fail that wait within the deadline, name the rail's call and flush, and abort all three communicators (a
     kernel left on the node or rail communicator would keep the GPU after the error)."""
-    from owner_reduce.runtime.comm import TorchDistComm
+    from owner_reduce.runtime.torch_comm import TorchDistComm
 
     dp = TorchDistComm(FakeGroup(), tdist=FakeTdist(complete=True))
     dp.deadline = SHORT
@@ -440,7 +440,7 @@ def test_a_stalled_rail_fails_the_data_parallel_wait_naming_it_and_aborts_every_
 
 
 def test_a_failed_node_call_is_reported_as_the_node_communicators_and_a_finished_flush_leaves_nothing_in_flight():
-    from owner_reduce.runtime.comm import TorchDistComm
+    from owner_reduce.runtime.torch_comm import TorchDistComm
 
     dp = TorchDistComm(FakeGroup(), tdist=FakeTdist(complete=True))
     dp.deadline = SHORT
@@ -461,7 +461,7 @@ def test_a_failed_node_call_is_reported_as_the_node_communicators_and_a_finished
 
 def test_torch_dist_on_nccl_names_a_coalesced_send_recv_round():
     """NCCL's batch_isend_irecv returns one work for the whole round (torch coalesces it): still one call, named."""
-    from owner_reduce.runtime.comm import TorchDistComm
+    from owner_reduce.runtime.torch_comm import TorchDistComm
 
     tdist = FakeTdist(complete=False, coalesce=True)
     comm = TorchDistComm(FakeGroup(), tdist=tdist)
@@ -476,7 +476,7 @@ def test_torch_dist_on_nccl_names_a_coalesced_send_recv_round():
 
 
 def test_torch_dist_on_gloo_still_waits_on_the_host_within_the_deadline():
-    from owner_reduce.runtime.comm import TorchDistComm
+    from owner_reduce.runtime.torch_comm import TorchDistComm
 
     tdist = FakeTdist(complete=True)
     comm = TorchDistComm(FakeGroup(), tdist=tdist)
@@ -494,7 +494,7 @@ def _gloo_stall(rank: int, world_size: int) -> dict:
     import deepspeed.comm as dist
     from deepspeed.utils import groups
 
-    from owner_reduce.runtime.comm import TorchDistComm
+    from owner_reduce.runtime.torch_comm import TorchDistComm
 
     data_parallel = groups._get_data_parallel_group()
     out = {"group_timeout_s": deadlines.default_group_timeout_s(),
@@ -570,7 +570,7 @@ HAS_CUDA = torch.cuda.is_available()
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.timeout(120)
 def test_real_communicator_aborts_once_on_timeout():
-    comm = nccl_comm.CupyNcclComm(nccl_comm.new_unique_id(), 0, 1)
+    comm = nccl_comm.CupyNcclComm(nccl_binding.new_unique_id(), 0, 1)
     comm.deadline = Deadline(0.1, "test")
     assert comm.all_gather_ints([5]) == [[5]]  # the polled wait of a completed collective
     with pytest.raises(OwnerReduceCommError, match=r"rank 0, flush #1: end_backward timed out"):
@@ -628,7 +628,7 @@ def _torch_nccl_stream_ordered(rank: int, world_size: int) -> dict:
     for them, and the sync point's bounded wait sees them complete."""
     import torch.distributed as dist
 
-    from owner_reduce.runtime.comm import TorchDistComm
+    from owner_reduce.runtime.torch_comm import TorchDistComm
 
     comm = TorchDistComm(dist.group.WORLD)
     buf = torch.arange(8, dtype=torch.float32, device="cuda")
@@ -694,13 +694,13 @@ def test_a_creation_still_blocked_at_the_deadline_says_why_and_ends_the_process(
 _BLOCKED_CREATION = """
 import contextlib, threading, sys, time, types
 import cupy
-from owner_reduce.runtime import deadline, nccl_comm
+from owner_reduce.runtime import deadline, nccl_binding, nccl_comm
 
 class Blocked:  # ncclCommInitRank waiting for a peer that never joins
     def __init__(self, world_size, unique_id, rank):
         threading.Event().wait()
 
-nccl_comm._nccl = lambda: types.SimpleNamespace(NcclCommunicator=Blocked, NCCL_SUM=0)
+nccl_binding.nccl_module = lambda: types.SimpleNamespace(NcclCommunicator=Blocked, NCCL_SUM=0)
 cupy.cuda.Device = lambda device: contextlib.nullcontext()
 flushes = deadline.resolve(1.5, None)  # compile.reduce_to_owner_timeout_s 1.5, no process group
 with deadline.init_window(deadline.for_init(flushes, 1.5, time.monotonic())):  # as the runtime's init makes it
@@ -741,7 +741,7 @@ class _TimingOutTdist(FakeTdist):
 
 
 def test_a_gloo_rail_that_times_out_names_the_global_rank_the_data_parallel_root_and_the_rail():
-    from owner_reduce.runtime.comm import TorchDistComm
+    from owner_reduce.runtime.torch_comm import TorchDistComm
 
     dp = TorchDistComm(FakeGroup(), tdist=FakeTdist())
     dp.deadline = SHORT
@@ -758,7 +758,7 @@ def test_a_gloo_rail_that_times_out_names_the_global_rank_the_data_parallel_root
 def test_torch_sub_groups_are_made_by_their_members_only_and_named_by_their_ranks():
     """A data-parallel group smaller than the job: only this group's ranks split, so every group must be created with
     local synchronization (hashed name) by its members, never by counting groups per process."""
-    from owner_reduce.runtime.comm import TorchDistComm
+    from owner_reduce.runtime.torch_comm import TorchDistComm
 
     made = []
 

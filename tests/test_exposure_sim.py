@@ -19,7 +19,8 @@ from sim_cuda import Sim
 
 from owner_reduce.planning.exposure import MODELLED, OWNER, PROBE_STEPS
 from owner_reduce.planning.flags import OwnerReduceFlags
-from owner_reduce.runtime.nccl_comm import CupyNcclComm, new_unique_id
+from owner_reduce.runtime.nccl_binding import new_unique_id
+from owner_reduce.runtime.nccl_comm import CupyNcclComm
 from owner_reduce.runtime.streams import CudaStreams
 
 GRAPH = 11

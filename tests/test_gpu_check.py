@@ -161,7 +161,7 @@ def test_dry_run_with_the_real_libnccl(tmp_path):
     done = _dry_run(tmp_path)
     assert done.returncode == 0, done.stderr
     nccl = _load("gpu_plan")
-    from owner_reduce.runtime.nccl_comm import nccl_runtime_version
+    from owner_reduce.runtime.nccl_binding import nccl_runtime_version
 
     version = nccl_runtime_version()
     line = next(line for line in done.stdout.splitlines() if line.startswith("NCCL: "))
@@ -271,10 +271,10 @@ def _launched_rank(rank, world_size):
     import contextlib
     import io
 
-    import owner_reduce.runtime.nccl_comm as nccl_comm
+    import owner_reduce.runtime.nccl_binding as nccl_binding
 
     check = _load("nccl_check")
-    nccl_comm.new_unique_id = lambda: b"id-of-rank-%d" % rank
+    nccl_binding.new_unique_id = lambda: b"id-of-rank-%d" % rank
     row = {"dtype": "float32", "elems": 4, "params": 1, "ranges": 1, "reduce_ranges": 1, "allreduce_ranges": 0,
            "owner_share": 1.0, "rtol": 0.0, "atol": 0.0, "bitwise_equal": True, "within_tolerance": True,
            "max_abs_err": 0.0, "received_elems": 2, "allreduce_ms": 1.0 + rank, "owner_ms": 0.5}

@@ -21,9 +21,9 @@ from owner_reduce import OwnerReduceCommError
 from owner_reduce.planning.flags import OwnerReduceFlags
 from owner_reduce.planning.rank_inputs import NCCL_BLOCKING_ENV_VAR, check_nccl_blocking, read_inputs
 from owner_reduce.planning.settings import OwnerReduceSettings
-from owner_reduce.runtime.comm import TorchDistComm
 from owner_reduce.runtime.deadline import Deadline
 from owner_reduce.runtime.handle import OwnerReduceMismatchError
+from owner_reduce.runtime.torch_comm import TorchDistComm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,7 +130,7 @@ def test_a_warm_up_that_never_completes_fails_within_inits_deadline_naming_the_g
 _BLOCKED_WARM_UP = """
 import threading, types, torch
 from owner_reduce.runtime import deadline
-from owner_reduce.runtime.comm import TorchDistComm
+from owner_reduce.runtime.torch_comm import TorchDistComm
 
 class Tdist:  # torch's NCCL backend creating the new group's communicator inside its first call: a peer never joins
     ReduceOp = types.SimpleNamespace(SUM="sum")

@@ -1,6 +1,8 @@
 """The package's folders are its layers: this reads every module's imports (lazy ones too) and refuses a
 product module that imports the harness, a pure planning module that reaches torch.distributed, deepspeed,
-cupy or another layer, and cupy anywhere but the one communicator module."""
+cupy or another layer, cupy anywhere but cupy's binding (``runtime.nccl_binding``), a thread started anywhere but
+``runtime.threads``, an import cycle among the package's modules, and a module that uses another module's private
+name (the tests are not the package: they may reach into it)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "owner_reduce"
-CUPY_HOME = "owner_reduce.runtime.nccl_comm"
+CUPY_HOME = "owner_reduce.runtime.nccl_binding"
 PLANNING_FORBIDDEN = ("torch.distributed", "deepspeed", "cupy")
 
 
@@ -22,21 +24,24 @@ def module_name(path: Path) -> str:
 def imports_of(source: str, module: str, is_package: bool = False) -> set[str]:
     """Every module a source imports, at top level or inside a function, relative imports made absolute
     (``from x import y`` also counts ``x.y``, which may be a submodule)."""
-    package = module if is_package else module.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = import_target(node, module, is_package)
             found.add(target)
             found.update(f"{target}.{alias.name}" for alias in node.names)
     return found
+
+
+def import_target(node: ast.ImportFrom, module: str, is_package: bool = False) -> str:
+    """The module a ``from ... import`` in ``module`` reads from, a relative one made absolute."""
+    if not node.level:
+        return node.module or ""
+    base = (module if is_package else module.rpartition(".")[0]).split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
 
 
 def _within(name: str, prefix: str) -> bool:
@@ -94,6 +99,7 @@ def test_the_import_reader_sees_what_it_must() -> None:
     ("owner_reduce.planning.owner_map", "from deepspeed.utils import logger\n"),
     ("owner_reduce.planning.probe", "from ..runtime.comm import ReduceComm\n"),
     ("owner_reduce.runtime.comm", "import cupy\n"),
+    ("owner_reduce.runtime.nccl_comm", "def f():\n    from cupy.cuda import nccl\n"),
 ])
 def test_negative_control_a_broken_layering_is_refused(module: str, source: str) -> None:
     assert layering_problems(module, imports_of(source, module)), f"{module} with {source!r} passed"
@@ -126,3 +132,166 @@ def test_every_product_thread_starts_on_the_ranks_device() -> None:
 def test_negative_control_a_bare_thread_is_seen() -> None:
     assert thread_starts("import threading\nt = threading.Thread(target=print)\n") == [2]
     assert thread_starts("from threading import Thread\n\ndef f():\n    Thread(target=f).start()\n") == [4]
+
+
+# ---- no import cycle among the package's modules -------------------------------------------------------------------
+
+
+def import_graph(modules: list[tuple[str, set[str]]]) -> dict[str, list[str]]:
+    """Each module's edges to the package's modules it imports (lazy imports too: a cycle closed inside a function is
+    still a cycle a newcomer must untangle), in a stable order."""
+    names = {name for name, _ in modules}
+    return {name: sorted(n for n in imported if n in names and n != name) for name, imported in modules}
+
+
+def import_cycle(graph: dict[str, list[str]]) -> list[str] | None:
+    """A cycle of ``graph`` as its modules in import order, the first repeated at the end (``[a, b, a]``), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done (no cycle through it)
+    path: list[str] = []
+
+    def visit(name: str) -> list[str] | None:
+        state[name] = 1
+        path.append(name)
+        for target in graph[name]:
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (found := visit(target)) is not None:
+                return found
+        path.pop()
+        state[name] = 2
+        return None
+
+    for name in graph:
+        if name not in state and (found := visit(name)) is not None:
+            return found
+    return None
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    cycle = import_cycle(import_graph(all_modules()))
+    assert cycle is None, f"import cycle: {' -> '.join(cycle or [])}"
+
+
+def test_negative_control_an_import_cycle_is_named() -> None:
+    # The shape issue 47 removed: the seam imported the watchdog, the watchdog imported the seam (for its types).
+    sources = {"owner_reduce.runtime.comm": "from .watchdog import FlushWatchdog\n",
+               "owner_reduce.runtime.watchdog": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                                "    from .comm import ReduceComm\n",
+               "owner_reduce.runtime.threads": "import threading\n"}
+    graph = import_graph([(name, imports_of(src, name)) for name, src in sources.items()])
+    assert import_cycle(graph) == ["owner_reduce.runtime.comm", "owner_reduce.runtime.watchdog",
+                                   "owner_reduce.runtime.comm"]
+    # A longer one, closed by a lazy import.
+    sources = {"owner_reduce": "from .wiring import install\n", "owner_reduce.wiring": "from . import install\n",
+               "owner_reduce.wiring.install": "def f():\n    import owner_reduce\n"}
+    graph = import_graph([(name, imports_of(src, name, name.count(".") < 2)) for name, src in sources.items()])
+    assert import_cycle(graph) == ["owner_reduce", "owner_reduce.wiring", "owner_reduce.wiring.install",
+                                   "owner_reduce"]
+    del sources["owner_reduce.wiring.install"]  # the positive control: no cycle without the lazy import back
+    graph = import_graph([(name, imports_of(src, name, name.count(".") < 2)) for name, src in sources.items()])
+    assert import_cycle(graph) is None
+
+
+# ---- a module's private names stay in it ---------------------------------------------------------------------------
+
+# A named tuple's own API is spelled with one underscore but is public (the ``collections.namedtuple`` docs).
+NAMED_TUPLE_API = frozenset({"_replace", "_asdict", "_fields", "_make", "_field_defaults"})
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_definitions(tree: ast.Module) -> set[str]:
+    """The private names a module defines for others to reach: its module-level functions, classes and assigned names,
+    each class's methods and class attributes, and the attributes it assigns on ``self`` or ``cls`` (a function's
+    locals and parameters are no one else's to reach, so a local that shares a name with another library's attribute
+    is not counted). A subclass that overrides a hook defines it too, so the template-method hooks of
+    ``comm.ReduceComm`` (``_group_start``, ``_split``, ...) are each backend's own names."""
+    found: set[str] = set()
+
+    def visit(statements: list[ast.stmt]) -> None:  # module or class level: not inside a function
+        for node in statements:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                found.add(node.name)
+            elif isinstance(node, ast.ClassDef):
+                found.add(node.name)
+                visit(node.body)
+            elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                found.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+            elif isinstance(node, ast.Import | ast.ImportFrom):
+                found.update(alias.asname or alias.name.partition(".")[0] for alias in node.names)
+            else:
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    block = getattr(node, field, None)
+                    if isinstance(block, list):
+                        visit([b for b in block if isinstance(b, ast.stmt)] +
+                              [s for h in block if isinstance(h, ast.ExceptHandler) for s in h.body])
+
+    visit(tree.body)
+    found.update(node.attr for node in ast.walk(tree)
+                 if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                 and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+    return {name for name in found if _private(name)}
+
+
+def private_names_used(sources: dict[str, str]) -> list[str]:
+    """Where a module of ``sources`` (module name -> source) uses a private name of another: ``obj._name`` where
+    ``_name`` is defined in another module and not in this one, or ``from <a package module> import _name``."""
+    trees = {name: ast.parse(source) for name, source in sources.items()}
+    defined = {name: private_definitions(tree) for name, tree in trees.items()}
+    problems = []
+    for module, tree in trees.items():
+        elsewhere: dict[str, str] = {}
+        for other, names in defined.items():
+            if other != module:
+                for name in names - defined[module]:
+                    elsewhere.setdefault(name, other)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in elsewhere and node.attr not in NAMED_TUPLE_API:
+                problems.append(f"{module}:{node.lineno} uses {node.attr} (defined in {elsewhere[node.attr]})")
+            elif isinstance(node, ast.ImportFrom):
+                target = import_target(node, module, any(_within(m, module) and m != module for m in sources))
+                if _within(target, "owner_reduce"):
+                    problems += [f"{module}:{node.lineno} imports {alias.name} from {target}" for alias in node.names
+                                 if _private(alias.name)]
+    return problems
+
+
+def test_no_module_uses_another_modules_private_name() -> None:
+    sources = {module_name(path): path.read_text() for path in sorted(PACKAGE.rglob("*.py"))}
+    assert private_names_used(sources) == []
+
+
+@pytest.mark.parametrize("sources", [
+    # the watchdog driving a communicator through a private method defined in the seam's module (before issue 47)
+    {"owner_reduce.runtime.comm": "class ReduceComm:\n    def _take_for_abort(self):\n        return None\n",
+     "owner_reduce.runtime.watchdog": "def claim(comm):\n    return comm._take_for_abort()\n"},
+    # a backend reading the seam's private state
+    {"owner_reduce.runtime.comm": "class ReduceComm:\n    def __init__(self):\n        self._in_group = False\n",
+     "owner_reduce.runtime.torch_comm": "def f(comm):\n    return comm._in_group\n"},
+    # a private function imported from another module, relatively and absolutely
+    {"owner_reduce.planning.collective_time": "def _traffic(kind, n):\n    return n\n",
+     "owner_reduce.planning.nccl_plan": "from .collective_time import _traffic\n"},
+    {"owner_reduce.planning.collective_time": "def _traffic(kind, n):\n    return n\n",
+     "owner_reduce.runtime.flush": "from owner_reduce.planning.collective_time import _traffic\n"},
+    # writing another module's private name counts as using it
+    {"owner_reduce.runtime.nccl_binding": "_LEFT_OPEN = {}\n",
+     "owner_reduce.runtime.nccl_comm": "from . import nccl_binding\nnccl_binding._LEFT_OPEN = None\n"},
+])
+def test_negative_control_a_private_name_used_across_modules_is_refused(sources: dict[str, str]) -> None:
+    assert private_names_used(sources), f"{sources} passed"
+
+
+def test_what_the_private_name_rule_allows() -> None:
+    # The positive controls: a hook overridden in a subclass's module, a named tuple's ``_replace``, a private name of
+    # another library (torch's ``_base``), and a private import from outside the package.
+    sources = {"owner_reduce.runtime.comm": "class ReduceComm:\n    def _group_start(self):\n        pass\n"
+                                            "    def group(self):\n        self._group_start()\n",
+               "owner_reduce.runtime.torch_comm": "from .comm import ReduceComm\nclass T(ReduceComm):\n"
+                                                  "    def _group_start(self):\n        pass\n",
+               "owner_reduce.runtime.flush": "from torch._C import _nvtx\ndef f(call, buf):\n"
+                                             "    return call._replace(kind='x'), buf._base\n",
+               "owner_reduce.wiring.cpu_compat": "def _replace(module, name, value):\n    pass\n"}
+    assert private_names_used(sources) == []

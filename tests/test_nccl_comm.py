@@ -22,9 +22,10 @@ from fakes import two_gpu_ranks_env
 from owner_reduce.harness.launch import run_ranks
 from owner_reduce.planning.flush_plan import ALL
 from owner_reduce.planning.owner_map import Placement
-from owner_reduce.runtime import nccl_comm
-from owner_reduce.runtime.comm import ReduceComm, TorchDistComm
+from owner_reduce.runtime import nccl_binding, nccl_comm
+from owner_reduce.runtime.comm import ReduceComm
 from owner_reduce.runtime.comm_select import FALLBACK_PREFIX, SelectSteps, combine_reasons, local_readiness, select_comm
+from owner_reduce.runtime.torch_comm import TorchDistComm
 
 nccl = pytest.importorskip("cupy.cuda.nccl")
 HAS_CUDA = torch.cuda.is_available()
@@ -37,44 +38,44 @@ HAS_CUDA = torch.cuda.is_available()
                                              (torch.int32, "NCCL_INT32"), (torch.int8, "NCCL_INT8"),
                                              (torch.uint8, "NCCL_UINT8")])
 def test_dtype_table(dtype, name):
-    assert nccl_comm.nccl_dtype(dtype) == getattr(nccl, name)
+    assert nccl_binding.nccl_dtype(dtype) == getattr(nccl, name)
 
 
 def test_bfloat16_maps_to_nccl_bfloat16():
     if not hasattr(nccl, "NCCL_BFLOAT16"):
         with pytest.raises(TypeError, match="bfloat16.*lacks NCCL_BFLOAT16"):
-            nccl_comm.nccl_dtype(torch.bfloat16)
+            nccl_binding.nccl_dtype(torch.bfloat16)
     else:
-        assert nccl_comm.nccl_dtype(torch.bfloat16) == nccl.NCCL_BFLOAT16 != nccl.NCCL_FLOAT16
+        assert nccl_binding.nccl_dtype(torch.bfloat16) == nccl.NCCL_BFLOAT16 != nccl.NCCL_FLOAT16
 
 
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.bool, torch.int16, torch.float8_e4m3fn])
 def test_unmapped_dtypes_raise_type_error_naming_them(dtype):
     with pytest.raises(TypeError, match=rf"torch\.{str(dtype).removeprefix('torch.')}"):
-        nccl_comm.nccl_dtype(dtype)
+        nccl_binding.nccl_dtype(dtype)
 
 
 def test_op_table():
-    assert nccl_comm.nccl_op("sum") == nccl_comm.nccl_op("SUM") == nccl.NCCL_SUM
+    assert nccl_binding.nccl_op("sum") == nccl_binding.nccl_op("SUM") == nccl.NCCL_SUM
     with pytest.raises(ValueError, match="'avg'"):
-        nccl_comm.nccl_op("avg")
+        nccl_binding.nccl_op("avg")
 
 
 def test_versions():
-    assert nccl_comm.version_tuple(23203) == (2, 32, 3)
-    assert nccl_comm.version_tuple(2708) == (2, 7, 8)
-    major, minor, _ = nccl_comm.nccl_runtime_version()  # the real libnccl, loaded without a GPU
+    assert nccl_binding.version_tuple(23203) == (2, 32, 3)
+    assert nccl_binding.version_tuple(2708) == (2, 7, 8)
+    major, minor, _ = nccl_binding.nccl_runtime_version()  # the real libnccl, loaded without a GPU
     assert (major, minor) >= (2, 0)
 
 
 def test_unique_id_is_128_bytes():
-    uid = nccl_comm.new_unique_id()
-    assert isinstance(uid, bytes) and len(uid) == nccl_comm.UNIQUE_ID_BYTES == 128
-    assert uid != nccl_comm.new_unique_id()
+    uid = nccl_binding.new_unique_id()
+    assert isinstance(uid, bytes) and len(uid) == nccl_binding.UNIQUE_ID_BYTES == 128
+    assert uid != nccl_binding.new_unique_id()
 
 
 def test_failure_names_call_rank_and_cause():
-    error = nccl_comm.failure("reduce(root=3, count=10, dtype=bfloat16)", 1, nccl.NcclError(2))
+    error = nccl_binding.failure("reduce(root=3, count=10, dtype=bfloat16)", 1, nccl.NcclError(2))
     assert isinstance(error, RuntimeError)
     assert str(error).startswith("owner_reduce NCCL reduce(root=3, count=10, dtype=bfloat16) failed on rank 1: "
                                  "NcclError: NCCL_ERROR_SYSTEM_ERROR")
@@ -91,7 +92,7 @@ def test_constructor_checks_arguments():
 def test_creation_without_gpu_raises_runtime_error_naming_rank():
     with pytest.raises(RuntimeError, match=r"owner_reduce NCCL communicator creation \(world_size=1, rank=0.*"
                                            r"failed on rank 0: "):
-        nccl_comm.CupyNcclComm(nccl_comm.new_unique_id(), 0, 1)
+        nccl_comm.CupyNcclComm(nccl_binding.new_unique_id(), 0, 1)
 
 
 # ---- the decision, in process ------------------------------------------------------------------------------
@@ -258,7 +259,7 @@ def _select_and_reduce(steps: SelectSteps | None, block_cupy: bool) -> dict:
 def _scenarios(rank: int, world_size: int, without_gpu: bool) -> dict:
     import torch.distributed as dist
 
-    out = {"uid": nccl_comm.exchange_unique_id(dist.group.WORLD)}
+    out = {"uid": nccl_binding.exchange_unique_id(dist.group.WORLD)}
     if without_gpu:
         # The DeepSpeed accelerator is the CPU one here: the default steps fall back at once.
         out["cpu_accelerator"] = _select_and_reduce(None, block_cupy=False)
@@ -313,7 +314,7 @@ def test_fallback_is_agreed_warned_once_and_results_unchanged(two_ranks, scenari
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.timeout(120)
 def test_one_rank_collectives(dtype):
-    comm = nccl_comm.CupyNcclComm(nccl_comm.new_unique_id(), 0, 1)
+    comm = nccl_comm.CupyNcclComm(nccl_binding.new_unique_id(), 0, 1)
     try:
         buf = torch.arange(10, device="cuda", dtype=dtype)
         expected = buf.clone()

@@ -89,7 +89,7 @@ def test_group_context_closes_on_error():
         with comm.group():
             comm.all_reduce(buf)
             comm.reduce(buf, 1)
-    assert comm.open_groups == 0 and not comm._in_group
+    assert comm.open_groups == 0 and not comm.in_group
     with comm.group():  # usable again
         pass
     with pytest.raises(RuntimeError, match="nested"):
@@ -118,7 +118,7 @@ def test_reduce_scatter_default_is_one_reduce_per_block():
 def _gloo_reduce_scatter_worker(rank, world_size):
     import torch.distributed as dist
 
-    from owner_reduce.runtime.comm import TorchDistComm
+    from owner_reduce.runtime.torch_comm import TorchDistComm
 
     comm = TorchDistComm(dist.group.WORLD)
     buf = torch.arange(3 * world_size, dtype=torch.float32) * (rank + 1)

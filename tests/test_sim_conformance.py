@@ -39,7 +39,8 @@ import torch
 from sim_cuda import Sim, SimError, SimTensor
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PRODUCT_CUPY_MODULES = ("owner_reduce/runtime/nccl_comm.py", "owner_reduce/runtime/comm_select.py")
+PRODUCT_CUPY_MODULES = ("owner_reduce/runtime/nccl_binding.py", "owner_reduce/runtime/nccl_comm.py",
+                        "owner_reduce/runtime/comm_select.py")
 # what the product must be found calling (a scan that finds nothing would compare nothing)
 KNOWN_CALLS = {"NcclCommunicator", "reduce", "allReduce", "reduceScatter", "allGather", "send", "recv", "abort",
                "destroy", "check_async_error", "groupStart", "groupEnd", "get_unique_id", "get_version",

@@ -23,7 +23,8 @@ from torch.distributed import HashStore
 from owner_reduce import OwnerReduceCommError
 from owner_reduce.runtime import deadline as deadlines
 from owner_reduce.runtime import stall_report
-from owner_reduce.runtime.nccl_comm import CupyNcclComm, new_unique_id
+from owner_reduce.runtime.nccl_binding import new_unique_id
+from owner_reduce.runtime.nccl_comm import CupyNcclComm
 
 DEADLINE_S = 1.0
 HANG_BOUND_S = 5.0  # a blocked host wait past this is a hang (each test's bound: the deadline + 4 s)
@@ -106,7 +107,7 @@ def test_a_stalled_peer_in_a_deep_model_fails_every_rank_within_the_deadline(mon
 def test_a_stalled_rail_fails_within_the_deadline_although_the_node_step_waits_behind_it(monkeypatch):
     """Two nodes of two; in the second backward rank 2's rail kernels stop completing. Rank 0's rail kernels spin,
     its later node steps wait behind them (the node stream waits for the compute stream, which waits for the
-    buckets' free events on the rail stream). At the deadline ``_abort_all`` aborts the data-parallel, then the node
+    buckets' free events on the rail stream). At the deadline ``abort_all`` aborts the data-parallel, then the node
     communicator: ``ncclCommAbort(node)`` waits for the node's last kernel, queued behind the rail's spinning one,
     and never returns (``SimHang`` on ranks 0 and 2). Aborting every communicator concurrently returns (the
     mechanism: ``test_sim_cuda.py::test_aborting_both_communicators_concurrently_returns``)."""

@@ -35,7 +35,7 @@ from sim_runtime import check_buffers, connect_comms, cupy_runtimes, train_step
 from test_watchdog import fast
 
 from owner_reduce import OwnerReduceCommError
-from owner_reduce.runtime import nccl_comm, threads
+from owner_reduce.runtime import nccl_binding, nccl_comm, threads
 from owner_reduce.runtime import watchdog as watchdogs
 from owner_reduce.runtime.deadline import Deadline
 
@@ -53,7 +53,7 @@ def _stop_watchdogs():
 def _pair(sim: Sim) -> list[nccl_comm.CupyNcclComm]:
     """The product's communicator on ranks 0 and 1 of one unique id, each with the test's deadline and a watchdog with
     short bounds and a fake end of the process (``test_watchdog.fast``)."""
-    uid = nccl_comm.new_unique_id()
+    uid = nccl_binding.new_unique_id()
     comms = sim.run_ranks(lambda rank: nccl_comm.CupyNcclComm(uid, rank, 2), 2)
     connect_comms(sim, comms)  # as the runtime's init: rank 0 stalls flushes, not a connection setup
     for comm in comms:
@@ -159,7 +159,7 @@ def _event_deaths_of_a_stall() -> tuple[list[str], list[str], int]:
 
 @pytest.mark.timeout(60)
 def test_the_events_of_an_aborted_communicator_die_on_the_main_thread_after_the_aborts():
-    """The watchdog claims the communicator (``_take_for_abort``) with three groups in flight: their events are kept
+    """The watchdog claims the communicator (``take_for_abort``) with three groups in flight: their events are kept
     (``_retired``) and die at ``close`` on rank 1's main thread, none on the watchdog's before its abort returned."""
     early, deaths, kept = _event_deaths_of_a_stall()
     assert early == [] and kept == 3
@@ -168,14 +168,14 @@ def test_the_events_of_an_aborted_communicator_die_on_the_main_thread_after_the_
 
 @pytest.mark.timeout(60)
 def test_negative_control_events_dropped_by_the_claim_die_on_the_watchdog_before_its_aborts(monkeypatch):
-    original = nccl_comm.CupyNcclComm._take_for_abort
+    original = nccl_comm.CupyNcclComm.take_for_abort
 
     def dropping(self):  # the claim as it was: the groups in flight forgotten on the claiming thread
         abort = original(self)
         self._retired.clear()
         return abort
 
-    monkeypatch.setattr(nccl_comm.CupyNcclComm, "_take_for_abort", dropping)
+    monkeypatch.setattr(nccl_comm.CupyNcclComm, "take_for_abort", dropping)
     early, _, _ = _event_deaths_of_a_stall()
     assert early, "no event died on the watchdog's thread"
     assert all("on thread 'owner_reduce flush watchdog' before its aborts returned" in e for e in early), early

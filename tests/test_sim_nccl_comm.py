@@ -17,7 +17,7 @@ from sim_cuda import Sim, SimHang
 from sim_nccl import SimUseAfterFree
 
 from owner_reduce import OwnerReduceCommError
-from owner_reduce.runtime import nccl_comm
+from owner_reduce.runtime import nccl_binding, nccl_comm
 from owner_reduce.runtime.deadline import Deadline
 
 SHORT = Deadline(0.2, "test")
@@ -45,7 +45,7 @@ def _no_flush_watchdog(monkeypatch):
 def _comms(sim, ws, deadline=SHORT):
     """The product's communicator on every rank of one unique id (made on the ranks' threads: init blocks until all
     joined); rank 0's is used from the test's thread, which is rank 0's process."""
-    uid = nccl_comm.new_unique_id()
+    uid = nccl_binding.new_unique_id()
     comms = sim.run_ranks(lambda rank: nccl_comm.CupyNcclComm(uid, rank, ws), ws)
     for comm in comms:
         comm.set_deadline(deadline)
@@ -130,7 +130,7 @@ def test_a_failure_inside_a_group_aborts_the_communicator(sim):
     with pytest.raises(ValueError, match="injected"), comm.group(flush=9):
         raise ValueError("injected")
     assert sim.nccl.calls_of(0) == ["groupStart", "groupEnd", "abort"]
-    assert comm.flush == 9 and not comm._in_group
+    assert comm.flush == 9 and not comm.in_group
     (healthy,) = _comms(sim, 1)  # and a group without error does not abort
     with healthy.group(flush=1):
         pass
@@ -164,7 +164,7 @@ def test_a_failed_call_inside_a_group_ends_the_group_then_aborts_and_raises_that
         comm.reduce(buf[4:], 0)
         raise AssertionError("not reached: the second reduce raises")
     assert sim.nccl.calls_of(0) == ["groupStart", "reduce", "reduce failed", "groupEnd failed", "abort"]
-    assert comm.aborted and not comm._in_group
+    assert comm.aborted and not comm.in_group
     assert str(caught.value).startswith("owner_reduce NCCL reduce(root=0, count=4, dtype=float32) failed on rank 0, "
                                         "flush #5: NcclError: NCCL_ERROR_REMOTE_ERROR")
     # NCCL's group end reported the failed enqueue again: kept as a note, never the error raised
@@ -191,7 +191,7 @@ def test_a_failing_group_end_aborts_after_it_once(sim):
             comm.reduce(buf[:4], 0)
             comm.reduce(buf[4:], 0)
     assert sim.nccl.calls_of(0) == ["groupStart", "reduce", "reduce", "groupEnd failed", "abort"]
-    assert not comm._in_group and sim.nccl.use_after_free == []
+    assert not comm.in_group and sim.nccl.use_after_free == []
 
 
 def test_a_failing_group_start_opens_nothing_and_aborts_at_once(sim):
@@ -199,7 +199,7 @@ def test_a_failing_group_start_opens_nothing_and_aborts_at_once(sim):
     sim.nccl.inject("groupStart", sim_nccl.REMOTE_ERROR)
     with pytest.raises(RuntimeError, match=r"owner_reduce NCCL groupStart failed on rank 0"), comm.group(flush=1):
         raise AssertionError("not reached: the group never opened")
-    assert sim.nccl.calls_of(0) == ["groupStart failed", "abort"] and not comm._in_group
+    assert sim.nccl.calls_of(0) == ["groupStart failed", "abort"] and not comm.in_group
 
 
 @pytest.mark.timeout(60)
@@ -289,18 +289,18 @@ def test_a_stalled_cupy_rail_fails_the_data_parallel_wait_naming_its_call_and_fl
 def test_a_group_leader_that_cannot_create_a_unique_id_fails_every_rank_of_the_split(sim, monkeypatch):
     (comm,) = _comms(sim, 1)
     comm.world_size = 2
-    monkeypatch.setattr(nccl_comm, "new_unique_id", lambda: (_ for _ in ()).throw(RuntimeError("no socket")))
+    monkeypatch.setattr(nccl_binding, "new_unique_id", lambda: (_ for _ in ()).throw(RuntimeError("no socket")))
     sent = []
 
     def gather(values):
         sent.append(values)
-        return [list(values), [1] + [7] * nccl_comm.UNIQUE_ID_BYTES]  # rank 1 (not a leader) is fine
+        return [list(values), [1] + [7] * nccl_binding.UNIQUE_ID_BYTES]  # rank 1 (not a leader) is fine
 
     comm.all_gather_ints = gather
     with pytest.raises(RuntimeError, match=r"data-parallel rank 0 could not create an NCCL unique id for a node or "
                                            r"rail communicator: RuntimeError: no socket"):
         comm._split([[0, 1]])
-    assert sent[0][0] == 0 and len(sent[0]) == 1 + nccl_comm.UNIQUE_ID_BYTES  # the status went out with the gather
+    assert sent[0][0] == 0 and len(sent[0]) == 1 + nccl_binding.UNIQUE_ID_BYTES  # the status went out with the gather
 
 
 def test_a_peer_that_never_joins_the_communicator_blocks_its_creation(sim):
@@ -308,4 +308,4 @@ def test_a_peer_that_never_joins_the_communicator_blocks_its_creation(sim):
     product bounds it by ending the process at the deadline, the sim by its hang bound."""
     sim.hang_bound_s = 0.3
     with pytest.raises(SimHang, match=r"ncclCommInitRank \(rank 0 of 2\).*waiting for ranks \[1\] to join"):
-        nccl_comm.CupyNcclComm(nccl_comm.new_unique_id(), 0, 2)
+        nccl_comm.CupyNcclComm(nccl_binding.new_unique_id(), 0, 2)

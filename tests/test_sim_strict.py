@@ -24,9 +24,10 @@ from sim_cuda import POISON_BYTE, Sim, SimHang, sim_fixture  # noqa: F401 - sim_
 from sim_nccl import SimOverlap
 
 from owner_reduce.runtime import deadline as deadlines
-from owner_reduce.runtime import nccl_comm
-from owner_reduce.runtime.comm import TorchDistComm, pinned
+from owner_reduce.runtime import nccl_binding, nccl_comm
 from owner_reduce.runtime.deadline import Deadline
+from owner_reduce.runtime.host_memory import pinned
+from owner_reduce.runtime.torch_comm import TorchDistComm
 
 POISON_INT64 = int.from_bytes(bytes([POISON_BYTE]) * 8, "little", signed=True)
 
@@ -114,7 +115,7 @@ def test_a_host_read_of_a_non_blocking_copy_it_did_not_wait_for_is_a_race_even_w
 
 
 def _cupy_comms(sim: Sim, ws: int) -> list[nccl_comm.CupyNcclComm]:
-    uid = nccl_comm.new_unique_id()
+    uid = nccl_binding.new_unique_id()
     comms = sim.run_ranks(lambda rank: nccl_comm.CupyNcclComm(uid, rank, ws), ws)
     for comm in comms:
         comm.set_deadline(Deadline(10, "test"))
@@ -272,7 +273,7 @@ def test_negative_control_torch_dist_all_gather_ints_without_the_wait_for_its_co
         monkeypatch.setattr(TorchDistComm, "wait_until", lost_wait)
         assert _gather_on_the_torch_path(sim, monkeypatch) == [[POISON_INT64] * 3] * 2
         assert sim.counters["host read of a pending copy"] == 1 and len(sim.races) == 1, sim.hb_report()
-        assert "by tolist() at runtime/comm.py:" in sim.early_reads[0]
+        assert "by tolist() at runtime/torch_comm.py:" in sim.early_reads[0]
         for release in releases:
             release.set()
 
@@ -287,7 +288,7 @@ def _exchange_on_device(sim: Sim, monkeypatch: pytest.MonkeyPatch) -> bytes:
     tdist = SimTorchNccl(sim, 1, [[1, *UID], [0] * 129])
     for name in ("get_rank", "get_global_rank", "get_backend", "broadcast"):
         monkeypatch.setattr(dist, name, getattr(tdist, name))
-    return nccl_comm.exchange_unique_id(object())
+    return nccl_binding.exchange_unique_id(object())
 
 
 @pytest.mark.timeout(60)
@@ -315,7 +316,7 @@ def test_negative_control_the_unique_ids_broadcast_without_the_wait_for_its_copy
         with pytest.raises(RuntimeError, match="group rank 0 could not create an NCCL unique id"):
             _exchange_on_device(sim, monkeypatch)
         assert sim.counters["host read of a pending copy"] == 1 and len(sim.races) == 1, sim.hb_report()
-        assert "by __int__() at runtime/nccl_comm.py:" in sim.early_reads[0]
+        assert "by __int__() at runtime/nccl_binding.py:" in sim.early_reads[0]
         for release in releases:
             release.set()
 
@@ -349,7 +350,7 @@ def test_a_group_whose_calls_overlap_is_refused_naming_both_calls(sim):
 
 
 def test_the_products_group_over_overlapping_buffers_is_refused(sim):
-    (comm,) = [nccl_comm.CupyNcclComm(nccl_comm.new_unique_id(), 0, 1)]
+    (comm,) = [nccl_comm.CupyNcclComm(nccl_binding.new_unique_id(), 0, 1)]
     buf = torch.zeros(16, device="cuda")
     with pytest.raises(SimOverlap, match=r"runs all_reduce|runs allReduce\(count=8"), comm.group(flush=1):
         comm.all_reduce(buf[:8])

@@ -28,10 +28,10 @@ from sim_cuda import Sim, SimHang
 from sim_runtime import connect_comms
 
 from owner_reduce import OwnerReduceCommError
-from owner_reduce.runtime import nccl_comm
+from owner_reduce.runtime import nccl_binding, nccl_comm
 from owner_reduce.runtime import watchdog as watchdogs
-from owner_reduce.runtime.comm import TorchDistComm
 from owner_reduce.runtime.deadline import BLOCKED_EXIT_CODE, Deadline
+from owner_reduce.runtime.torch_comm import TorchDistComm
 
 DEADLINE = Deadline(0.4, "test")
 HANG_S = 20.0  # what a test waits at most for the code under test (so a regression fails instead of hanging)
@@ -43,7 +43,7 @@ def _comms(sim, ws, connect=True):
     """The product's communicator on every rank of one unique id (made on the ranks' threads: init blocks until all
     joined), each with the test's deadline and its watchdog's fake end of the process (``fast``): no watchdog here ends
     the test's process."""
-    uid = nccl_comm.new_unique_id()
+    uid = nccl_binding.new_unique_id()
     comms = sim.run_ranks(lambda rank: nccl_comm.CupyNcclComm(uid, rank, ws), ws)
     if connect:
         connect_comms(sim, comms)  # as the runtime's init: the peers stall flushes, not a connection setup
@@ -208,7 +208,7 @@ def test_an_abort_that_does_not_return_is_bounded_and_named():
         _flush(f.rail, 2)
         started = time.monotonic()
         with pytest.raises(TimeoutError, match=r"the abort of the rail communicator did not return within 0\.3 s"):
-            f.dp._abort_all()
+            f.dp.watchdog.abort_all()
         assert time.monotonic() - started < 0.3 + 2.0
         assert all(f.members[n].freed for n in ("data-parallel", "node", "node hand-off"))
         assert not f.members["rail"].freed  # its abort still waits
@@ -218,10 +218,10 @@ def test_an_abort_that_does_not_return_is_bounded_and_named():
 
 @pytest.mark.timeout(60)
 def test_communicators_left_open_are_aborted_at_exit_never_destroyed(monkeypatch):
-    monkeypatch.setattr(nccl_comm, "_LEFT_OPEN", {})
+    monkeypatch.setattr(nccl_binding, "_LEFT_OPEN", {})
     registered = []
-    monkeypatch.setattr(nccl_comm, "_EXIT_HANDLER", False)
-    monkeypatch.setattr(nccl_comm.atexit, "register", registered.append)
+    monkeypatch.setattr(nccl_binding, "_EXIT_HANDLER", False)
+    monkeypatch.setattr(nccl_binding.atexit, "register", registered.append)
     # Both simulated ranks share this Python process's exit handler, which aborts rank 1's communicators from rank 0's
     # thread on rank 1's device: a context no real process (one GPU each) makes, so contexts are not checked here.
     with Sim(hang_bound_s=HANG_BOUND_S, strict_contexts=False) as sim:
@@ -230,14 +230,14 @@ def test_communicators_left_open_are_aborted_at_exit_never_destroyed(monkeypatch
                    for name, comms in (("left", left), ("closed", closing), ("aborted", aborting))}
         sim.run_ranks(lambda rank: closing[rank].close(), 2)  # drained: destroyed, and no longer left open
         aborting[0]._abort()
-        assert registered == [nccl_comm._abort_left_open]  # once
+        assert registered == [nccl_binding._abort_left_open]  # once
         before = _aborts(sim)
-        nccl_comm._abort_left_open()
+        nccl_binding._abort_left_open()
         assert all(m.aborted and not m.destroyed for m in members["left"]), members["left"]
         assert all(m.destroyed and not m.aborted for m in members["closed"]), members["closed"]
         assert members["aborted"][0].aborted and members["aborted"][1].aborted  # rank 1's was still open
         assert _aborts(sim) == before + 1  # rank 0: the one left open; the one aborted already, not again
-        assert nccl_comm._LEFT_OPEN == {}
+        assert nccl_binding._LEFT_OPEN == {}
 
 
 # ---- the flush watchdog (finding 1) --------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ def stalled_peer_main(world_size: int, stall_rank: int, layers: int, kernels: in
     from sim_cuda import Sim
     from sim_runtime import GRAPH, make_runtime
 
-    from owner_reduce.runtime import nccl_comm
+    from owner_reduce.runtime import nccl_binding, nccl_comm
 
     numels = [256, 16] * layers  # a weight and a bias per layer
     owner_map = flat_map(numels, world_size)
@@ -53,7 +53,7 @@ def stalled_peer_main(world_size: int, stall_rank: int, layers: int, kernels: in
     store = HashStore()  # torch's default store of a real job: the ranks' stall marks (``stall_report``)
     stall_report.default_store = lambda: store
     with Sim(hang_bound_s=30.0) as sim:  # launch_bound: the default, about a thousand
-        uid = nccl_comm.new_unique_id()
+        uid = nccl_binding.new_unique_id()
 
         def rank_main(rank: int) -> dict:
             rt = make_runtime(owner_map, rank, lambda group: nccl_comm.CupyNcclComm(uid, rank, world_size),
@@ -142,10 +142,10 @@ def test_a_stalled_peer_in_a_deep_model_fails_every_survivor_within_the_deadline
 def _pair(sim, deadline_s: float):
     from sim_runtime import connect_comms
 
-    from owner_reduce.runtime import nccl_comm
+    from owner_reduce.runtime import nccl_binding, nccl_comm
     from owner_reduce.runtime.deadline import Deadline
 
-    uid = nccl_comm.new_unique_id()
+    uid = nccl_binding.new_unique_id()
     comms = sim.run_ranks(lambda rank: nccl_comm.CupyNcclComm(uid, rank, 2), 2)
     connect_comms(sim, comms)  # as the runtime's init (``comm`` Note (lazy connections))
     for comm in comms:

@@ -465,12 +465,12 @@ def latency_us(kind: str, topo: Topology, protocol: int, algo: str = RING) -> fl
     return table(kind, topo)[(algo, protocol)][0]
 
 
-def _traffic(kind: str, nbytes: int) -> int:
+def traffic_bytes(kind: str, nbytes: int) -> int:
     """enqueue.cc 91-102 ``trafficBytes``: AllReduce 2x, ReduceScatter nRanks x its receive count (its input)."""
     return 2 * nbytes if kind == ALLREDUCE else nbytes
 
 
-def _sorter_bin(traffic: int) -> int:
+def sorter_bin(traffic: int) -> int:
     """comm.h 381-388: the collective sorter's bin (u32fpEncode of KiB with 4 bins per power of two)."""
     x = min(SORTER_MAX_BYTES, traffic) >> SORTER_UNIT_LOG2
     log2x = _log2i(x | 1)
@@ -497,15 +497,15 @@ def aggregates(calls: Iterable[tuple[str, int]]) -> tuple[Aggregate, ...]:
     for index, (kind, nbytes) in enumerate(calls):
         if nbytes <= 0:
             continue
-        by_kind.setdefault(kind, []).append((_sorter_bin(_traffic(kind, nbytes)), index, nbytes))
+        by_kind.setdefault(kind, []).append((sorter_bin(traffic_bytes(kind, nbytes)), index, nbytes))
     out: list[Aggregate] = []
     for kind in (k for k in KINDS if k in by_kind):
         tasks = sorted(by_kind[kind], key=lambda t: (t[0], -t[1]))
         i = 0
         while i < len(tasks):
-            first = _traffic(kind, tasks[i][2])
+            first = traffic_bytes(kind, tasks[i][2])
             j, total = i, 0
-            while j < len(tasks) and (j == i or _traffic(kind, tasks[j][2]) < 4 * first):
+            while j < len(tasks) and (j == i or traffic_bytes(kind, tasks[j][2]) < 4 * first):
                 total += tasks[j][2]
                 j += 1
             out.append(Aggregate(kind, j - i, total))

@@ -35,7 +35,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .collective_time import ALLREDUCE, KINDS, LL, PROTOCOLS, REDUCE, Topology, _sorter_bin, _traffic, best_algo, table
+from .collective_time import (
+    ALLREDUCE,
+    KINDS,
+    LL,
+    PROTOCOLS,
+    REDUCE,
+    Topology,
+    best_algo,
+    sorter_bin,
+    table,
+    traffic_bytes,
+)
 
 MIN_TRAFFIC_PER_CHANNEL = 32 << 10  # enqueue.cc 585
 WORK_BYTES = 128  # sizeof(ncclDevWorkColl), src/include/device.h 284-316
@@ -96,7 +107,7 @@ def plan_group(calls: Iterable[tuple[str, int]], topo: Topology) -> GroupPlan:
         return GroupPlan((), (), 0, 0)
     nc = topo.n_comm_channels
     per_channel = -(-len(listed) // nc)
-    keyed = sorted(listed, key=lambda t: (_sorter_bin(_traffic(t[0], t[1])), -t[2]))
+    keyed = sorted(listed, key=lambda t: (sorter_bin(traffic_bytes(t[0], t[1])), -t[2]))
     first_out = {}
     for kind, _, _ in reversed(keyed):  # the sorter's dequeue order: the largest first
         first_out.setdefault(kind, len(first_out))
@@ -106,13 +117,13 @@ def plan_group(calls: Iterable[tuple[str, int]], topo: Topology) -> GroupPlan:
         ascending = [t for t in keyed if t[0] == kind]
         i = 0
         while i < len(ascending):
-            first = _traffic(kind, ascending[i][1])
+            first = traffic_bytes(kind, ascending[i][1])
             j = i
-            while j < len(ascending) and (j == i or _traffic(kind, ascending[j][1]) < 4 * first):
+            while j < len(ascending) and (j == i or traffic_bytes(kind, ascending[j][1]) < 4 * first):
                 j += 1
             _, algo, proto = best_algo(kind, sum(t[1] for t in ascending[i:j]), topo, per_channel, physical=False)
             for kind_, nbytes, _ in ascending[i:j]:
-                traffic = _traffic(kind_, nbytes) * (4 if proto == PROTOCOLS[LL] else 1)
+                traffic = traffic_bytes(kind_, nbytes) * (4 if proto == PROTOCOLS[LL] else 1)
                 tasks.append(Task(kind_, nbytes, aggregate, algo, proto, traffic))
             aggregate += 1
             i = j

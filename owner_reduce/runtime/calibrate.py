@@ -292,7 +292,7 @@ def describe(comm: ReduceComm, process_group: Any = None) -> tuple[torch.device,
     """(device, backend, device name, software versions) of the communicator ``select_comm`` gave."""
     import torch.distributed as dist
 
-    from .comm import TorchDistComm
+    from .torch_comm import TorchDistComm
 
     software = [("torch", torch.__version__.split("+")[0])]
     device_index = getattr(comm, "device", None)
@@ -308,7 +308,7 @@ def describe(comm: ReduceComm, process_group: Any = None) -> tuple[torch.device,
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         try:
-            from .nccl_comm import nccl_runtime_version
+            from .nccl_binding import nccl_runtime_version
 
             software.append(("nccl", ".".join(map(str, nccl_runtime_version()))))
         except Exception:  # noqa: BLE001 - only a label: torch's own NCCL then

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..planning.wording import ranks_phrase
-from .comm import ReduceComm, TorchDistComm
+from .comm import ReduceComm
+from .torch_comm import TorchDistComm
 
 FALLBACK_PREFIX = "owner_reduce: reducing through torch.distributed instead of cupy NCCL"
 
@@ -29,7 +30,7 @@ def local_readiness(accelerator: str) -> str | None:
     if accelerator != "cuda":
         return f"the DeepSpeed accelerator is '{accelerator}', not 'cuda'"
     try:
-        from .nccl_comm import nccl_runtime_version
+        from .nccl_binding import nccl_runtime_version
 
         nccl_runtime_version()
     except Exception as error:  # noqa: BLE001 - ImportError for cupy/libnccl, anything else alike

@@ -709,13 +709,13 @@ class OwnerReduceRuntime:
     def _settings_line(self, deadline: Any, bucket_size: int, process_group: Any) -> str:
         """The settings line (``planning.settings.settings_line``) of what this runtime runs with and on; where cupy's
         NCCL and torch's differ in major.minor, a warning before it (``planning.settings.nccl_mismatch``)."""
-        import owner_reduce
+        from ..version import __version__
 
         comm = self.comm
         cupy_nccl = torch_nccl = None
         backend = None
         if comm.name == "cupy-nccl":
-            from .nccl_comm import nccl_version
+            from .nccl_binding import nccl_version
 
             cupy_nccl = nccl_version()
         elif comm.name == "torch.distributed":
@@ -734,7 +734,7 @@ class OwnerReduceRuntime:
         setup = RunSetup(transport=transport_text(comm.name, backend, cupy_nccl, torch_nccl),
                          world_size=comm.world_size,
                          nodes=layout.describe() if layout is not None else "nodes unknown",
-                         bucket_elems=bucket_size, version=owner_reduce.__version__)
+                         bucket_elems=bucket_size, version=__version__)
         s = self.settings
         if s.verdicts_path is None:
             verdicts = "none"

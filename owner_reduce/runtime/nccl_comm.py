@@ -3,8 +3,8 @@
 Why a communicator of our own: torch's NCCL process group has no grouped ``ncclReduce`` to a chosen root
 that we could batch with AllReduces in one ``ncclGroupStart/End``, and DeepCompile's native runtime owns its
 communicator the same way (z1.cpp). The requested form is Python only, so NCCL is reached through cupy's
-binding; this is the only module of the package that imports cupy, and it does so lazily, so that importing
-owner_reduce never needs cupy or a GPU.
+binding, and only through ``nccl_binding`` (the only module of the package that imports cupy, lazily, so that
+importing owner_reduce never needs cupy or a GPU).
 
 The communicator mirrors the data-parallel group: group rank 0 creates the unique id, it is broadcast over
 that torch process group (gloo or NCCL), and every rank builds ``NcclCommunicator(ws, uid, group_rank)`` on
@@ -84,214 +84,24 @@ never joins ends the waiting ranks' processes at the deadline (``deadline`` Note
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from types import ModuleType
 from typing import Any, NamedTuple
 
 import torch
 
-from ..planning.settings import nccl_version_of_code
 from ..planning.wording import by_reason, ranks_phrase
 from . import deadline as deadlines
+from . import nccl_binding as binding
 from . import threads
-from . import watchdog as watchdogs
-from .comm import ReduceComm, pinned
-
-UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId)
-
-# torch dtype -> name of cupy's NCCL constant; resolved on use, so a cupy without one leaves it unmapped.
-_DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float32: "NCCL_FLOAT32",
-    torch.float16: "NCCL_FLOAT16",
-    torch.bfloat16: "NCCL_BFLOAT16",
-    torch.float64: "NCCL_FLOAT64",
-    torch.int64: "NCCL_INT64",
-    torch.int32: "NCCL_INT32",
-    torch.int8: "NCCL_INT8",
-    torch.uint8: "NCCL_UINT8",
-}
-_OP_NAMES: dict[str, str] = {"sum": "NCCL_SUM"}
-
-
-def _nccl() -> ModuleType:
-    from cupy.cuda import nccl
-
-    return nccl
-
-
-def nccl_version() -> tuple[int, int, int] | None:
-    """The NCCL cupy loaded (``ncclGetVersion``) as (major, minor, patch), or None where it cannot be loaded: the
-    settings line names it beside torch's (issue 48)."""
-    try:
-        code = int(_nccl().get_version())
-    except Exception:  # noqa: BLE001 - no cupy, or no libnccl for it: nothing to name
-        return None
-    return nccl_version_of_code(code)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def nccl_dtype(dtype: torch.dtype) -> int:
-    """NCCL's data type for a torch dtype; TypeError naming the dtype when there is none (never a guess)."""
-    name = _DTYPE_NAMES.get(dtype)
-    value = getattr(_nccl(), name, None) if name else None
-    if value is None:
-        supported = ", ".join(_dtype_name(d) for d in _DTYPE_NAMES)
-        raise TypeError(f"owner_reduce: no NCCL data type for torch.{_dtype_name(dtype)} "
-                        f"(mapped: {supported}{'' if name is None else f'; this cupy lacks {name}'})")
-    return int(value)
-
-
-def nccl_op(op: str) -> int:
-    """NCCL's reduction op by name ("sum"); ValueError naming the op otherwise."""
-    name = _OP_NAMES.get(op.lower())
-    if name is None:
-        raise ValueError(f"owner_reduce: no NCCL reduction op {op!r} (mapped: {', '.join(_OP_NAMES)})")
-    return int(getattr(_nccl(), name))
-
-
-def version_tuple(code: int) -> tuple[int, int, int]:
-    """``ncclGetVersion``'s integer as (major, minor, patch): 23203 -> (2, 32, 3); 2708 -> (2, 7, 8)."""
-    if code >= 10000:  # NCCL_VERSION_CODE since 2.9: major*10000 + minor*100 + patch
-        return code // 10000, code // 100 % 100, code % 100
-    return code // 1000, code // 100 % 10, code % 100
-
-
-def nccl_runtime_version() -> tuple[int, int, int]:
-    """The NCCL library cupy loads; ImportError if cupy or libnccl is missing. Needs no GPU."""
-    nccl = _nccl()
-    if not getattr(nccl, "available", True):
-        raise ImportError("cupy is installed without a loadable NCCL library (libnccl)")
-    try:
-        code = int(nccl.get_version())
-    except Exception as error:  # noqa: BLE001 - a missing libnccl surfaces here with cupy's lazy loading
-        raise ImportError(f"libnccl could not be loaded: {type(error).__name__}: {error}") from error
-    return version_tuple(code)
-
-
-def new_unique_id() -> bytes:
-    """A fresh ``ncclUniqueId`` as 128 bytes (cupy >= 14 returns bytes; older cupy a tuple of signed chars)."""
-    uid = _nccl().get_unique_id()
-    data = uid if isinstance(uid, bytes) else bytes(b & 0xFF for b in uid)
-    if len(data) != UNIQUE_ID_BYTES:
-        raise RuntimeError(f"owner_reduce: NCCL unique id has {len(data)} bytes, expected {UNIQUE_ID_BYTES}")
-    return data
-
-
-def failure(what: str, who: int | str, error: BaseException) -> RuntimeError:
-    """The error raised for a failed NCCL call: which call, with which arguments, on which rank (``who``: a rank, or
-    ``rank 5, flush #3`` from the communicator: ``comm`` Note (names)), and why."""
-    where = f"rank {who}" if isinstance(who, int) else who
-    return RuntimeError(f"owner_reduce NCCL {what} failed on {where}: {type(error).__name__}: {error}")
-
-
-def _group_or_world(process_group: Any) -> Any:
-    import torch.distributed as dist
-
-    return dist.group.WORLD if process_group is None else process_group
-
-
-def exchange_unique_id(process_group: Any) -> bytes:
-    """Group rank 0 creates the unique id; every rank of ``process_group`` returns the same 128 bytes.
-
-    One broadcast of 129 bytes: a status byte, then the id. If rank 0 cannot create an id, every rank raises
-    (instead of the others waiting for an id that never comes). The tensor lives where the group's backend
-    wants it: on the current CUDA device for NCCL, on the CPU otherwise (gloo).
-    """
-    import torch.distributed as dist
-    from torch._dispatch.python import no_python_dispatcher
-
-    group = _group_or_world(process_group)
-    rank = dist.get_rank(group)
-    payload = torch.zeros(1 + UNIQUE_ID_BYTES, dtype=torch.uint8)
-    problem = ""
-    if rank == 0:
-        try:
-            payload[1:] = torch.frombuffer(bytearray(new_unique_id()), dtype=torch.uint8)
-            payload[0] = 1
-        except Exception as error:  # noqa: BLE001 - reported to every rank through the status byte
-            problem = f": {type(error).__name__}: {error}"
-    src = dist.get_global_rank(group, 0)
-    if "nccl" in str(dist.get_backend(group)):
-        data = _broadcast_on_device(payload, src, group, rank)
-    else:
-        with no_python_dispatcher():
-            dist.broadcast(payload, src=src, group=group)
-        data = payload
-    if int(data[0]) != 1:
-        raise RuntimeError(f"owner_reduce: group rank 0 could not create an NCCL unique id{problem}")
-    return bytes(data[1:].tolist())
-
-
-def _broadcast_on_device(payload: torch.Tensor, src: int, group: Any, rank: int) -> torch.Tensor:
-    """``payload`` broadcast from ``src`` over an NCCL process group, without a blocking copy (Note (no blocking copy)
-    in ``CupyNcclComm.all_gather_ints``): to the device by a non-blocking copy, the broadcast's work polled within the
-    deadline (init's, inside its window), then back by a non-blocking copy, waited for the same way."""
-    import torch.distributed as dist
-    from torch._dispatch.python import no_python_dispatcher
-
-    device = torch.device("cuda", torch.cuda.current_device())
-    on_device = torch.empty_like(payload, device=device)
-    on_device.copy_(pinned(payload), non_blocking=True)
-    with no_python_dispatcher():
-        work = dist.broadcast(on_device, src=src, group=group, async_op=True)
-    work.block_current_stream()  # the stream waits for it, the host does not
-    deadline = deadlines.from_environment()
-    what = "broadcast of the NCCL unique id (over the data-parallel process group)"
-
-    def failed() -> str | None:
-        error = work.exception() if work.is_completed() else None
-        return None if error is None else f"{type(error).__name__}: {deadlines.first_line(error)}"
-
-    deadlines.poll_until_done(lambda: bool(work.is_completed()), deadline=deadline, rank=_process_rank(rank),
-                              flush=None, call=what, check_error=failed)
-    back = pinned(torch.empty_like(payload))
-    back.copy_(on_device, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-    deadlines.poll_until_done(copied.query, deadline=deadline, rank=_process_rank(rank), flush=None,
-                              call=f"{what}: its copy to the host")
-    return back
-
-
-# id(handle) -> (a cupy NcclCommunicator neither aborted nor destroyed yet, its CUDA device)
-_LEFT_OPEN: dict[int, tuple[Any, int]] = {}
-_EXIT_HANDLER = False  # _abort_left_open is registered with atexit
-
-
-def _left_open(handle: Any, device: int) -> None:
-    """Note (left open at exit): cupy's ``NcclCommunicator.__dealloc__`` calls ``ncclCommDestroy``, which waits for the
-    communicator's kernels in flight, forever where a peer stalled. So every handle is kept here until it is aborted or
-    destroyed (its ``NcclCommunicator`` never deallocated before), and at exit whatever is left is aborted, all at
-    once, within the watchdog's abort bound: never destroyed. (A communicator dropped without ``close`` keeps its NCCL
-    resources until exit.)"""
-    global _EXIT_HANDLER  # registered once per process
-    if not _EXIT_HANDLER:
-        atexit.register(_abort_left_open)
-        _EXIT_HANDLER = True
-    _LEFT_OPEN[id(handle)] = (handle, device)
-
-
-def _abort_left_open() -> None:
-    watchdogs.stop_all()  # no watchdog claims a communicator meanwhile
-    handles = [h for h in (_LEFT_OPEN.pop(key, None) for key in list(_LEFT_OPEN)) if h is not None]
-    stuck, _ = watchdogs.abort_concurrently([(f"left-open #{i}", h.abort, device)
-                                             for i, (h, device) in enumerate(handles)], watchdogs.ABORT_BOUND_S)
-    if stuck:
-        import sys
-
-        sys.stderr.write(f"owner_reduce: at exit, {len(stuck)} of {len(handles)} NCCL communicators left open did not "
-                         f"finish their abort within {watchdogs.ABORT_BOUND_S:g} s\n")
+from .comm import ReduceComm, check_scatter
+from .host_memory import pinned
 
 
 class _IssuedGroup(NamedTuple):
     """A group (or a call outside one) issued on the device, until an event recorded after it completes: what a
-    stalled wait names (``_first_unfinished``), as ``comm._InFlight`` does for torch's works."""
+    stalled wait names (``first_unfinished``), as ``torch_comm._InFlight`` does for torch's works."""
 
     event: Any  # a torch.cuda.Event recorded on the call's stream after it
     flush: int | None
@@ -311,22 +121,6 @@ class _BufferView(NamedTuple):
     nccl_dtype: int
 
 
-def _process_rank(fallback: int) -> int:
-    """This process's global rank (torch.distributed's), which names it in the launcher's logs; a node or rail
-    communicator's own rank is another number. ``fallback`` without a process group."""
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else fallback
-
-
-def _current_cuda_device() -> int:
-    """torch's current CUDA device; where torch sees no CUDA, cupy's (which then fails with CUDA's own error)."""
-    if torch.cuda.is_available():
-        return torch.cuda.current_device()
-    import cupy
-
-    return int(cupy.cuda.runtime.getDevice())
-
 
 class CupyNcclComm(ReduceComm):
     """An NCCL communicator over the data-parallel group, driven through cupy on torch CUDA buffers.
@@ -343,8 +137,9 @@ class CupyNcclComm(ReduceComm):
     def __init__(self, unique_id: bytes, rank: int, world_size: int, *, device: int | None = None,
                  stream: torch.cuda.Stream | None = None) -> None:
         super().__init__(rank, world_size)
-        if len(unique_id) != UNIQUE_ID_BYTES:
-            raise ValueError(f"owner_reduce: NCCL unique id must have {UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
+        if len(unique_id) != binding.UNIQUE_ID_BYTES:
+            raise ValueError(f"owner_reduce: NCCL unique id must have {binding.UNIQUE_ID_BYTES} bytes, "
+                             f"got {len(unique_id)}")
         if not 0 <= rank < world_size:
             raise ValueError(f"owner_reduce: rank {rank} outside 0..{world_size - 1}")
         self.stream = stream
@@ -359,15 +154,14 @@ class CupyNcclComm(ReduceComm):
         self._retired: list[_IssuedGroup] = []  # an aborted communicator's groups: Note (events outlive the aborts)
         self._make_event: Callable[[], Any] = torch.cuda.Event  # tests: a fake
         self._first_call: tuple[str, str | None, int, int, torch.dtype] | None = None  # the open group's first call
-        self.global_rank = _process_rank(rank)
+        self.global_rank = binding.process_rank(rank)
         what = f"communicator creation (world_size={world_size}, rank={rank}, device={device})"
         try:
-            import cupy
-
-            nccl = _nccl()
+            cupy = binding.cupy_module()
+            nccl = binding.nccl_module()
             self._cupy = cupy
-            self._sum = nccl_op("sum")  # resolved once: the flush only sums
-            self.device = _current_cuda_device() if device is None else int(device)
+            self._sum = binding.nccl_op("sum")  # resolved once: the flush only sums
+            self.device = binding.current_device() if device is None else int(device)
             self.cuda_device = self.device  # the device the flush watchdog's and the aborts' threads set
             what = f"communicator creation (world_size={world_size}, rank={rank}, device=cuda:{self.device})"
             with cupy.cuda.Device(self.device):  # deadline.py Note (a blocking init)
@@ -375,9 +169,9 @@ class CupyNcclComm(ReduceComm):
                     lambda: nccl.NcclCommunicator(world_size, unique_id, rank), deadline=self.deadline,
                     rank=self.global_rank,
                     what=f"ncclCommInitRank (world_size={world_size}, rank={rank}, device=cuda:{self.device})")
-            _left_open(self._comm, self.device)
+            binding.remember_open(self._comm, self.device)
         except Exception as error:  # noqa: BLE001 - every cause becomes one RuntimeError naming the call
-            raise failure(what, self.global_rank, error) from error
+            raise binding.failure(what, self.global_rank, error) from error
 
     @classmethod
     def from_process_group(cls, process_group: Any, *, stream: torch.cuda.Stream | None = None) -> CupyNcclComm:
@@ -388,14 +182,14 @@ class CupyNcclComm(ReduceComm):
         import torch.distributed as dist
         from torch._dispatch.python import no_python_dispatcher
 
-        group = _group_or_world(process_group)
-        unique_id = exchange_unique_id(group)
+        group = binding.group_or_world(process_group)
+        unique_id = binding.exchange_unique_id(group)
         # ncclCommInitRank blocks until every rank joins: settle everything that can fail on one rank alone
         # (cupy, the device) first, and agree on it, so that no rank waits in an init its peers never reach.
         device, problem = None, None
         try:
-            _nccl()
-            device = _current_cuda_device()
+            binding.nccl_module()
+            device = binding.current_device()
         except Exception as error:  # noqa: BLE001 - agreed on below
             problem = f"{type(error).__name__}: {error}"
         problems: list[str | None] = [None] * dist.get_world_size(group)
@@ -421,7 +215,7 @@ class CupyNcclComm(ReduceComm):
     def reduce_scatter(self, buf: torch.Tensor, per_rank: int) -> None:
         """One ncclReduceScatter, in place: NCCL allows ``recvbuff == sendbuff + rank * recvcount``, so this rank's
         block of ``buf`` receives its sum and no other buffer is needed."""
-        self._check_scatter(buf, per_rank)
+        check_scatter(self, buf, per_rank)
         offset = self.rank * per_rank * buf.element_size()
         self._collective(buf, "reduce_scatter", "per_rank", per_rank,
                          lambda comm, ptr, n, dt, op, s: comm.reduceScatter(ptr, ptr + offset, per_rank, dt, op, s))
@@ -450,7 +244,7 @@ class CupyNcclComm(ReduceComm):
         ``wait_until``), and only then copies the result back (non-blocking into pinned memory, that copy waited for
         the same way): a pageable buffer (where pinning is unavailable) can make a copy synchronous, but never behind
         an unfinished collective."""
-        if self._in_group:
+        if self.in_group:
             raise RuntimeError(f"{self.name}: all_gather_ints inside a collective group on rank {self.rank}")
         count = len(values)
         device = torch.device("cuda", self.device)
@@ -463,7 +257,7 @@ class CupyNcclComm(ReduceComm):
             local.copy_(host, non_blocking=True)
         what = f"all_gather(count={count}, dtype=int64)"
         self._call(what, lambda: self._live(what).allGather(local.data_ptr(), out.data_ptr(), count,
-                                                            nccl_dtype(torch.int64), stream.cuda_stream))
+                                                            binding.nccl_dtype(torch.int64), stream.cuda_stream))
         self._wait_for_event(stream, what)
         back = pinned(torch.empty(self.world_size * count, dtype=torch.int64))
         with torch.cuda.stream(stream):
@@ -486,10 +280,10 @@ class CupyNcclComm(ReduceComm):
         mine = next((g for g in groups if self.rank in g), None)
         if mine is None:
             raise ValueError(f"owner_reduce: rank {self.rank} is in none of the groups {[list(g) for g in groups]}")
-        status, uid, cause = 1, bytes(UNIQUE_ID_BYTES), ""
+        status, uid, cause = 1, bytes(binding.UNIQUE_ID_BYTES), ""
         if mine[0] == self.rank:
             try:
-                uid = new_unique_id()
+                uid = binding.new_unique_id()
             except Exception as error:  # noqa: BLE001 - agreed on below, then raised on every rank
                 status, cause = 0, f": {type(error).__name__}: {error}"
         rows = self.all_gather_ints([status, *uid])
@@ -516,7 +310,7 @@ class CupyNcclComm(ReduceComm):
         self.wait_until(lambda: True, "close (work still in flight on the communicator)")
         self.watchdog.enter(self)
         comm, self._comm = self._comm, None
-        _LEFT_OPEN.pop(id(comm), None)
+        binding.forget_open(comm)
         self.watchdog.leave()
         self.watchdog.forget(self)
         if comm is not None:
@@ -548,7 +342,7 @@ class CupyNcclComm(ReduceComm):
                 deadline=self.deadline, reason="has not returned (its frees wait for every kernel on the GPU, and a "
                                                "kernel outside owner_reduce never finished)")
         if failed:
-            raise failure("communicator destroy" + self.where, self._failed_on(), failed[0]) from failed[0]
+            raise binding.failure("communicator destroy" + self.where, self._failed_on(), failed[0]) from failed[0]
 
     @contextlib.contextmanager
     def group(self, flush: int | None = None) -> Iterator[None]:
@@ -562,7 +356,7 @@ class CupyNcclComm(ReduceComm):
             self._abort_noting(error)  # the base class has ended the group by now
             raise
 
-    def _async_error(self) -> str | None:
+    def async_error(self) -> str | None:
         comm = self._comm
         if comm is None:
             return None
@@ -574,15 +368,15 @@ class CupyNcclComm(ReduceComm):
 
     def _abort(self) -> None:
         """ncclCommAbort of this communicator alone, at most once; inside an open group only asked for."""
-        abort = self._take_for_abort()
+        abort = self.take_for_abort()
         if abort is not None:
             abort()
 
-    def _take_for_abort(self) -> Callable[[], Any] | None:
-        """Claim the handle (``ReduceComm._take_for_abort``): its ``ncclCommAbort`` (which returns without waiting for
-        peers, after this communicator's last kernel; cupy then forgets the handle), at most once. Inside an open group
-        nothing is taken: the abort is only asked for, and done when the group has ended (Note (abort inside a
-        group))."""
+    def take_for_abort(self) -> Callable[[], Any] | None:
+        """Claim the handle (``watch_protocol.Watched.take_for_abort``): its ``ncclCommAbort`` (which returns without
+        waiting for peers, after this communicator's last kernel; cupy then forgets the handle), at most once. Inside an
+        open group nothing is taken: the abort is only asked for, and done when the group has ended (Note (abort inside
+        a group))."""
         if self._group_open:
             self._abort_pending = True
             return None
@@ -593,7 +387,7 @@ class CupyNcclComm(ReduceComm):
         self._issued.clear()
         if comm is None:
             return None
-        _LEFT_OPEN.pop(id(comm), None)
+        binding.forget_open(comm)
         self.aborted = True
         return comm.abort
 
@@ -605,7 +399,7 @@ class CupyNcclComm(ReduceComm):
             self._abort_pending = True
             return
         try:
-            self._abort_all()
+            self.watchdog.abort_all()
         except Exception as abort_error:  # noqa: BLE001 - the first error is the one to report
             deadlines.add_note(error, "aborting the NCCL communicator failed too", abort_error)
 
@@ -619,10 +413,10 @@ class CupyNcclComm(ReduceComm):
         watchdog = self.watchdog
         watchdog.enter(self)
         try:
-            _nccl().groupStart()
+            binding.nccl_module().groupStart()
         except Exception as error:  # noqa: BLE001 - no group is open: the guard goes, then every communicator aborts
             watchdog.leave()
-            raised = failure("groupStart" + self.where, self._failed_on(), error)
+            raised = binding.failure("groupStart" + self.where, self._failed_on(), error)
             self._abort_noting(raised)
             raise raised from error
         self._group_open = True
@@ -634,10 +428,10 @@ class CupyNcclComm(ReduceComm):
         watchdog = self.watchdog
         self._issued_at = watchdog.calling("ncclGroupEnd")  # the group's kernels are launched here
         try:
-            _nccl().groupEnd()
+            binding.nccl_module().groupEnd()
         except Exception as error:  # noqa: BLE001 - the group is ended by then: the guard goes, then the aborts
             watchdog.leave()
-            raised = failure(f"groupEnd ({calls} calls){self.where}", self._failed_on(), error)
+            raised = binding.failure(f"groupEnd ({calls} calls){self.where}", self._failed_on(), error)
             self._abort_noting(raised)
             raise raised from error
         watchdog.leave()
@@ -658,7 +452,7 @@ class CupyNcclComm(ReduceComm):
         if self._group_open:
             self.watchdog.calling("ncclGroupEnd")
             try:
-                _nccl().groupEnd()
+                binding.nccl_module().groupEnd()
             finally:
                 self._group_open = False
                 self.watchdog.leave()
@@ -667,7 +461,7 @@ class CupyNcclComm(ReduceComm):
         """The abort a failure inside the group asked for, now that the guard is released: every communicator; a
         failing abort is not the error (the call's is being raised)."""
         try:
-            self._abort_all()
+            self.watchdog.abort_all()
         except Exception:  # noqa: BLE001, S110 - the call's error is the one to report
             pass
 
@@ -698,13 +492,13 @@ class CupyNcclComm(ReduceComm):
             return view
         if base.device.type != "cuda" or base.device.index != self.device:
             raise ValueError(f"owner_reduce NCCL {what}: buffer on {base.device}, communicator on cuda:{self.device}")
-        dtype = nccl_dtype(base.dtype)
+        dtype = binding.nccl_dtype(base.dtype)
         try:
             # As bytes: cupy has no bfloat16, and NCCL takes its data type from the torch dtype anyway. The capsule
             # asks for no stream synchronization: see Note (DLPack views).
             array = self._cupy.from_dlpack(base.detach().view(torch.uint8).__dlpack__(stream=-1))
         except Exception as error:  # noqa: BLE001 - named with the call and rank
-            raise failure(f"{what}{self.where}: DLPack view of the buffer", self._failed_on(), error) from error
+            raise binding.failure(f"{what}{self.where}: DLPack view of the buffer", self._failed_on(), error) from error
         if array.device.id != self.device:
             raise ValueError(f"owner_reduce NCCL {what}: DLPack view on cuda:{array.device.id}, "
                              f"communicator on cuda:{self.device}")
@@ -725,8 +519,8 @@ class CupyNcclComm(ReduceComm):
                 raise ValueError(f"owner_reduce NCCL {what}: buffer must be contiguous (shape {tuple(buf.shape)}, "
                                  f"stride {buf.stride()})")
             if buf.dtype != base.dtype:
-                raise ValueError(f"owner_reduce NCCL {what}: a {_dtype_name(buf.dtype)} view of a "
-                                 f"{_dtype_name(base.dtype)} buffer")
+                raise ValueError(f"owner_reduce NCCL {what}: a {binding.dtype_name(buf.dtype)} view of a "
+                                 f"{binding.dtype_name(base.dtype)} buffer")
             view = self._view_of(base, what)
         if count == 0:
             return  # every rank skips it alike: counts come from the same plan everywhere
@@ -734,14 +528,14 @@ class CupyNcclComm(ReduceComm):
         stream = self._stream()
         if self.stream is not None:
             buf.record_stream(stream)
-        if not self._in_group:
+        if not self.in_group:
             self._wait_current(stream)
         comm = self._comm
         call = (name, label, value, count, buf.dtype)
         if comm is None:
             self._live(self._call_text(call))
         self._call_lazy(call, lambda: issue(comm, ptr, count, view.nccl_dtype, self._sum, stream.cuda_stream))
-        if self._in_group:
+        if self.in_group:
             if not self._calls_in_group:
                 self._first_call = call
             self._calls_in_group += 1
@@ -753,7 +547,8 @@ class CupyNcclComm(ReduceComm):
         """``reduce(root=1 = data-parallel rank 3, count=8, dtype=bfloat16)`` (``comm`` Note (names))."""
         name, label, value, count, dtype = call
         shown = self.peer_name(value) if label in ("root", "peer") else str(value)
-        return f"{name}({'' if label is None else f'{label}={shown}, '}count={count}, dtype={_dtype_name(dtype)})"
+        return (f"{name}({'' if label is None else f'{label}={shown}, '}count={count}, "
+                f"dtype={binding.dtype_name(dtype)})")
 
     def _failed_on(self) -> str:
         """``rank 5, flush #3`` or ``rank 5 (data-parallel rank 2), outside a flush``: where a call failed."""
@@ -767,7 +562,7 @@ class CupyNcclComm(ReduceComm):
         try:
             return fn()
         except Exception as error:  # noqa: BLE001 - NcclError, CUDARuntimeError: re-raised with rank and call
-            raised = failure(self._call_text(call) + self.where, self._failed_on(), error)
+            raised = binding.failure(self._call_text(call) + self.where, self._failed_on(), error)
             self._abort_noting(raised)  # peers wait in the failed call: stop this rank's side (after the group)
             raise raised from error
 
@@ -783,21 +578,21 @@ class CupyNcclComm(ReduceComm):
         if not self.watchdog.armed:  # after the append: see ``FlushWatchdog._run``
             self.watchdog.arm()
 
-    def _watched(self) -> Sequence[Any]:
+    def watched(self) -> Sequence[Any]:
         return self._issued[:]
 
-    def _entry_done(self, entry: Any) -> bool:
+    def entry_done(self, entry: Any) -> bool:
         return bool(entry.event.query())
 
-    def _entry_watched(self, entry: Any) -> bool:
-        """Note (firing): events are reused, but only after ``_works_done`` dropped their group from ``_issued``, so a
+    def entry_watched(self, entry: Any) -> bool:
+        """Note (firing): events are reused, but only after ``works_done`` dropped their group from ``_issued``, so a
         group still there after its event said "not done" was not done when it said so."""
         return any(g is entry for g in self._issued)
 
-    def _entry_name(self, entry: Any) -> tuple[int | None, str]:
+    def entry_name(self, entry: Any) -> tuple[int | None, str]:
         return entry.flush, self._call_text(entry.first) + ("" if entry.calls == 1 else f" (call 1 of {entry.calls})")
 
-    def _works_done(self) -> bool:
+    def works_done(self) -> bool:
         issued = self._issued
         done = 0
         for group in issued:
@@ -809,7 +604,7 @@ class CupyNcclComm(ReduceComm):
             del issued[:done]
         return not issued
 
-    def _first_unfinished(self) -> tuple[int | None, str] | None:
+    def first_unfinished(self) -> tuple[int | None, str] | None:
         pending = next((g for g in self._issued if not g.event.query()), None)
         if pending is None:
             return None
@@ -829,7 +624,7 @@ class CupyNcclComm(ReduceComm):
         try:
             return fn()
         except Exception as error:  # noqa: BLE001 - NcclError, CUDARuntimeError: re-raised with rank and call
-            raised = failure(what() + self.where, self._failed_on(), error)
+            raised = binding.failure(what() + self.where, self._failed_on(), error)
             if guarded:
                 guarded = False
                 self.watchdog.leave()

@@ -11,7 +11,8 @@ has the same problem and the same answer, which this follows: a watchdog thread 
 event and each communicator's ``ncclCommGetAsyncError``, aborting at the deadline.
 
 One watchdog per data-parallel communicator and the sub-communicators made from it (node, rail, node hand-off: the
-"family", ``comms``); the thread starts with the first group issued and sleeps while nothing is in flight.
+"family", ``comms``); the thread starts with the first group issued and sleeps while nothing is in flight. It reads
+the communicators through their public protocol alone (``watch_protocol.Watched``), so it never imports ``comm``.
 
 Note (guard): ``lock`` is held by the main thread (the thread that issues flushes) in every NCCL call and from
 ``ncclGroupStart`` to ``ncclGroupEnd`` (``enter``/``leave``; a cheap uncontended lock, once per group), and the
@@ -19,8 +20,8 @@ communicators are claimed for an abort only by a thread holding it. Inside it th
 may block on the host (``calling``: ``ncclGroupEnd``, every call outside a group; the calls enqueued inside a group
 only enqueue), which is what tells "inside NCCL" from "in Python inside an open group". So no communicator is ever
 aborted while the main thread has a group open on it (``nccl_comm`` Note (abort inside a group)) or is inside a call
-on it. A claim takes each communicator's NCCL handle away (``ReduceComm._take_for_abort``): from then on the main
-thread's next call on it raises without calling NCCL, the watchdog's error where it recorded one
+on it. A claim takes each communicator's NCCL handle away (``watch_protocol.Watched.take_for_abort``): from then on
+the main thread's next call on it raises without calling NCCL, the watchdog's error where it recorded one
 (``raise_if_failed``).
 
 Note (firing): each poll (``POLL_S``) checks, for every communicator of the family, the oldest group not yet seen
@@ -56,13 +57,11 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import threads
 from .deadline import BLOCKED_EXIT_CODE, OwnerReduceCommError, first_line
-
-if TYPE_CHECKING:
-    from .comm import ReduceComm
+from .watch_protocol import Watched
 
 POLL_S = 0.1  # how often an armed watchdog looks (torch's ProcessGroupNCCL watchdog: 100 ms)
 LOCK_WAIT_S = 1.0  # how long the main thread may stay inside one NCCL call once a deadline passed
@@ -86,11 +85,11 @@ class FlushWatchdog:
     grace_s = GRACE_S
     end: Callable[[int], Any] = staticmethod(os._exit)  # how the process ends (tests: a fake)
 
-    def __init__(self, owner: ReduceComm) -> None:
-        self.comms: list[ReduceComm] = [owner]
+    def __init__(self, owner: Watched) -> None:
+        self.comms: list[Watched] = [owner]
         self.lock = threading.Lock()  # Note (guard)
         self._acquire, self._release = self.lock.acquire, self.lock.release
-        self.held_by: ReduceComm | None = None  # the communicator whose call or group holds the guard now
+        self.held_by: Watched | None = None  # the communicator whose call or group holds the guard now
         self.in_call: str | None = None  # the NCCL call the main thread is inside now (``calling``)
         self.in_call_since: float | None = None
         self.waiting: str | None = None  # the main thread's bounded wait now (``wait_until``'s call), for the error
@@ -108,7 +107,7 @@ class FlushWatchdog:
 
     # ---- the main thread's hot path ------------------------------------------------------------------------
 
-    def enter(self, comm: ReduceComm) -> None:
+    def enter(self, comm: Watched) -> None:
         """Hold the guard for an NCCL call or a group on ``comm``. Raises the watchdog's error instead when it has
         claimed the communicators."""
         self._acquire()
@@ -168,26 +167,26 @@ class FlushWatchdog:
         """Under the guard: every communicator's abort, taken (what is already taken is skipped), with its device."""
         aborts = []
         for comm in self.family():
-            abort = comm._take_for_abort()
+            abort = comm.take_for_abort()
             if abort is not None:
                 aborts.append((f"{comm.role}", abort, comm.cuda_device))
         return aborts
 
     # ---- the family ---------------------------------------------------------------------------------------
 
-    def family(self) -> list[ReduceComm]:
+    def family(self) -> list[Watched]:
         """Every communicator watched, with every sub-communicator of theirs (once each)."""
-        seen: list[ReduceComm] = []
+        seen: list[Watched] = []
         for comm in list(self.comms):
             for c in (comm, *comm.subs):
                 if all(c is not s for s in seen):
                     seen.append(c)
         return seen
 
-    def add(self, comm: ReduceComm) -> None:
+    def add(self, comm: Watched) -> None:
         self.comms.append(comm)
 
-    def forget(self, comm: ReduceComm) -> None:
+    def forget(self, comm: Watched) -> None:
         """``comm`` was closed; closing the family's first communicator (the data-parallel one) stops the thread."""
         if comm in self.comms:
             first = comm is self.comms[0]
@@ -227,9 +226,9 @@ class FlushWatchdog:
         """Note (a poll that raises): fire naming the oldest group not forgotten on any communicator (formatted, never
         queried again), else the call the main thread is inside."""
         for comm in self.family():
-            entries = comm._watched()
+            entries = comm.watched()
             if entries:
-                flush, name = comm._entry_name(entries[0])
+                flush, name = comm.entry_name(entries[0])
                 issued_at = entries[0].issued_at
                 break
         else:
@@ -242,10 +241,10 @@ class FlushWatchdog:
     def _busy(self) -> bool:
         return self.in_call_since is not None or any(self._oldest_pending(c) is not None for c in self.family())
 
-    def _oldest_pending(self, comm: ReduceComm) -> Any:
+    def _oldest_pending(self, comm: Watched) -> Any:
         """The oldest group of ``comm`` not complete, or None. Groups complete in issue order on one communicator
         (NCCL orders a communicator's kernels across streams), so the scan starts after the newest seen complete."""
-        entries = comm._watched()
+        entries = comm.watched()
         if not entries:
             return None
         key = id(comm)
@@ -257,7 +256,7 @@ class FlushWatchdog:
                     start = i + 1
                     break
         for entry in entries[start:]:
-            if not comm._entry_done(entry):
+            if not comm.entry_done(entry):
                 return entry
             self._seen_done[key] = entry
         return None
@@ -274,12 +273,12 @@ class FlushWatchdog:
                 stall.waiting(entry.flush, entry.issued_at, now)
             if entry is None or now - entry.issued_at < comm.deadline.allowed_s(entry.issued_at):
                 continue
-            if not comm._entry_watched(entry):  # completed and forgotten meanwhile: Note (firing) in ``nccl_comm``
+            if not comm.entry_watched(entry):  # completed and forgotten meanwhile: Note (firing) in ``nccl_comm``
                 continue
             overdue.append((entry.issued_at, comm, entry))
         if overdue:  # the oldest group past its deadline: the flush that stalled, not one queued behind it
             issued_at, comm, entry = min(overdue, key=lambda o: o[0])
-            flush, name = comm._entry_name(entry)
+            flush, name = comm.entry_name(entry)
             self._fire(self._error(comm, flush, name, now - issued_at, "timed out"))
             return True
         since, held_by, what = self.in_call_since, self.held_by, self.in_call
@@ -289,13 +288,13 @@ class FlushWatchdog:
         if self.lock.acquire(blocking=False):  # never while the main thread is inside a call (Note (guard))
             try:
                 found = None if self.failed else next(
-                    ((c, e) for c in self.family() if (e := c._async_error()) is not None), None)
+                    ((c, e) for c in self.family() if (e := c.async_error()) is not None), None)
             finally:
                 self.lock.release()
             if found is not None:
                 comm, reason = found
                 entry = self._oldest_pending(comm)
-                flush, name = comm._entry_name(entry) if entry is not None else (comm.flush, "no call in flight")
+                flush, name = comm.entry_name(entry) if entry is not None else (comm.flush, "no call in flight")
                 waited = now - entry.issued_at if entry is not None else 0.0
                 self._fire(self._error(comm, flush, name, waited, f"failed: {reason}"))
                 return True
@@ -329,7 +328,7 @@ class FlushWatchdog:
             self._end(error, f"every communicator was aborted, but the main thread did not come back to owner_reduce "
                              f"within {self.grace_s:g} s to raise it")
 
-    def _error(self, comm: ReduceComm, flush: int | None, call: str, waited_s: float, reason: str
+    def _error(self, comm: Watched, flush: int | None, call: str, waited_s: float, reason: str
                ) -> OwnerReduceCommError:
         """``rank 5, flush #7: flush watchdog: reduce(...) on the rail communicator timed out after waiting 12 s (the
         deadline, ...)``, with ``(the main thread in end_backward)`` after "flush watchdog" where the main thread was

@@ -7,7 +7,7 @@ has neither. Without a matching cupy the owner path still runs and gives the sam
 the extra to add, not an error, and it comes at ``install()``, before anything is built.
 
 Why package metadata, not ``import cupy``: the question is about what is installed, and metadata answers it with
-no GPU, no CUDA library loaded and no cupy import (which stays in ``runtime.nccl_comm``). Each cupy wheel names its
+no GPU, no CUDA library loaded and no cupy import (which stays in ``runtime.nccl_binding``). Each cupy wheel names its
 CUDA major (``cupy-cuda12x``, ``cupy-cuda13x``); a source build (``cupy``) or a ROCm one does not, and then
 nothing is said. Two cupy wheels at once write the same ``cupy`` package over each other: neither is intact.
 torch's own CUDA major is ``torch.version.cuda`` (``"13.0"`` in ``2.14.1+cu130``; None in a CPU or ROCm build,
