@@ -157,12 +157,13 @@ class ReduceComm(NothingInFlight, ABC):
             watchdog.waiting = None
         watchdog.raise_if_failed()  # done only because the watchdog's abort forgot the works meanwhile
 
+    # ---- what an implementation provides: the group's hooks and the calls ---------------------------------------
 
     def _group_start(self) -> None:  # noqa: B027 - optional hook
-        pass
+        """Open the backend's group (NCCL: ``ncclGroupStart``); by default nothing."""
 
     def _group_end(self) -> None:  # noqa: B027 - optional hook
-        pass
+        """Close it normally: issue (or wait for) what the group batched; by default nothing."""
 
     def _group_failed(self, error: BaseException) -> None:
         """Close the group after ``error`` was raised inside it (``error`` is re-raised afterwards whatever this
@@ -187,7 +188,6 @@ class ReduceComm(NothingInFlight, ABC):
         check_scatter(self, buf, per_rank)
         for root in range(self.world_size):
             self.reduce(buf.narrow(0, root * per_rank, per_rank), root)
-
 
     def send(self, buf: torch.Tensor, peer: int) -> None:
         """Send ``buf`` to ``peer`` (inside a group, matched by ``peer``'s ``recv`` of the same count)."""
@@ -248,7 +248,6 @@ class ReduceComm(NothingInFlight, ABC):
                         f"({len(todo)} peers and directions)", flush=None)
         done.update(todo)
 
-
     def split(self, groups: Sequence[Sequence[int]], role: str) -> ReduceComm:
         """A communicator over the ranks of ``groups`` that holds this rank (ranks of this communicator; every rank
         in exactly one group), with ranks numbered in the group's order: a two-level flush's ``role`` ("node" or
@@ -293,7 +292,6 @@ class ReduceComm(NothingInFlight, ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the communicator (at cleanup)."""
-
 
 
 def check_scatter(comm: ReduceComm, buf: torch.Tensor, per_rank: int) -> None:

@@ -121,7 +121,6 @@ class _BufferView(NamedTuple):
     nccl_dtype: int
 
 
-
 class CupyNcclComm(ReduceComm):
     """An NCCL communicator over the data-parallel group, driven through cupy on torch CUDA buffers.
 
@@ -566,7 +565,7 @@ class CupyNcclComm(ReduceComm):
             self._abort_noting(raised)  # peers wait in the failed call: stop this rank's side (after the group)
             raise raised from error
 
-    # ---- in flight: Note (in flight) ------------------------------------------------------------------------
+    # ---- in flight: Note (in flight); what the watchdog reads (``watch_protocol.Watched``) --------------------
 
     def _issued_on(self, stream: torch.cuda.Stream, first: tuple[str, str | None, int, int, torch.dtype],
                    calls: int, issued_at: float) -> None:

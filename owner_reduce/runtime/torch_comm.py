@@ -281,7 +281,7 @@ class TorchDistComm(ReduceComm):
         self._retired.clear()
         self.watchdog.forget(self)
 
-    # ---- waiting --------------------------------------------------------------------------------------------
+    # ---- waiting, and what the watchdog reads (``watch_protocol.Watched``) ------------------------------------
 
     def _settle(self, works: list[tuple[Any, _Call]], flush: int | None) -> None:
         """Host works (gloo): wait for them in issue order, all within one deadline from now. Device works (NCCL):
