@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import OwnerReduceConfigError
 from .collectives import ALLREDUCE, HANDOFF, NATIVE, REDUCE, TWO_LEVEL
 from .flags import (
     BOOL_KEYS,
@@ -43,7 +44,6 @@ from .flags import (
     REDUCE_PROBE,
     REDUCE_TO_OWNER,
     SECTION,
-    OwnerReduceConfigError,
     OwnerReduceFlags,
     flags_of,
     parse_flags,

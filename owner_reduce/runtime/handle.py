@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..errors import OwnerReduceMismatchError
 from ..planning.calibration import Calibration, format_fits
 from ..planning.collectives import NATIVE, NODE, RAIL, TWO_LEVEL, WORLD
 from ..planning.connections import KINDS_BY_COMM, NATIVE_KINDS, handoff_peers
@@ -69,7 +70,6 @@ from .accumulate import Accumulator
 from .buckets import DoubleBufferedBuckets
 from .comm import ReduceComm
 from .deadline import add_note
-from .errors import OwnerReduceMismatchError
 from .exposure import ExposureProbe, OwnerPathModel
 from .flush import Flusher, Levels, Param
 from .monitor import FlushHooks, MonitorSink, MonitorStep
