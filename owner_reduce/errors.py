@@ -28,7 +28,7 @@ def _rebuilt(cls: type[BaseException], args: tuple[Any, ...]) -> BaseException:
 class OwnerReduceError(Exception):
     """The base of every owner_reduce error; the message names the key, value, rank or call."""
 
-    def __reduce_x__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[Any, ...]:
         # (rebuild, its arguments, the fields: ``__dict__``, which BaseException.__setstate__ restores; add_note's
         # notes are among them)
         return _rebuilt, (type(self), self.args), self.__dict__ or None

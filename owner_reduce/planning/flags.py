@@ -60,11 +60,6 @@ def parse_flags(compile_section: Mapping[str, Any] | None) -> OwnerReduceFlags:
     return OwnerReduceFlags(**values)
 
 
-def flags_of(compile_config: Any) -> OwnerReduceFlags:
-    """The flags carried by a built ``CompileConfig`` (plain DeepSpeed configs carry none: all off)."""
-    return OwnerReduceFlags(**{key: bool(getattr(compile_config, key, False)) for key in BOOL_KEYS})
-
-
 def pack_flags(flags: OwnerReduceFlags) -> int:
     """The flags as one integer (bit i: ``BOOL_KEYS[i]``), for the agreement all_gather at init."""
     return sum(int(getattr(flags, key)) << i for i, key in enumerate(BOOL_KEYS))
