@@ -397,7 +397,7 @@ class OwnerReduceRuntime:
         connect_handoffs(self.comm, self.flusher.levels, schedule)
         if self.comm is None or self.comm.rank != 0 or schedule.graph_id in self._graph_numbers:
             return
-        number = self._graph_numbers.next(schedule.graph_id)
+        number = self._graph_numbers.assign(schedule.graph_id)
         line, detail = schedule_line(number, schedule, self.flusher.cost, self.settings.algo,
                                      self._guard.plan(schedule))
         self.stats.schedule_lines.append(line)

@@ -32,7 +32,7 @@ class GraphNumbers:
     def get(self, graph_id: int) -> int | None:
         return self._numbers.get(graph_id)
 
-    def next(self, graph_id: int) -> int:
+    def assign(self, graph_id: int) -> int:
         """The next number, now ``graph_id``'s."""
         self._given += 1
         self._numbers[graph_id] = self._given
