@@ -36,6 +36,8 @@ import runpy
 import sys
 from collections.abc import Sequence
 
+from .errors import OwnerReduceError
+
 USAGE = """\
 usage: python -m owner_reduce.run [--accelerate-backend NAME] SCRIPT [ARGS...]
        python -m owner_reduce.run [--accelerate-backend NAME] -m MODULE [ARGS...]
@@ -50,7 +52,7 @@ puts before SCRIPT is handed to SCRIPT right after its name.
 _LOCAL_RANK_FLAGS = ("--local_rank", "--local-rank")
 
 
-class UsageError(ValueError):
+class UsageError(OwnerReduceError, ValueError):
     """The command line names no script or module, or an option this module does not know (empty: -h)."""
 
 

@@ -104,15 +104,16 @@ class _Rig:
 
         from owner_reduce.planning.flags import OwnerReduceFlags
         from owner_reduce.planning.owner_map import OwnerMap
-        from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
+        from owner_reduce.planning.settings import MODEL, OwnerReduceSettings
+        from owner_reduce.runtime.handle import OwnerReduceRuntime
 
         numels = _numels(n_params, numel)
         tables = _tables(numels, world_size)
         owner_map = OwnerMap.from_group_tables([tables], world_size)
         comm = _null_comm(0, world_size)
         # The steady state: after the measured guard's trial the hot path is the one without it (nothing timed).
-        self.rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, False), owner_map, measure=False),
-                                     comm_factory=lambda group: comm)
+        self.rt = OwnerReduceRuntime(OwnerReduceSettings(OwnerReduceFlags(True, False), algo=MODEL), owner_map,
+                                     lambda group: comm)
         with contextlib.redirect_stdout(io.StringIO()):  # rank 0's init line
             self.rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
         part, lo = -(-sum(numels) // world_size), 0

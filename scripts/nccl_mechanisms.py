@@ -250,14 +250,15 @@ def rank_product_stall(rank: int, world_size: int, args: argparse.Namespace) -> 
 
     from owner_reduce.planning.flags import OwnerReduceFlags
     from owner_reduce.planning.owner_map import OwnerMap
-    from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
+    from owner_reduce.planning.settings import MODEL, OwnerReduceSettings
+    from owner_reduce.runtime.handle import OwnerReduceRuntime
     from owner_reduce.runtime.nccl_comm import CupyNcclComm
 
     device = _setup(rank, world_size)
     numels = deep_model_numels(args.layers)
     owner_map = OwnerMap.from_group_tables([owner_tables(numels, world_size)], world_size)
-    rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, False), owner_map, measure=False,
-                                            timeout_s=args.deadline), comm_factory=CupyNcclComm.from_process_group)
+    rt = OwnerReduceRuntime(OwnerReduceSettings(OwnerReduceFlags(True, False), algo=MODEL, timeout_s=args.deadline),
+                            owner_map, CupyNcclComm.from_process_group)
     rt.init(dist.group.WORLD, types.SimpleNamespace(double_buffer=True), args.bucket)
     for pid, n in enumerate(numels):
         offset, length = kept_slice(numels, world_size, rank, pid)

@@ -579,14 +579,15 @@ def mirror_runtime(owner_map, rank=0, bucket=1 << 20, algo="auto", probe=False, 
     ``measure`` is off by default here, unlike in the product: these unit tests count the exact calls of the model's
     choice in every step; the measured guard (which alternates native's calls for six steps) has its own tests
     (``test_measured_guard.py``, and the end-to-end runs, which keep the product's default)."""
-    from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
+    from owner_reduce.planning.rank_inputs import RankInputs
+    from owner_reduce.planning.settings import AUTO, MODEL, OwnerReduceSettings
+    from owner_reduce.runtime.handle import OwnerReduceRuntime
 
     comm = comm or MirrorComm(rank=rank, world_size=owner_map.dp_world_size)
-    rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(owner, probe, all_ranks), owner_map, problems,
-                                            flush_algo=algo, measure=measure, calibration=calibration,
-                                            env_problems=env_problems, verdicts=verdicts, verdicts_path=verdicts_path,
-                                            timeout_s=timeout_s),
-                            comm_factory=lambda group: comm)
+    settings = OwnerReduceSettings(OwnerReduceFlags(owner, probe, all_ranks),
+                                   algo=MODEL if algo == AUTO and not measure else algo, timeout_s=timeout_s)
+    inputs = RankInputs(calibration=calibration, verdicts=verdicts, verdicts_path=verdicts_path, problems=env_problems)
+    rt = OwnerReduceRuntime(settings, owner_map, lambda group: comm, inputs=inputs, map_problems=problems)
     rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
     for p in owner_map:
         mine = [s for s in p.slices if s.owner == rank and s.length]
@@ -608,11 +609,11 @@ def group_threads_as_nodes(monkeypatch: Any, per_node: int) -> None:
     """In-process ranks as nodes of ``per_node`` in launcher order: each thread's rank R reports the host name
     ``node-<R // per_node>``, local rank R % per_node and ``LOCAL_WORLD_SIZE`` ``per_node`` to the runtime's agreement
     (what torchrun sets per process on several hosts)."""
-    from owner_reduce.runtime import handle
+    from owner_reduce.runtime import agreement
 
-    monkeypatch.setattr(handle, "host_name", lambda: f"node-{exchange_thread_rank() // per_node}")
-    monkeypatch.setattr(handle, "local_rank", lambda environ=None: exchange_thread_rank() % per_node)
-    monkeypatch.setattr(handle, "launcher_ranks_per_node", lambda environ=None: (0, per_node))
+    monkeypatch.setattr(agreement, "host_name", lambda: f"node-{exchange_thread_rank() // per_node}")
+    monkeypatch.setattr(agreement, "local_rank", lambda environ=None: exchange_thread_rank() % per_node)
+    monkeypatch.setattr(agreement, "launcher_ranks_per_node", lambda environ=None: (0, per_node))
 
 
 def rows_in_nodes(values: list[int], world_size: int, per_node: int) -> list[list[int]]:
@@ -620,15 +621,14 @@ def rows_in_nodes(values: list[int], world_size: int, per_node: int) -> list[lis
     gather: ``values`` for every rank), as ranks in nodes of ``per_node`` in launcher order send it: rank R with its
     global rank, local rank R % per_node and the host name ``node-<R // per_node>`` (a mirror communicator's world,
     which one process plays)."""
-    from owner_reduce.planning.nodes import HOST_INTS, pack_host
-    from owner_reduce.runtime.handle import _AGREEMENT_PROTOCOL, _HOST_AT
+    from dataclasses import replace
+
+    from owner_reduce.planning.nodes import pack_host
+    from owner_reduce.runtime.agreement import PROTOCOL, ROW_LENGTH, AgreementRow
     from owner_reduce.runtime.topology import host_digest
 
-    rows = [list(values) for _ in range(world_size)]
-    if len(values) != _HOST_AT + HOST_INTS or values[0] != _AGREEMENT_PROTOCOL:
-        return rows
-    for r, row in enumerate(rows):
-        host = f"node-{r // per_node}"
-        row[10], row[11], row[18] = r % per_node, host_digest(host), r
-        row[_HOST_AT:] = pack_host(host)
-    return rows
+    if len(values) != ROW_LENGTH or values[0] != PROTOCOL:
+        return [list(values) for _ in range(world_size)]
+    mine = AgreementRow.unpack(values)
+    return [replace(mine, local_rank=r % per_node, host_digest=host_digest(f"node-{r // per_node}"), global_rank=r,
+                    host=tuple(pack_host(f"node-{r // per_node}"))).pack() for r in range(world_size)]

@@ -26,11 +26,11 @@ def group_ranks_as_nodes(monkeypatch: Any, sim: Sim, per_node: int) -> None:
     """The sim's in-process ranks as nodes of ``per_node`` in launcher order: rank R reports the host name
     ``sim-node-<R // per_node>``, local rank R % per_node and ``LOCAL_WORLD_SIZE`` ``per_node`` to the runtime's
     agreement (what torchrun sets per process on several hosts)."""
-    from owner_reduce.runtime import handle
+    from owner_reduce.runtime import agreement
 
-    monkeypatch.setattr(handle, "host_name", lambda: f"sim-node-{sim._this_process().rank // per_node}")
-    monkeypatch.setattr(handle, "local_rank", lambda environ=None: sim._this_process().rank % per_node)
-    monkeypatch.setattr(handle, "launcher_ranks_per_node", lambda environ=None: (0, per_node))
+    monkeypatch.setattr(agreement, "host_name", lambda: f"sim-node-{sim._this_process().rank // per_node}")
+    monkeypatch.setattr(agreement, "local_rank", lambda environ=None: sim._this_process().rank % per_node)
+    monkeypatch.setattr(agreement, "launcher_ranks_per_node", lambda environ=None: (0, per_node))
 
 
 def make_runtime(owner_map: OwnerMap, rank: int, comm_factory: Callable[[Any], Any], *, algo: str = "auto",
@@ -40,10 +40,12 @@ def make_runtime(owner_map: OwnerMap, rank: int, comm_factory: Callable[[Any], A
     """Rank ``rank``'s runtime, initialised (its communicator from ``comm_factory``), every parameter registered as
     DeepCompile registers it: this rank's slice of each gradient as a device grad buffer. ``timeout_s``: the flushes'
     deadline, as ``compile.reduce_to_owner_timeout_s`` gives it (None: torch's default, no process group here)."""
-    from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
+    from owner_reduce.planning.settings import AUTO, MODEL, OwnerReduceSettings
+    from owner_reduce.runtime.handle import OwnerReduceRuntime
 
-    rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, False), owner_map, flush_algo=algo,
-                                            measure=measure, timeout_s=timeout_s), comm_factory=comm_factory)
+    settings = OwnerReduceSettings(OwnerReduceFlags(True, False), algo=MODEL if algo == AUTO and not measure else algo,
+                                   timeout_s=timeout_s)
+    rt = OwnerReduceRuntime(settings, owner_map, comm_factory)
     rt.init(None, types.SimpleNamespace(double_buffer=double_buffer), bucket)
     # The calls init made on each of this rank's communicators (the connection warm-up: ``comm`` Note (lazy
     # connections)): ``check_collective_log`` counts the flushes' calls after them.

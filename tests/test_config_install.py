@@ -7,8 +7,10 @@ from deepspeed.runtime import config as ds_config
 from deepspeed.runtime.config import DeepSpeedConfig
 
 import owner_reduce
-from owner_reduce import OwnerReduceConfigError, OwnerReduceFlags, flags_of
+from owner_reduce import OwnerReduceConfigError
 from owner_reduce.harness.launch import run_ranks
+from owner_reduce.planning.flags import OwnerReduceFlags
+from owner_reduce.planning.settings import SETTING_KEYS, OwnerReduceSettings, settings_of
 
 
 def _ds(compile_section=None):
@@ -74,13 +76,13 @@ def test_the_guard_is_armed_when_owner_reduce_is_imported_before_deepspeed():
 @pytest.mark.parametrize("probe", [True, False])
 def test_accepted_values(installed, owner, probe):
     c = _ds({"deepcompile": True, "reduce_to_owner": owner, "reduce_probe": probe}).compile_config
-    assert flags_of(c) == OwnerReduceFlags(owner, probe)
+    assert settings_of(c).flags == OwnerReduceFlags(owner, probe)
     assert c.deepcompile is True and isinstance(c, CompileConfig)
 
 
 def test_defaults_when_absent(installed):
     c = _ds({"deepcompile": True}).compile_config
-    assert flags_of(c) == OwnerReduceFlags(False, False)
+    assert settings_of(c).flags == OwnerReduceFlags(False, False)
     assert type(c) is CompileConfig  # DeepSpeed's own class, built by DeepSpeed's own code
 
 
@@ -131,16 +133,16 @@ def test_install_is_idempotent_and_uninstall_restores_exactly():
                                      {"deepcompile": True, "reduce_to_owner": False, "reduce_probe": False}])
 def test_flags_off_leaves_config_values_unchanged(section):
     without_flags = None if section is None else {k: v for k, v in section.items()
-                                                  if k not in owner_reduce.SETTING_KEYS}
+                                                  if k not in SETTING_KEYS}
     plain = _ds(without_flags).compile_config.model_dump()
     owner_reduce.install()
     try:
         dumped = _ds(section).compile_config.model_dump()
     finally:
         owner_reduce.uninstall()
-    if section and any(key in section for key in owner_reduce.SETTING_KEYS):  # owner_reduce's class: its keys appear
-        defaults = owner_reduce.OwnerReduceSettings().config_values()
-        assert {key: dumped.pop(key) for key in owner_reduce.SETTING_KEYS} == defaults
+    if section and any(key in section for key in SETTING_KEYS):  # owner_reduce's class: its keys appear
+        defaults = OwnerReduceSettings().config_values()
+        assert {key: dumped.pop(key) for key in SETTING_KEYS} == defaults
     assert dumped == plain
 
 
@@ -151,7 +153,7 @@ def _initialize_cases(rank, world_size):
     owner_reduce.install()
     out = {}
     engine = odd_mlp_engine(deepcompile=True, reduce_to_owner=True, reduce_probe=False)
-    out["flags"] = flags_of(engine._config.compile_config)
+    out["flags"] = settings_of(engine._config.compile_config).flags
     try:
         odd_mlp_engine(deepcompile=True, reduce_probe="yes")
         out["error"] = None

@@ -171,12 +171,12 @@ def test_handle_waits_name_the_flush_and_the_call():
 
     from owner_reduce.planning.flags import OwnerReduceFlags
     from owner_reduce.planning.owner_map import OwnerMap
-    from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
+    from owner_reduce.planning.settings import OwnerReduceSettings
+    from owner_reduce.runtime.handle import OwnerReduceRuntime
 
     empty_map = OwnerMap.from_group_tables([], 2)
     comm = MirrorComm(rank=1, world_size=2)
-    runtime = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, False), empty_map),
-                                 comm_factory=lambda group: comm)
+    runtime = OwnerReduceRuntime(OwnerReduceSettings(OwnerReduceFlags(True, False)), empty_map, lambda group: comm)
     runtime.init(None, types.SimpleNamespace(double_buffer=True), 64)
     comm.deadline = Deadline(0.05, "test")
     runtime.placer.streams = StuckStreams()
@@ -797,7 +797,8 @@ def test_the_runtime_inits_under_one_deadline_then_gives_its_communicators_the_f
     from fakes import MirrorComm, flat_map
 
     from owner_reduce.planning.flags import OwnerReduceFlags
-    from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
+    from owner_reduce.planning.settings import MODEL, OwnerReduceSettings
+    from owner_reduce.runtime.handle import OwnerReduceRuntime
 
     made = []
 
@@ -805,8 +806,8 @@ def test_the_runtime_inits_under_one_deadline_then_gives_its_communicators_the_f
         made.append(MirrorComm(0, 2))  # made inside init: from_environment gives init's deadline
         return made[-1]
 
-    rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, False), flat_map([8, 8], 2), measure=False,
-                                            timeout_s=2.0), comm_factory=factory)
+    rt = OwnerReduceRuntime(OwnerReduceSettings(OwnerReduceFlags(True, False), algo=MODEL, timeout_s=2.0),
+                            flat_map([8, 8], 2), factory)
     seen = []
     original = MirrorComm.all_gather_ints
     monkeypatch.setattr(MirrorComm, "all_gather_ints", lambda self, values: (seen.append(self.deadline),

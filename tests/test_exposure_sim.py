@@ -109,11 +109,12 @@ def test_the_expected_timelines_are_the_hand_computed_ones():
 
 
 def _runtime(owner_map, rank, comm, owner, bucket, probe=True, algo=None):
-    from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
+    from owner_reduce.planning.settings import MODEL, OwnerReduceSettings
+    from owner_reduce.runtime.handle import OwnerReduceRuntime
 
-    algo = algo or ("allreduce" if owner else "auto")
-    rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(owner, probe), owner_map, flush_algo=algo, measure=False),
-                            comm_factory=lambda group: comm)
+    algo = algo or ("allreduce" if owner else MODEL)  # the model's choice without the measured guard
+    rt = OwnerReduceRuntime(OwnerReduceSettings(OwnerReduceFlags(owner, probe), algo=algo), owner_map,
+                            lambda group: comm)
     rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
     for p in owner_map:
         mine = [s for s in p.slices if s.owner == rank and s.length]
@@ -207,7 +208,7 @@ def test_the_probe_measures_the_exposure_the_delays_make(name, owner):
         rt = runtimes[0]
         cost = rt.flusher.cost.for_dtype_bytes(4)
         grads = [(pid, NUMEL) for pid in reversed(range(LAYERS))]
-        ratio = (owner_path_us(grads, rt.settings.owner_map, cost, capacity=NUMEL * LAYERS)
+        ratio = (owner_path_us(grads, rt.owner_map, cost, capacity=NUMEL * LAYERS)
                  / cost.group_us([("allreduce", NUMEL * LAYERS)]))  # both alone, issue included (issue 39)
         assert ratio < 0.99
         for s in rt.stats.exposure_samples:

@@ -2,14 +2,9 @@
 
 import pytest
 
-from owner_reduce.planning.flags import (
-    OwnerReduceConfigError,
-    OwnerReduceFlags,
-    describe_flag_disagreement,
-    flags_of,
-    pack_flags,
-    parse_flags,
-)
+from owner_reduce.errors import OwnerReduceConfigError
+from owner_reduce.planning.flags import OwnerReduceFlags, describe_flag_disagreement, pack_flags, parse_flags
+from owner_reduce.planning.settings import settings_of
 
 
 def test_defaults_are_off():
@@ -40,11 +35,11 @@ def test_section_must_be_a_mapping():
         parse_flags([("reduce_to_owner", True)])
 
 
-def test_flags_of_plain_config_object_is_off():
+def test_settings_of_a_plain_config_object_have_the_flags_off():
     class Plain:
         deepcompile = True
 
-    assert flags_of(Plain()) == OwnerReduceFlags()
+    assert settings_of(Plain()).flags == OwnerReduceFlags()
 
 
 def test_the_third_flag_prints_every_ranks_probe_lines_and_is_read_like_the_others():
@@ -54,7 +49,7 @@ def test_the_third_flag_prints_every_ranks_probe_lines_and_is_read_like_the_othe
     class Built:
         reduce_to_owner, reduce_probe, reduce_probe_all_ranks = True, True, True
 
-    assert flags_of(Built()) == OwnerReduceFlags(True, True, True)
+    assert settings_of(Built()).flags == OwnerReduceFlags(True, True, True)
 
 
 def test_flag_disagreement_names_each_flag_and_each_ranks_value():

@@ -88,7 +88,7 @@ def test_cleanup_hands_the_handle_back_when_the_close_wait_times_out(monkeypatch
     from owner_reduce.planning.flags import OwnerReduceFlags
     from owner_reduce.planning.owner_map import OwnerMap
     from owner_reduce.runtime.deadline import Deadline
-    from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
+    from owner_reduce.runtime.handle import OwnerReduceRuntime
     from owner_reduce.wiring import activation, ops
 
     class StuckComm(MirrorComm):
@@ -100,8 +100,7 @@ def test_cleanup_hands_the_handle_back_when_the_close_wait_times_out(monkeypatch
     def build_runtime(engine, settings):  # settings: planning.settings.OwnerReduceSettings, from the compile config
         comms.append(StuckComm(rank=0, world_size=2))
         comms[-1].deadline = Deadline(0.05, "test")
-        return OwnerReduceRuntime(RuntimeSettings(settings.flags, OwnerMap.from_group_tables([], 2)),
-                                  comm_factory=lambda group: comms[-1])
+        return OwnerReduceRuntime(settings, OwnerMap.from_group_tables([], 2), lambda group: comms[-1])
 
     released = []
     monkeypatch.setattr(activation, "build_runtime", build_runtime)
@@ -120,7 +119,7 @@ def test_cleanup_hands_the_handle_back_when_the_close_wait_times_out(monkeypatch
     init = activation.wrap_init_z1_and_2(deepcompile_init)
     engine = types.SimpleNamespace(optimizer=types.SimpleNamespace(bit16_groups=[]))
     config = types.SimpleNamespace(reduce_to_owner=True, reduce_probe=False, double_buffer=True)
-    assert activation.flags_of(config) == OwnerReduceFlags(True, False)
+    assert activation.settings_of(config).flags == OwnerReduceFlags(True, False)
     init(engine, "inductor", config, {}, None, False)
     first = dc_util.dc_handle
     assert isinstance(first, OwnerReduceRuntime) and ops.active_runtime_or_none() is first

@@ -19,7 +19,8 @@ from fakes import MirrorComm
 
 from owner_reduce.planning.flags import OwnerReduceFlags
 from owner_reduce.planning.owner_map import OwnerMap
-from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
+from owner_reduce.planning.settings import MODEL, OwnerReduceSettings
+from owner_reduce.runtime.handle import OwnerReduceRuntime
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "nccl_mechanisms.py"
@@ -48,8 +49,8 @@ def test_each_rank_registers_what_the_owner_map_gives_it(mech, rank):
     numels = mech.deep_model_numels(128)
     assert len(numels) == 256 and sum(numels) == 128 * (4096 + 64)
     owner_map = OwnerMap.from_group_tables([mech.owner_tables(numels, 2)], 2)
-    rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, False), owner_map, measure=False),
-                            comm_factory=lambda group: MirrorComm(rank=rank, world_size=2))
+    rt = OwnerReduceRuntime(OwnerReduceSettings(OwnerReduceFlags(True, False), algo=MODEL), owner_map,
+                            lambda group: MirrorComm(rank=rank, world_size=2))
     rt.init(None, types.SimpleNamespace(double_buffer=True), 16384)
     kept = 0
     for pid, n in enumerate(numels):

@@ -91,10 +91,10 @@ def test_the_runtime_counts_ranks_per_node_from_the_hosts_it_gathered(monkeypatc
     srun): the runtime's layout and topology say two nodes of two, and every rank knows every rank's host."""
     from fakes import exchange_thread_rank
 
-    from owner_reduce.runtime import handle
+    from owner_reduce.runtime import agreement
 
-    monkeypatch.setattr(handle, "host_name", lambda: f"gpu-node-{exchange_thread_rank() // 2:02d}")
-    monkeypatch.setattr(handle, "launcher_ranks_per_node", lambda environ=None: (-1, 0))
+    monkeypatch.setattr(agreement, "host_name", lambda: f"gpu-node-{exchange_thread_rank() // 2:02d}")
+    monkeypatch.setattr(agreement, "launcher_ranks_per_node", lambda environ=None: (-1, 0))
     runtimes = _init(monkeypatch)
     for rt in runtimes:
         assert rt.hosts == ["gpu-node-00", "gpu-node-00", "gpu-node-01", "gpu-node-01"]
@@ -109,10 +109,10 @@ def test_negative_control_a_launcher_that_says_otherwise_is_warned_about_on_rank
     from deepspeed.utils import logger
     from fakes import exchange_thread_rank
 
-    from owner_reduce.runtime import handle
+    from owner_reduce.runtime import agreement
 
-    monkeypatch.setattr(handle, "host_name", lambda: "one-host")
-    monkeypatch.setattr(handle, "launcher_ranks_per_node", lambda environ=None: (LWS, 2))
+    monkeypatch.setattr(agreement, "host_name", lambda: "one-host")
+    monkeypatch.setattr(agreement, "launcher_ranks_per_node", lambda environ=None: (LWS, 2))
     warnings: list[tuple[int, str]] = []
     monkeypatch.setattr(logger, "warning", lambda message: warnings.append((exchange_thread_rank(), message)))
     runtimes = _init(monkeypatch)

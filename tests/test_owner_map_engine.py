@@ -33,8 +33,7 @@ def _map_worker(rank, world_size, two_groups):
     import deepspeed.comm as dist
     from zero1_engines import odd_mlp_engine
 
-    from owner_reduce import build_owner_map
-    from owner_reduce.wiring.engine_tables import disagreements_with_optimizer
+    from owner_reduce.wiring.engine_tables import build_owner_map, disagreements_with_optimizer
 
     engine = odd_mlp_engine(two_groups=two_groups, empty_param=True)
     opt = engine.optimizer
@@ -98,8 +97,7 @@ def _moe_worker(rank, world_size):
     import deepspeed
     import torch
 
-    from owner_reduce import build_owner_map
-    from owner_reduce.wiring.engine_tables import disagreements_with_optimizer
+    from owner_reduce.wiring.engine_tables import build_owner_map, disagreements_with_optimizer
 
     class MoEModel(torch.nn.Module):
         def __init__(self):
@@ -146,9 +144,8 @@ def _round_robin_worker(rank, world_size):
     import deepspeed
     import torch
 
-    from owner_reduce import build_owner_map
     from owner_reduce.harness.toy_models import OddMLP
-    from owner_reduce.wiring.engine_tables import disagreements_with_optimizer
+    from owner_reduce.wiring.engine_tables import build_owner_map, disagreements_with_optimizer
 
     torch.manual_seed(0)
     model = OddMLP()

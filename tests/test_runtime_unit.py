@@ -8,7 +8,8 @@ from fakes import NUMELS, TABLES, MirrorComm, ws2_runtime
 
 from owner_reduce.planning.flags import OwnerReduceFlags
 from owner_reduce.planning.owner_map import OwnerMap
-from owner_reduce.runtime.handle import OwnerReduceMismatchError, OwnerReduceRuntime, RuntimeSettings
+from owner_reduce.planning.settings import OwnerReduceSettings
+from owner_reduce.runtime.handle import OwnerReduceMismatchError, OwnerReduceRuntime
 
 
 def _runtime(rank=0, owner=True, probe=True, bucket=64, problems=(), comm=None):
@@ -18,8 +19,8 @@ def _runtime(rank=0, owner=True, probe=True, bucket=64, problems=(), comm=None):
 def _rank0_runtime(bucket=64, device="cpu"):
     """Rank 0 of 2, owner path on, probe off; grad buffers as DeepCompile registers them on rank 0 (offset 0)."""
     comm = MirrorComm(rank=0)
-    settings = RuntimeSettings(OwnerReduceFlags(True, False), OwnerMap.from_group_tables([TABLES], 2))
-    rt = OwnerReduceRuntime(settings, comm_factory=lambda group: comm)
+    rt = OwnerReduceRuntime(OwnerReduceSettings(OwnerReduceFlags(True, False)), OwnerMap.from_group_tables([TABLES], 2),
+                            lambda group: comm)
     rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
     buffers = {0: torch.zeros(6, device=device), 1: torch.zeros(2, device=device), 2: torch.empty(0, device=device)}
     for pid, buf in buffers.items():
@@ -157,34 +158,41 @@ def test_probe_lines_stop_after_twenty_flushes():
     assert rt.stats.probe_lines[-1].startswith("[dc-probe][r0] flushReduceBucket #20 dtype=Float tasks=3 ")
 
 
-@pytest.mark.parametrize("column,name", [(1, "flags differ across ranks: 3 on rank 0, 11 on rank 1"),
-                                         (2, "reduce_bucket_size differs across ranks: 64 on rank 0, 65 on rank 1"),
-                                         (3, "the owner map differs across ranks"),
-                                         (1, "compile.reduce_to_owner differs across ranks: true on rank 0, "
-                                             "false on rank 1"),
-                                         (4, "compile.reduce_to_owner_algo differs across ranks: auto on rank 0, "
-                                             "model on rank 1"),
-                                         (8, "compile.reduce_to_owner_timeout_s differs across ranks: unset on rank "
-                                             "0, 0.001 s on rank 1")])
-def test_agreement_mismatch_is_refused(column, name):
-    comm = MirrorComm()
-    settings = RuntimeSettings(OwnerReduceFlags(True, True), OwnerMap.from_group_tables([TABLES], 2))
-    rt = OwnerReduceRuntime(settings, comm_factory=lambda group: comm)
-    from owner_reduce.planning.nodes import pack_host
-    from owner_reduce.runtime.handle import _AGREEMENT_PROTOCOL
+@pytest.mark.parametrize("field,name", [("flags", "flags differ across ranks: 3 on rank 0, 11 on rank 1"),
+                                        ("bucket", "reduce_bucket_size differs across ranks: 64 on rank 0, 65 on "
+                                                   "rank 1"),
+                                        ("map_digest", "the owner map differs across ranks"),
+                                        ("flags", "compile.reduce_to_owner differs across ranks: true on rank 0, "
+                                                  "false on rank 1"),
+                                        ("algo", "compile.reduce_to_owner_algo differs across ranks: auto on rank 0, "
+                                                 "model on rank 1"),
+                                        ("timeout_ms", "compile.reduce_to_owner_timeout_s differs across ranks: unset "
+                                                       "on rank 0, 0.001 s on rank 1")])
+def test_agreement_mismatch_is_refused(field, name):
+    from dataclasses import replace
 
-    # protocol, flags, bucket, map digest, algo (compile.reduce_to_owner_algo), map problems, LOCAL_WORLD_SIZE, sm,
-    # compile.reduce_to_owner_timeout_s (ms), calibration, local rank, host digest, nvlinks, verdicts, reasons'
-    # length, the launcher's variable, SLURM's variable, SLURM's count, global rank, monitor, runtime number, host
-    good = [_AGREEMENT_PROTOCOL, 3, 64, int(settings.owner_map.digest()[:15], 16), 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0,
+    from owner_reduce.planning.nodes import pack_host
+    from owner_reduce.runtime.agreement import PROTOCOL, AgreementRow
+
+    comm = MirrorComm()
+    owner_map = OwnerMap.from_group_tables([TABLES], 2)
+    rt = OwnerReduceRuntime(OwnerReduceSettings(OwnerReduceFlags(True, True)), owner_map, lambda group: comm)
+    # The wire order (``AgreementRow``): protocol, flags, bucket, map digest, algo (compile.reduce_to_owner_algo), map
+    # problems, LOCAL_WORLD_SIZE, sm, compile.reduce_to_owner_timeout_s (ms), calibration, local rank, host digest,
+    # nvlinks, verdicts, reasons' length, the launcher's variable, SLURM's variable, SLURM's count, global rank,
+    # monitor, runtime number, host
+    good = [PROTOCOL, 3, 64, int(owner_map.digest()[:15], 16), 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0,
             0, -1, 0, 0, 0, 1, *pack_host("gpu-node-01")]
-    bad = list(good)
-    bad[column] += 1 if not name.startswith("flags") else 8  # an unknown flag bit: the generic sentence
+    record = AgreementRow.unpack(good)
+    assert record.pack() == good
+    assert (record.flags, record.bucket, record.slurm_var, record.runtime_number) == (3, 64, -1, 1)
+    changed = getattr(record, field) + (1 if not name.startswith("flags") else 8)  # an unknown flag bit: generic
     if name.startswith("compile.reduce_to_owner differs"):
-        bad[column] = 2  # reduce_to_owner off on rank 1
-    comm.gathered_rows = [good, bad]
-    with pytest.raises(OwnerReduceMismatchError, match=name):
+        changed = 2  # reduce_to_owner off on rank 1
+    comm.gathered_rows = [good, replace(record, **{field: changed}).pack()]
+    with pytest.raises(OwnerReduceMismatchError, match=name) as refused:
         rt.init(None, types.SimpleNamespace(double_buffer=True), 64)
+    assert refused.value.fields == (field,)
 
 
 def test_map_problems_on_any_rank_are_refused():
@@ -368,12 +376,12 @@ def test_a800_ranks_are_modelled_with_their_eight_nvlinks(monkeypatch):
     from ds_log import ds_log
     from fakes import flat_map, mirror_runtime
 
-    from owner_reduce.runtime import handle
+    from owner_reduce.runtime import agreement
 
-    monkeypatch.setattr(handle, "sm_major", lambda device=None: 8)
+    monkeypatch.setattr(agreement, "sm_major", lambda device=None: 8)
     names = {}
     for links in (8, 0):
-        monkeypatch.setattr(handle, "nvlinks", lambda device=None, links=links: links)
+        monkeypatch.setattr(agreement, "nvlinks", lambda device=None, links=links: links)
         m = flat_map([50_000] * 8, 4)
         with ds_log(logging.DEBUG) as log:
             rt, _ = mirror_runtime(m, rank=0)
@@ -436,7 +444,7 @@ def test_a_two_level_stage_that_raises_still_leaves_the_levels_joined_at_the_nex
 
 
 def test_the_free_memory_reading_at_init_waits_for_nothing_on_the_device(monkeypatch):
-    from owner_reduce.runtime import handle
+    from owner_reduce.runtime import levels
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     readings = iter([((500, 1000), 100), ((300, 1000), 150)])  # (mem_get_info, memory_reserved) before, after
@@ -449,6 +457,6 @@ def test_the_free_memory_reading_at_init_waits_for_nothing_on_the_device(monkeyp
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: now[0][1])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("an unbounded device wait at init"))
-    before = handle._nccl_memory_mark()
+    before = levels.nccl_memory_mark()
     # 200 bytes fewer free, 50 of them torch's caching allocator's (the warm-up's buffer): 150 are NCCL's
-    assert before == (500, 100) and handle._nccl_memory_since(before) == 150
+    assert before == (500, 100) and levels.nccl_memory_since(before) == 150

@@ -12,7 +12,9 @@ from ds_log import ds_log
 from test_settings import BAD, EVERY_KEY
 
 import owner_reduce
-from owner_reduce import OwnerReduceConfigError, OwnerReduceSettings, settings_of
+from owner_reduce import OwnerReduceConfigError
+from owner_reduce.planning.flags import OwnerReduceFlags
+from owner_reduce.planning.settings import SETTING_KEYS, OwnerReduceSettings, parse_settings, settings_of
 
 IN_EFFECT = {**EVERY_KEY, "reduce_to_owner_algo": "auto"}  # "model" keeps no verdicts: warned below
 
@@ -37,15 +39,15 @@ def installed():
 def test_every_key_is_carried_on_the_compile_config_and_in_deepspeeds_config_dump(installed):
     config = DeepSpeedConfig(_cfg(deepcompile=True, **EVERY_KEY))
     c = config.compile_config
-    assert settings_of(c) == owner_reduce.parse_settings(EVERY_KEY) and c.deepcompile is True
-    assert {key: c.model_dump()[key] for key in owner_reduce.SETTING_KEYS} == EVERY_KEY
+    assert settings_of(c) == parse_settings(EVERY_KEY) and c.deepcompile is True
+    assert {key: c.model_dump()[key] for key in SETTING_KEYS} == EVERY_KEY
     with ds_log() as log:
         config.print("DeepSpeedEngine configuration")  # what the engine logs on rank 0 at init
     (dumped,) = [line for line in log.lines if line.lstrip().startswith("compile_config ")]
     for key, value in EVERY_KEY.items():
         assert f"{key}={value!r}" in dumped, dumped
     only_algo = DeepSpeedConfig(_cfg(deepcompile=True, reduce_to_owner=True, reduce_to_owner_algo="handoff"))
-    assert settings_of(only_algo.compile_config) == OwnerReduceSettings(owner_reduce.OwnerReduceFlags(True), "handoff")
+    assert settings_of(only_algo.compile_config) == OwnerReduceSettings(OwnerReduceFlags(True), "handoff")
 
 
 @pytest.fixture

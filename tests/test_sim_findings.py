@@ -189,7 +189,7 @@ def test_nccl_comm_blocking_0_is_refused_at_init_by_every_rank_naming_the_variab
     from owner_reduce.planning.flags import OwnerReduceFlags
     from owner_reduce.planning.settings import OwnerReduceSettings
     from owner_reduce.runtime.comm_select import SelectSteps, local_readiness, select_comm
-    from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
+    from owner_reduce.runtime.handle import OwnerReduceRuntime
     from owner_reduce.wiring.activation import rank_inputs
 
     monkeypatch.setenv("NCCL_COMM_BLOCKING", "0")
@@ -206,9 +206,7 @@ def test_nccl_comm_blocking_0_is_refused_at_init_by_every_rank_naming_the_variab
             steps = SelectSteps(readiness=lambda: local_readiness("cuda"),
                                 create=lambda group: CupyNcclComm(uid, rank, ws), gather=gather,
                                 fallback=lambda group: MirrorComm(rank, ws))
-            rt = OwnerReduceRuntime(RuntimeSettings(flags=flags, owner_map=owner_map, flush_algo=settings.flush_algo,
-                                                    measure=settings.measure, env_problems=inputs.problems),
-                                    lambda group: select_comm(group, steps))
+            rt = OwnerReduceRuntime(settings, owner_map, lambda group: select_comm(group, steps), inputs=inputs)
             try:
                 rt.init(None, types.SimpleNamespace(double_buffer=True), 64)
             except Exception as error:  # noqa: BLE001 - the outcome under test

@@ -15,7 +15,7 @@ from fakes import ExchangeWorld, exchange_thread_rank, flat_map, mirror_runtime
 from torch.distributed import HashStore
 
 from owner_reduce import OwnerReduceCommError
-from owner_reduce.runtime import handle, stall_report
+from owner_reduce.runtime import agreement, stall_report
 from owner_reduce.runtime.deadline import Deadline
 from owner_reduce.runtime.stall_report import GRACE_S, MARK_AFTER_S, REPORT_BOUND_S, StallReporter
 
@@ -143,7 +143,7 @@ def test_healthy_steps_touch_no_store_and_a_runtime_keys_its_marks_by_rank_0(mon
     runtime's keys, and then steps of flushes make no store call at all."""
     store = CountingStore()
     monkeypatch.setattr(stall_report, "default_store", lambda: store)
-    monkeypatch.setattr(handle, "host_name", lambda: f"host-{exchange_thread_rank()}")
+    monkeypatch.setattr(agreement, "host_name", lambda: f"host-{exchange_thread_rank()}")
     world = ExchangeWorld(3, timeout_s=10.0)
     numels = [24, 40, 16, 56]
     owner_map = flat_map(numels, 3)

@@ -28,7 +28,8 @@ from fakes import MirrorComm, flat_map, rows_in_nodes
 from sim_cuda import Sim
 
 from owner_reduce.planning.flags import OwnerReduceFlags
-from owner_reduce.runtime.handle import OwnerReduceRuntime, RuntimeSettings
+from owner_reduce.planning.settings import OwnerReduceSettings
+from owner_reduce.runtime.handle import OwnerReduceRuntime
 from owner_reduce.runtime.streams import CudaStreams
 
 GRAPH = 11
@@ -69,7 +70,7 @@ class LevelComm(HbComm):
     def _split(self, groups):
         members = list(next(g for g in groups if self.rank in g))
         made = self.__dict__.setdefault("made", [])
-        if len(made) == 2:  # node, rail, then the node hand-off (``handle._make_levels``)
+        if len(made) == 2:  # node, rail, then the node hand-off (``levels.make_levels``)
             sub = NodeHandoffComm(self._hb, members.index(self.rank), len(members), made[0], self.world_size)
         else:
             sub = (NodeComm if not made else HbComm)(self._hb, members.index(self.rank), len(members))
@@ -123,8 +124,8 @@ def _runtime(hb, algo, stage, params=PARAMS, ws=WS, rank=RANK, bucket=BUCKET, co
     named for the reports."""
     owner_map = flat_map([n for n, _ in params], ws)
     comm = (comm_cls or HbComm)(hb, rank, ws)
-    rt = OwnerReduceRuntime(RuntimeSettings(OwnerReduceFlags(True, False), owner_map, flush_algo=algo),
-                            comm_factory=lambda group: comm)
+    rt = OwnerReduceRuntime(OwnerReduceSettings(OwnerReduceFlags(True, False), algo=algo), owner_map,
+                            lambda group: comm)
     rt.init(None, types.SimpleNamespace(double_buffer=True), bucket)
     rt.record_collectives = True
     weights = {}

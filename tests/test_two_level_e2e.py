@@ -136,16 +136,16 @@ def test_ranks_sharing_a_gpu_are_grouped_as_nodes_without_moving_local_rank(monk
     """The GPU check's two nodes of two on one GPU: every rank keeps ``LOCAL_RANK`` 0 (the device DeepSpeed binds)
     and the runtime reads its node-local index from the harness instead (checked here with CUDA faked present)."""
     from owner_reduce.harness import toy_training
-    from owner_reduce.runtime import handle
+    from owner_reduce.runtime import agreement
 
-    monkeypatch.setattr(handle, "local_rank", handle.local_rank)  # restored after the test
-    monkeypatch.setattr(handle, "host_name", handle.host_name)
+    monkeypatch.setattr(agreement, "local_rank", agreement.local_rank)  # restored after the test
+    monkeypatch.setattr(agreement, "host_name", agreement.host_name)
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     toy_training._group_as_nodes(3, 2)
     assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == ("0", "2")
-    assert handle.local_rank() == 1 and handle.host_name().endswith("-node1")  # rank 3 in nodes of 2
+    assert agreement.local_rank() == 1 and agreement.host_name().endswith("-node1")  # rank 3 in nodes of 2
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     toy_training._group_as_nodes(3, 2)  # on the CPU through LOCAL_RANK itself
     assert os.environ["LOCAL_RANK"] == "1"

@@ -7,7 +7,7 @@ up in ``runtime.flush`` at call time) and ``plan_owner_layout`` (the owner-order
 ``runtime.placement``). ``handoff_wrong_owner`` sends one piece of a hand-off to a rank that does not keep it;
 ``wrong_rail`` reduces one owner region of a two-level flush on another local rank's rail (which holds other partial
 sums there). ``drop_trial_state``: a checkpoint's trials under way are dropped where the runtime reads its state
-(``runtime.handle``), so a resumed run measures its trials anew (issue 40's negative control). ``no_host_cost``: the
+(``runtime.guard``), so a resumed run measures its trials anew (issue 40's negative control). ``no_host_cost``: the
 runtime's cost model charges no host time for a call (``planning.host_cost.NONE``), as before issue 39: the cut of
 Reduces, the stage count and the hand-offs are chosen on NCCL's latency and bandwidth alone (its negative control).
 ``monitor_every_step``: the runtime measures every step for DeepSpeed's monitor instead of every ``steps_per_print``-th
@@ -101,15 +101,15 @@ def inject(fault: str, world_size: int) -> None:
         activation.hide_unoptimized_params = lambda backend_fn, optimized: backend_fn
         return
     if fault == "drop_trial_state":
-        import owner_reduce.runtime.handle as handle
+        import owner_reduce.runtime.guard as guard
 
-        parse = handle.parse_checkpoint_payload
+        parse = guard.parse_checkpoint_payload
 
         def without_trials(data: Any, source: str) -> Any:
             book, recordings, _ = parse(data, source)
             return book, recordings, ()
 
-        handle.parse_checkpoint_payload = without_trials
+        guard.parse_checkpoint_payload = without_trials
         return
     if fault == "monitor_every_step":
         import owner_reduce.runtime.handle as handle

@@ -32,15 +32,17 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..errors import OwnerReduceError
+
 _FAILURE_GRACE_S = 5.0
 _STACK_DUMP_WAIT_S = 2.0
 
 
-class RankFailure(RuntimeError):
+class RankFailure(OwnerReduceError, RuntimeError):
     """One or more ranks raised; the message carries each rank's traceback."""
 
 
-class RankTimeout(TimeoutError):
+class RankTimeout(OwnerReduceError, TimeoutError):
     """The ranks did not all finish before the deadline (a hung collective, typically)."""
 
 

@@ -311,14 +311,14 @@ def _group_as_nodes(rank: int, ranks_per_node: int) -> None:
 
     import torch
 
-    from ..runtime import handle
+    from ..runtime import agreement
 
     local = rank % ranks_per_node
     host = f"{socket.gethostname()}-node{rank // ranks_per_node}"
-    handle.host_name = lambda: host
+    agreement.host_name = lambda: host
     os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)
     if torch.cuda.is_available():
-        handle.local_rank = lambda environ=None: local
+        agreement.local_rank = lambda environ=None: local
     else:
         os.environ["LOCAL_RANK"] = str(local)
 
@@ -475,7 +475,7 @@ def train(rank: int, world_size: int, spec: TrainSpec,
         "first_step": first_step,  # 0, or the step load_checkpoint resumed at
         "global_steps": engine.global_steps,
         "installed": owner_reduce.is_installed(),  # whether owner_reduce.install() had run in this process by the end
-        "summary": None if runtime is None else runtime.settings.owner_map.summary(),
+        "summary": None if runtime is None else runtime.owner_map.summary(),
         "timings": timings,
         "full_grads": full_grads,
         "log": None if captured is None else captured.close(),

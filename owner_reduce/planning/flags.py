@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..errors import OwnerReduceConfigError
 from .wording import by_value
 
 SECTION = "compile"
@@ -20,10 +21,6 @@ REDUCE_PROBE = "reduce_probe"
 PROBE_ALL_RANKS = "reduce_probe_all_ranks"
 FLAG_KEYS: tuple[str, ...] = (REDUCE_TO_OWNER, REDUCE_PROBE)  # the two that turn owner_reduce on
 BOOL_KEYS: tuple[str, ...] = (*FLAG_KEYS, PROBE_ALL_RANKS)  # every boolean key (``OwnerReduceFlags``' fields)
-
-
-class OwnerReduceConfigError(ValueError):
-    """A DeepSpeed config value owner_reduce cannot accept; the message names the key."""
 
 
 @dataclass(frozen=True)
@@ -61,11 +58,6 @@ def parse_flags(compile_section: Mapping[str, Any] | None) -> OwnerReduceFlags:
             f"DeepSpeed config: {SECTION} must be a mapping, got {type(compile_section).__name__}")
     values = {key: _check_bool(key, compile_section[key]) for key in BOOL_KEYS if key in compile_section}
     return OwnerReduceFlags(**values)
-
-
-def flags_of(compile_config: Any) -> OwnerReduceFlags:
-    """The flags carried by a built ``CompileConfig`` (plain DeepSpeed configs carry none: all off)."""
-    return OwnerReduceFlags(**{key: bool(getattr(compile_config, key, False)) for key in BOOL_KEYS})
 
 
 def pack_flags(flags: OwnerReduceFlags) -> int:

@@ -4,7 +4,7 @@ checked against what the launcher's and SLURM's variables say. Pure: lists in, a
 Why the hosts decide: ranks on one host share its NVLink, whatever a launcher says. A variable can be missing (a bare
 ``srun`` with one GPU bound per task sets no ``LOCAL_WORLD_SIZE``, and each rank sees one GPU, so the count of visible
 GPUs says one rank per node) or describe another grouping (two launches on one host, each with its own
-``LOCAL_WORLD_SIZE``). The host names, exchanged once in the runtime's init-time agreement (``runtime.handle``), are
+``LOCAL_WORLD_SIZE``). The host names, exchanged once in the runtime's init-time agreement (``runtime.agreement``), are
 the truest source under any launcher. A variable that disagrees with them is named in a warning with both counts,
 and the hosts' count is used; one that agrees is named as agreeing in the settings line.
 """

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
 
+from ..errors import OwnerMapError
 from .wording import count_noun
 
 SUMMARY_PREFIX = "DeepCompile reduce_to_owner:"
@@ -83,10 +84,6 @@ class GroupTables:
     start_offsets: Mapping[int, Mapping[int, int]]
     same_comm_as_dp: bool
     whole_param_ids: frozenset[int] = frozenset()  # keepers need the whole gradient (Muon's use_muon)
-
-
-class OwnerMapError(ValueError):
-    """The partition tables contradict themselves; the message names the group and parameter."""
 
 
 def _slices_of(tables: GroupTables, param_id: int, numel: int) -> tuple[ParamSlice, ...]:

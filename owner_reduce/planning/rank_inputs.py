@@ -6,7 +6,7 @@ file its node cannot read, a typo in one rank's launcher line) would leave every
 first collective of init, on DeepSpeed's group, for DeepSpeed's timeout, never learning why. So each input that fails
 is kept as (name, reason) with the default in its place; the runtime's init-time agreement gathers every rank's
 reasons within the package's deadline and every rank refuses together, naming the ranks, the key or variable and the
-reason (``runtime.handle``). What may differ across ranks without failing here (another calibration file) is compared
+reason (``runtime.agreement``). What may differ across ranks without failing here (another calibration file) is compared
 there too.
 
 The environment: no owner_reduce variable is read. The variables that held settings before they moved into the config

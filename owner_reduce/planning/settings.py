@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import OwnerReduceConfigError
 from .collectives import ALLREDUCE, HANDOFF, NATIVE, REDUCE, TWO_LEVEL
 from .flags import (
     BOOL_KEYS,
@@ -43,9 +44,7 @@ from .flags import (
     REDUCE_PROBE,
     REDUCE_TO_OWNER,
     SECTION,
-    OwnerReduceConfigError,
     OwnerReduceFlags,
-    flags_of,
     parse_flags,
 )
 from .flush_choice import AUTO
@@ -68,7 +67,10 @@ def key_name(key: str) -> str:
 
 @dataclass(frozen=True)
 class OwnerReduceSettings:
-    """Every setting of the ``compile`` section; the defaults are what a config without the key means."""
+    """Every setting of the ``compile`` section, the boolean flags among them (``flags``); the defaults are what a
+    config without the key means. The one object that travels from the config to the runtime (Note (one reading of
+    the config) in ``settings_of``): what the runtime has beside it is not configuration (the owner map, the files
+    read, the problems found on a rank)."""
 
     flags: OwnerReduceFlags = OwnerReduceFlags()
     algo: str = AUTO
@@ -143,8 +145,14 @@ def parse_settings(compile_section: Mapping[str, Any] | None) -> OwnerReduceSett
 
 
 def settings_of(compile_config: Any) -> OwnerReduceSettings:
-    """The settings a built ``CompileConfig`` carries (DeepSpeed's own class carries none: the defaults)."""
-    return OwnerReduceSettings(flags=flags_of(compile_config), algo=getattr(compile_config, ALGO, AUTO) or AUTO,
+    """The settings a built ``CompileConfig`` carries (DeepSpeed's own class carries none: the defaults).
+
+    Note (one reading of the config): this is the one place that reads owner_reduce's keys from DeepSpeed's installed
+    ``CompileConfig`` (``wiring.install`` validated them when DeepSpeed built it, with ``parse_settings``); what it
+    returns is what travels to the runtime (``wiring.activation`` -> ``runtime.handle``) and to the config-time
+    warnings (``wiring.unused_flags``)."""
+    flags = OwnerReduceFlags(**{key: bool(getattr(compile_config, key, False)) for key in BOOL_KEYS})
+    return OwnerReduceSettings(flags=flags, algo=getattr(compile_config, ALGO, AUTO) or AUTO,
                                calibration=getattr(compile_config, CALIBRATION, None),
                                verdicts=getattr(compile_config, VERDICTS, None),
                                timeout_s=getattr(compile_config, TIMEOUT, None))

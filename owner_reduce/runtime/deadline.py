@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from ..errors import OwnerReduceError
 from ..planning.settings import TIMEOUT, key_name
 
 T = TypeVar("T")
@@ -46,7 +47,7 @@ _FIRST_SLEEP_S = 20e-6
 _MAX_SLEEP_S = 2e-4  # a wait that ends costs at most this much latency (end_backward on a GPU, every step)
 
 
-class OwnerReduceCommError(RuntimeError):
+class OwnerReduceCommError(OwnerReduceError, RuntimeError):
     """A collective of owner_reduce did not complete: a timeout, or an error NCCL or gloo reported.
 
     Names the rank, the flush (None: outside a flush, e.g. the init-time agreement), the call, the deadline and the

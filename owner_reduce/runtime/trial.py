@@ -4,7 +4,7 @@ Why (``planning.measured``): the model's choice is only as good as its assumed c
 it runs. A ``Trial`` holds two schedules of the same flushes, the model's and one where every trial flush is laid
 out as native's (one AllReduce per gradient, z1.cpp's calls); the placement follows them in alternate backwards
 (model first), the flusher times the trial flushes, and once every trial flush has ``TRIAL_ROUNDS`` samples of each
-variant the handle gathers every rank's medians in one collective and installs the schedule of winners.
+variant the guard (``guard``) gathers every rank's medians in one collective and installs the schedule of winners.
 
 Note (timing): a flush is timed where its work runs: on the GPU two CUDA events on the stream it runs on around
 everything the flush does there (padding, pre-division, the groups, the hand-off, the copy-out), read after
@@ -25,7 +25,7 @@ between steps, so no sample spans a save. A run resumed from that checkpoint ado
 backward (``placement`` Note (resumed schedules)), and the trial made for it goes on from there (``resume``): the
 same variant next, the same samples, the verdict at the same step, from every rank's slowest samples as the saving
 run's. Only the samples of the steps after the save are the resumed run's own: where the two variants are close
-(``measured.is_close``), its verdict may differ from the saving run's, and rank 0 says so (the handle), naming the
+(``measured.is_close``), its verdict may differ from the saving run's, and rank 0 says so (``guard``), naming the
 pin: a verdict file. Where the resumed run replays a verdict file that holds this schedule (the saving run wrote it
 after its save), the trial still runs its remaining steps as the saving run ran them, and then installs the file's
 verdicts (``known``), not its own.

@@ -11,11 +11,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..planning.flags import flags_of
 from ..planning.rank_inputs import RankInputs, read_inputs, removed_variables_set
 from ..planning.settings import OwnerReduceSettings, settings_of
 from ..runtime.comm import ReduceComm
-from ..runtime.handle import OwnerReduceRuntime, RuntimeSettings
+from ..runtime.handle import OwnerReduceRuntime
 from ..runtime.monitor import MonitorSink
 from . import cpu_compat
 from .checkpoint import RUNTIME_ATTR, hand_pending_verdicts
@@ -62,12 +61,7 @@ def build_runtime(engine: Any, settings: OwnerReduceSettings) -> OwnerReduceRunt
     inputs = rank_inputs(settings, int(getattr(engine, "global_rank", 0)))
     owner_map = build_owner_map(engine)
     problems = tuple(disagreements_with_optimizer(owner_map, engine))
-    runtime = OwnerReduceRuntime(RuntimeSettings(flags=settings.flags, owner_map=owner_map, map_problems=problems,
-                                                 flush_algo=settings.flush_algo, measure=settings.measure,
-                                                 calibration=inputs.calibration, verdicts=inputs.verdicts,
-                                                 verdicts_path=inputs.verdicts_path, env_problems=inputs.problems,
-                                                 timeout_s=settings.timeout_s),
-                                 make_comm)
+    runtime = OwnerReduceRuntime(settings, owner_map, make_comm, inputs=inputs, map_problems=problems)
     runtime.monitor = monitor_sink(engine)
     return runtime
 
@@ -90,8 +84,8 @@ def wrap_init_z1_and_2(original: Any) -> Any:
 
     def init_z1_and_2(engine: Any, backend: Any, compile_config: Any, compile_kwargs: Any, schedule: Any = None,
                       use_z2: bool = False) -> Any:
-        flags = flags_of(compile_config)
-        if not flags.any_on:
+        settings = settings_of(compile_config)  # the one reading of owner_reduce's keys: it travels to the runtime
+        if not settings.flags.any_on:
             return original(engine, backend, compile_config, compile_kwargs, schedule, use_z2)
 
         import deepspeed.compile.util as dc_util
@@ -107,7 +101,7 @@ def wrap_init_z1_and_2(original: Any) -> Any:
             cpu_compat.apply()
         defined_schemas = ensure_dc_schemas()
         register_inductor_lowerings()
-        runtime = build_runtime(engine, settings_of(compile_config))
+        runtime = build_runtime(engine, settings)
         previous_handle = dc_util.dc_handle
         hooks_before = list(dc_util.pre_backward_hooks)
 

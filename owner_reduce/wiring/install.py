@@ -19,19 +19,12 @@ import os
 import threading
 from typing import Any
 
+from ..errors import OwnerReduceInstallError, OwnerReduceInUseError
 from ..planning.settings import SETTING_KEYS, parse_settings
 from .install_guard import unguarded
 
 _lock = threading.Lock()
 _installed: dict[str, Any] = {}
-
-
-class OwnerReduceInstallError(RuntimeError):
-    """DeepSpeed's private surface moved; the message names what is missing."""
-
-
-class OwnerReduceInUseError(RuntimeError):
-    """``uninstall()`` while an engine compiled with the flags is live: it would break that engine."""
 
 
 def _check_surface() -> None:
