@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .collectives import ALLREDUCE, HANDOFF, NATIVE, REDUCE, TWO_LEVEL
+from .algorithms import forceable
 from .flags import (
     BOOL_KEYS,
     FLAG_KEYS,
@@ -58,7 +58,7 @@ SETTING_KEYS: tuple[str, ...] = (*BOOL_KEYS, ALGO, CALIBRATION, VERDICTS, TIMEOU
 PATH_KEYS: tuple[str, ...] = (CALIBRATION, VERDICTS)
 
 MODEL = "model"  # the model's choice without the measured guard
-ALGO_VALUES: tuple[str, ...] = (AUTO, MODEL, REDUCE, ALLREDUCE, HANDOFF, NATIVE, TWO_LEVEL)
+ALGO_VALUES: tuple[str, ...] = (AUTO, MODEL, *forceable())  # the registry's, as it stands at import
 
 
 def key_name(key: str) -> str:

@@ -137,8 +137,8 @@ class OwnerReduceRuntime:
         self._registered_elems: dict[int, tuple[torch.dtype, int]] = {}  # ds_id -> (dtype, numel): bucket sizes
         self._elems_by_dtype: dict[torch.dtype, int] | None = None  # summed from _registered_elems when needed
         self._accumulator = Accumulator(self.stats)
-        self.flusher = Flusher(settings.owner_map, settings.flags, self._params, self.stats,
-                               FlushCost(None, force=settings.flush_algo))
+        self.flusher: Flusher | None = None  # made at init, with the communicators and the agreed cost model
+        self._levels: Levels | None = None  # the node and rail communicators, where a two-level flush can run
         self.placer: GradPlacer | None = None  # made at init (needs the bucket size and the agreed cost model)
         self._exposure: ExposureProbe | None = None  # the probe's step summary, until its lines are out (``exposure``)
         self._learned_graphs: dict[int, int] = {}  # graph_id -> its number in the schedule lines (1, 2, ...)
@@ -212,13 +212,13 @@ class OwnerReduceRuntime:
             self.comm = self._comm_factory(process_group)
             try:
                 cost, facts = self._check_agreement(int(reduce_bucket_size))
-                self.flusher.comm = self.comm
                 # ``comm`` Note (lazy connections): every kind a flush may issue, connected here, not in a flush.
                 self.comm.warm_up(KINDS_BY_COMM[WORLD] if self.settings.flags.reduce_to_owner else NATIVE_KINDS,
                                   int(reduce_bucket_size))
                 cost = self._make_levels(cost, facts, bool(compile_config.double_buffer), int(reduce_bucket_size))
+                self.flusher = Flusher(self.settings.owner_map, self.settings.flags, self._params, self.stats,
+                                       self.comm, cost, self._levels)
                 flush_deadline = self._with_stall_report(flush_deadline)
-                self.flusher.cost = cost
                 buckets = DoubleBufferedBuckets(int(reduce_bucket_size), bool(compile_config.double_buffer),
                                                 self._bucket_limits)
                 self._measuring = (self.settings.measure and cost.force == AUTO and cost.topology is not None
@@ -845,7 +845,7 @@ class OwnerReduceRuntime:
         """Drop every reference, close the communicator, hand the handle back (``on_cleanup``). ``comm.close()``
         waits within the deadline and may raise: the handle is handed back all the same, and that error is the one
         raised (see Note (cleanup always releases))."""
-        comm, self.comm, self.flusher.comm = self.comm, None, None
+        comm, self.comm = self.comm, None
         if self.stall_reporter is not None:
             self.stall_reporter.close()
         self._forget_graphs()
@@ -1033,7 +1033,7 @@ class OwnerReduceRuntime:
         node = self.comm.split(levels.node_groups(), NODE)  # a failure later in init closes it (_close_levels)
         rail = self.comm.split(levels.rail_groups(), RAIL)
         handoff = self.comm.split(levels.node_groups(), NODE_HANDOFF_ROLE)  # two_level Note (balanced rails)
-        self.flusher.levels = Levels(node, rail, handoff)
+        self._levels = Levels(node, rail, handoff)
         node.warm_up(KINDS_BY_COMM[NODE], bucket_size)  # their connections and memory now: the figure below holds them
         rail.warm_up(KINDS_BY_COMM[RAIL], bucket_size)
         seconds = time.monotonic() - started
@@ -1072,7 +1072,7 @@ class OwnerReduceRuntime:
 
     def _close_levels(self) -> None:
         """Close the node and rail communicators (the data-parallel one stays)."""
-        self.flusher.levels = None
+        self._levels = None
         if self.comm is not None:
             self.comm.close_subs()
 
