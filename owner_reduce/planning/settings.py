@@ -78,7 +78,7 @@ class OwnerReduceSettings:
 
     @property
     def flush_algo(self) -> str:
-        """The runtime's forced candidate (``planning.flush_choice.FORCE_VALUES``): ``auto`` for ``auto`` and
+        """The runtime's forced candidate (``planning.flush_choice.force_values()``): ``auto`` for ``auto`` and
         ``model`` (the model chooses), else the forced algorithm."""
         return AUTO if self.algo in (AUTO, MODEL) else self.algo
 

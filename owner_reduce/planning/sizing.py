@@ -354,7 +354,7 @@ class FlushSizing:
     # then its device time)
     host_us: float = 0.0
     native_host_us: float = 0.0
-    layout_choice: str = ""  # the candidate that won (flush_choice.CANDIDATES)
+    layout_choice: str = ""  # the algorithm that won (its name in the registry, ``planning.algorithms``)
     costs: tuple[tuple[str, float], ...] = ()  # every candidate's modelled time (us)
     gradients: tuple[int, ...] = ()  # elements of each gradient, in arrival order (native's calls)
     groups: tuple[tuple[IssuedCall, ...], ...] = ()  # what reduce_to_owner issues: one entry per NCCL group
