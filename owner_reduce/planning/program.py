@@ -131,15 +131,12 @@ class FlushProgram:
     staged: tuple[StagingMove, ...] = ()
     copy_out: tuple[CopySegment, ...] = ()
     split_sizes: tuple[int, ...] = ()
+    kept: int = 0  # elements this rank keeps (copies into its grad buffers): counted per flush, so summed once here
 
     @property
     def two_level(self) -> bool:
         return self.counts.two_level_stages > 0
 
-    @property
-    def kept(self) -> int:
-        """Elements this rank keeps (copies into its grad buffers)."""
-        return sum(s.count for s in self.copy_out)
 
 
 class LevelRanks(NamedTuple):
@@ -189,7 +186,7 @@ def compile_program(collectives: Sequence[Collective], transfers: Sequence[Trans
                              kinds.count(REDUCE_SCATTER), int(bool(world_p2p)), sends, len(world_p2p) - sends,
                              **counts),
         algo=algo_of_calls(collectives), padding=tuple(padding), span=span, staged=tuple(staged),
-        copy_out=tuple(copy_out), split_sizes=split_sizes(copy_out, span))
+        copy_out=tuple(copy_out), split_sizes=split_sizes(copy_out, span), kept=sum(s.count for s in copy_out))
 
 
 def _stages(collectives: Sequence[Collective], transfers: Sequence[Transfer], rank: int, local: int, per_node: int

@@ -137,14 +137,23 @@ class Executor:
     def _group(self, step: Group, views: Sequence[Any], streams: Any, index: int, level_range: Any = None) -> None:
         """One group of calls; on its stream where it names one."""
         comm = self._comms[step.level]
-        with nullcontext() if step.stream is None else streams.level(step.stream), comm.group(flush=index):
+        if step.stream is None:  # (no context to enter: this is the one-level flush's every call)
+            with comm.group(flush=index):
+                for issue, view, call in views:
+                    issue(comm, view, call)
+            return
+        with streams.level(step.stream), comm.group(flush=index):
             for issue, view, call in views:
                 issue(comm, view, call)
 
     def _round(self, step: P2pRound, views: Sequence[Any], streams: Any, index: int, level_range: Any = None) -> None:
         """One grouped send/recv round; on its stream where it names one."""
         comm = self._comms[step.level]
-        with nullcontext() if step.stream is None else streams.level(step.stream), comm.group(flush=index):
+        if step.stream is None:
+            with comm.group(flush=index):
+                _sends_and_receives(comm, views)
+            return
+        with streams.level(step.stream), comm.group(flush=index):
             _sends_and_receives(comm, views)
 
     def _stage(self, step: Stage, views: Sequence[Any], streams: Any, index: int,
