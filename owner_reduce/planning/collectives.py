@@ -1,8 +1,8 @@
 """The calls a flush issues, as plain data: one ``Collective`` per call, and the hand-off's transfers.
 
-Why a module of its own: the flush's layout (``owner_layout``), its cost-based choice (``flush_choice``), the
-runtime that issues the calls and the sizing that times them all speak this vocabulary; none of them owns it.
-Pure: no torch.distributed, no cupy, no tensors.
+Why a module of its own: the flush's layout (``owner_layout``, ``algorithms``), its cost-based choice
+(``flush_choice``), its program (``program``) and the sizing that times it all read these records; none of them owns
+them. Their kinds and communicators are the vocabulary's (``calls``). Pure: no torch.distributed, no cupy, no tensors.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from .calls import (
 )
 from .flush_plan import FlushRange
 
-# The vocabulary is ``calls``'; these names stay importable from here, where the plans that use them are defined.
+# The vocabulary is defined in ``calls``; its names stay importable from here, beside the records that use them.
 __all__ = ["ALLREDUCE", "HANDOFF", "KINDS", "NATIVE", "NODE", "NODE_HANDOFF", "RAIL", "REDUCE", "REDUCE_SCATTER",
            "TWO_LEVEL", "WORLD", "Collective", "Transfer", "algo_of", "algo_of_calls", "collectives_of"]
 

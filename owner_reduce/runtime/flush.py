@@ -1,9 +1,10 @@
-"""The flush: the plan for a complete bucket (cached), its collectives, the owner hand-off, and the copy-out.
+"""The flush: the plan for a complete bucket (cached), its streams, padding and pre-division, and the copy-out.
 
 Semantics follow ``z1.cpp`` / ``z2.cpp``: each flush pre-divides by the world size, SUM-reduces, and copies into the
 non-empty grad buffers at their offsets (stage 2: adds after the first micro-step). Which calls run is the
 cost model's choice for that flush (``planning.flush_choice``): for an owner-ordered flush the layout says it
-(``planning.owner_layout``); for an arrival-order one, the plan's own calls or one AllReduce.
+(``planning.owner_layout``); for an arrival-order one, the plan's own calls or one AllReduce. Each plan is compiled
+once into this rank's program (``planning.program``), which the executor issues (``runtime.executor``).
 
 Note (two groups for a hand-off): a hand-off moves pieces of the ReduceScatter's output, so it must start after
 the ReduceScatter has finished writing them, and its receives must not land in a buffer the ReduceScatter still
