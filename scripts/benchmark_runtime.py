@@ -237,18 +237,22 @@ def _comm_costs(rounds: int, calls: int) -> dict[str, float]:
 
 def _two_level_issue_costs(rounds: int, stage_counts: tuple[int, ...] = (1, 8, 32), rail_calls: int = 3
                            ) -> dict[int, tuple[float, float]]:
-    """Median µs of host time per stage to issue a two-level flush (``Flusher._views`` + ``Flusher._two_level``: the
-    stage loop, its two groups and the views of the bucket each call reduces in) on no-op node and rail
-    communicators and host streams, nodes of 8, ``rail_calls`` rail Reduces per stage: what the pipeline's stage
-    count costs the host on top of NCCL's own per-call cost. Two variants, interleaved: the views kept with the
-    bucket (what runs), and made afresh for every flush (the cache emptied first: what it saves)."""
+    """Median µs of host time per stage to issue a two-level flush (its program, ``planning.program``, bound to the
+    bucket and run by ``runtime.executor.Executor``: the stage loop, its two groups and the views of the bucket each
+    call reduces in) on no-op node and rail communicators and host streams, nodes of 8, ``rail_calls`` rail Reduces
+    per stage: what the pipeline's stage count costs the host on top of NCCL's own per-call cost. Two variants,
+    interleaved: the program bound once (what runs: the flusher keeps the views with the bucket), and bound afresh
+    for every flush (what that saves)."""
     import torch
 
     from owner_reduce.planning.collectives import NODE, RAIL, REDUCE, REDUCE_SCATTER, Collective
-    from owner_reduce.runtime.flush import Flusher
+    from owner_reduce.planning.program import LevelRanks, compile_program
+    from owner_reduce.runtime.executor import Executor, Levels
     from owner_reduce.runtime.streams import HostStreams
 
     class NoOp:
+        rank = 0
+
         @contextlib.contextmanager
         def group(self, flush: int | None = None) -> Any:
             yield
@@ -260,28 +264,24 @@ def _two_level_issue_costs(rounds: int, stage_counts: tuple[int, ...] = (1, 8, 3
             pass
 
     width, per_node = 1000, 8
-    flusher = Flusher.__new__(Flusher)
-    flusher.levels = types.SimpleNamespace(node=NoOp(), rail=NoOp())
+    executor = Executor(NoOp(), Levels(NoOp(), NoOp()))
     streams = HostStreams()
     buffer = torch.zeros(max(stage_counts) * per_node * width)
     out = {}
     for stages in stage_counts:
-        plan = types.SimpleNamespace(copy_out=(), split_sizes=[], span=buffer.numel(), padding=(), stages=tuple(
-            ((Collective(REDUCE_SCATTER, s * per_node * width, per_node * width, per_rank=width, comm=NODE,
-                         stage=s),),
-             tuple(Collective(REDUCE, s * per_node * width + 10 * i, 10, root=i, comm=RAIL, rail=0, stage=s)
-                   for i in range(rail_calls)),
-             (), ())  # the rail step's Reduces: no rail hand-off round, no node hand-off (by owner)
-            for s in range(stages)))
-        bucket = types.SimpleNamespace(views={})
+        calls = []  # per stage the node ReduceScatter and the rail step's Reduces: no hand-off (by owner)
+        for s in range(stages):
+            calls.append(Collective(REDUCE_SCATTER, s * per_node * width, per_node * width, per_rank=width, comm=NODE,
+                                    stage=s))
+            calls += [Collective(REDUCE, s * per_node * width + 10 * i, 10, root=i, comm=RAIL, rail=0, stage=s)
+                      for i in range(rail_calls)]
+        program = compile_program(calls, (), 0, span=buffer.numel(), levels=LevelRanks(0, per_node))
+        bound = executor.bind(program, buffer)
         samples: dict[bool, list[int]] = {True: [], False: []}
         for _ in range(rounds):
             for kept in (True, False):
-                if not kept:
-                    bucket.views.clear()
                 start = time.perf_counter_ns()
-                _, views, _ = Flusher._views(plan, bucket, buffer)
-                flusher._two_level(plan, views, streams, 1, buffer)
+                executor.run(program, bound if kept else executor.bind(program, buffer), streams, 1)
                 samples[kept].append(time.perf_counter_ns() - start)
         out[stages] = tuple(statistics.median(samples[kept]) / 1e3 / stages for kept in (True, False))
     return out
@@ -379,49 +379,50 @@ def _line(points: list[tuple[float, float]]) -> tuple[float, float, float]:
 
 def _host_issue_fit(rounds: int, counts: tuple[int, ...] = ISSUE_COUNTS) -> dict[str, Any]:
     """The owner runtime's issue time, fitted: per call and per group from one flush's group of ``n`` no-op Reduces
-    (``Flusher._world_calls``, the path a flush issues its calls by: a view of the bucket and the communicator's call
-    per Collective, inside ``comm.group``) on the no-op cupy communicator, for each ``n`` of ``counts``; per two-level
-    stage from a flush of ``n`` stages (``Flusher._views`` + ``Flusher._two_level``, one node ReduceScatter and one
-    rail Reduce per stage on two no-op cupy communicators), less its two groups and two calls. Repeats interleaved
-    (the counts in turn, their order rotated every round), medians, least-squares lines (``planning.host_cost``'s
-    defaults quote them)."""
+    (its program run by ``runtime.executor.Executor``, the path a flush issues its calls by: the communicator's call
+    per Collective on the bound views of the bucket, inside ``comm.group``) on the no-op cupy communicator, for each
+    ``n`` of ``counts``; per two-level stage from a flush of ``n`` stages (one node ReduceScatter and one rail Reduce
+    per stage on two no-op cupy communicators), less its two groups and two calls. Repeats interleaved (the counts in
+    turn, their order rotated every round), medians, least-squares lines (``planning.host_cost``'s defaults quote
+    them)."""
     import torch
 
     from owner_reduce.planning.collectives import NODE, RAIL, REDUCE, REDUCE_SCATTER, Collective
-    from owner_reduce.runtime.flush import Flusher
+    from owner_reduce.planning.program import LevelRanks, compile_program
+    from owner_reduce.runtime.executor import Executor, Levels
     from owner_reduce.runtime.streams import HostStreams
 
     width, per_node, top = 64, 8, max(counts)
     comm = _noop_cupy_comm(per_node)
     buffer = torch.zeros(top * per_node * width)
     comm.register(buffer)
-    flat = {n: types.SimpleNamespace(calls=tuple(Collective(REDUCE, i * width, width, root=i % per_node)
-                                                 for i in range(n))) for n in counts}
     node, rail = _noop_cupy_comm(per_node), _noop_cupy_comm(per_node)
     node.register(buffer)
     rail.register(buffer)
-    flusher = Flusher.__new__(Flusher)
-    flusher.levels = types.SimpleNamespace(node=node, rail=rail)
+    executor = Executor(comm, Levels(node, rail))
     streams = HostStreams()
-    staged = {}
+    flat, staged = {}, {}
     for n in counts:
-        plan = types.SimpleNamespace(copy_out=(), split_sizes=[], span=buffer.numel(), padding=(), stages=tuple(
-            ((Collective(REDUCE_SCATTER, s * per_node * width, per_node * width, per_rank=width, comm=NODE, stage=s),),
-             (Collective(REDUCE, s * per_node * width, width, root=s % 2, comm=RAIL, rail=0, stage=s),), (), ())
-            for s in range(n)))
-        staged[n] = (plan, types.SimpleNamespace(views={}))
+        program = compile_program([Collective(REDUCE, i * width, width, root=i % per_node) for i in range(n)], (), 0,
+                                  span=buffer.numel())
+        flat[n] = (program, executor.bind(program, buffer))
+        calls = [c for s in range(n) for c in (
+            Collective(REDUCE_SCATTER, s * per_node * width, per_node * width, per_rank=width, comm=NODE, stage=s),
+            Collective(REDUCE, s * per_node * width, width, root=s % 2, comm=RAIL, rail=0, stage=s))]
+        program = compile_program(calls, (), 0, span=buffer.numel(), levels=LevelRanks(0, per_node))
+        staged[n] = (program, executor.bind(program, buffer))
     samples: dict[tuple[str, int], list[int]] = {(kind, n): [] for kind in ("calls", "stages") for n in counts}
     clock = time.perf_counter_ns
     for r in range(rounds):
         order = counts[r % len(counts):] + counts[:r % len(counts)]
         for n in order:
+            program, bound = flat[n]
             start = clock()
-            Flusher._world_calls(comm, flat[n], buffer, r)
+            executor.run(program, bound, streams, r)
             samples[("calls", n)].append(clock() - start)
-            plan, bucket = staged[n]
+            program, bound = staged[n]
             start = clock()
-            _, views, _ = Flusher._views(plan, bucket, buffer)
-            flusher._two_level(plan, views, streams, r, buffer)
+            executor.run(program, bound, streams, r)
             samples[("stages", n)].append(clock() - start)
         for c in (comm, node, rail):
             c.wait_until(lambda: True, "end_backward")

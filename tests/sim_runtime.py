@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from sim_cuda import Sim
 
+from owner_reduce.planning.calls import HANDOFF, LEVELS, LOG_NAMES
 from owner_reduce.planning.flags import OwnerReduceFlags
 from owner_reduce.planning.owner_map import OwnerMap
 
@@ -162,11 +163,11 @@ def check_buffers(sim: Sim, runtimes: Sequence[Any], owner_map: OwnerMap, numels
     return compared
 
 
-_LOG_TO_NCCL = {"reduce": "reduce", "all_reduce": "allReduce", "reduce_scatter": "reduceScatter",
-                "node_reduce_scatter": "reduceScatter", "node_reduce": "reduce", "rail_reduce": "reduce",
-                "rail_reduce_scatter": "reduceScatter"}
-_LOG_COMM = {"reduce": 0, "all_reduce": 0, "reduce_scatter": 0, "handoff": 0, "node_reduce_scatter": 1,
-             "node_reduce": 1, "rail_reduce": 2, "rail_reduce_scatter": 2, "rail_handoff": 2, "node_handoff": 3}
+# From the vocabulary (``planning.calls``): each collective-log name's NCCL function (the hand-off rounds' sends and
+# receives are counted apart) and its communicator, by the levels' creation order (data-parallel, node, rail, node
+# hand-off).
+_LOG_TO_NCCL = {name: kind.nccl for (_, kind), name in LOG_NAMES.items() if kind != HANDOFF}
+_LOG_COMM = {name: LEVELS.index(level) for (level, _), name in LOG_NAMES.items()}
 
 
 def check_collective_log(sim: Sim, runtimes: Sequence[Any]) -> collections.Counter[str]:

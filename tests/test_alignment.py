@@ -171,7 +171,7 @@ def test_the_reviewers_ws4_flush_of_123_odd_gradients():
     owner_map = flat_map(numels, 4)
     grads = [(pid, numels[pid]) for pid in reversed(range(len(numels)))]
     analysis = analyse_flush(grads, owner_map)
-    assert analysis.sizes == [3783, 3783, 3783, 3780]
+    assert analysis.sizes == (3783, 3783, 3783, 3780)
     reduce = build_layout(analysis, REDUCE)
     assert [c.offset for c in reduce.collectives] == [0, 3784, 7568, 11352]
     assert analysis.per_rank == 3784 and build_layout(analysis, REDUCE_SCATTER).total == 4 * 3784

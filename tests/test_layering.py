@@ -15,6 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "owner_reduce"
 CUPY_HOME = "owner_reduce.runtime.nccl_binding"
 PLANNING_FORBIDDEN = ("torch.distributed", "deepspeed", "cupy")
 PURE_SHARED = ("owner_reduce.errors",)  # imports nothing: every layer may raise the package's errors
+NESTED = "owner_reduce.planning.algorithms"  # the one package two folders deep
 
 
 def module_name(path: Path) -> str:
@@ -77,7 +78,11 @@ def test_every_layer_has_its_folder() -> None:
     names = {name for name, _ in all_modules()}
     for layer in ("planning", "wiring", "runtime", "offline_sizing", "harness"):
         assert f"owner_reduce.{layer}" in names
-    assert {n.count(".") for n in names} <= {0, 1, 2}, "modules live one folder deep"
+    # Modules live one folder deep; the flush algorithms are one package inside planning (its registry and one module
+    # per algorithm: ``planning.algorithms``), and still pure planning.
+    deep = {n for n in names if n.count(".") > 2}
+    assert {n for n in deep if not _within(n, NESTED)} == set(), "modules live one folder deep"
+    assert {n.count(".") for n in deep} <= {3}
 
 
 def test_the_layers_keep_their_imports() -> None:

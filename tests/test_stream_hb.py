@@ -29,6 +29,7 @@ from sim_cuda import Sim
 
 from owner_reduce.planning.flags import OwnerReduceFlags
 from owner_reduce.planning.settings import OwnerReduceSettings
+from owner_reduce.runtime.executor import Executor
 from owner_reduce.runtime.handle import OwnerReduceRuntime
 from owner_reduce.runtime.streams import CudaStreams
 
@@ -358,24 +359,29 @@ def _freed_on_the_node_stream(self, bucket, level=None):
     bucket.free_event = event
 
 
-def _node_handoff_on_the_node_stream(self, streams, parts, buffer, index):
-    """The node hand-off round issued on the node stream: it sends parts its rail step (rail stream) still writes."""
-    from owner_reduce.planning.collectives import NODE
+_ROUND = Executor._round  # the product's, before a test replaces it
 
-    with streams.level(NODE), self.levels.handoff.group(flush=index):
-        self._p2p(self.levels.handoff, parts, buffer)
+
+def _node_handoff_on_the_node_stream(self, step, views, streams, index, level_range=None):
+    """The node hand-off round issued on the node stream (the program says the rail stream: ``planning.program``): it
+    sends parts its rail step (rail stream) still writes."""
+    import dataclasses
+
+    from owner_reduce.planning.calls import NODE, NODE_HANDOFF
+
+    if step.level == NODE_HANDOFF:
+        step = dataclasses.replace(step, stream=NODE)
+    _ROUND(self, step, views, streams, index, level_range)
 
 
 @pytest.mark.parametrize("rank", [0, 3], ids=["rail0", "rail1"])
 def test_a_node_hand_off_on_the_node_stream_is_reported(rank, monkeypatch):
     """Negative control for Note (node hand-off): the same balanced run with the hand-off round on the node stream
     reads the parts before its rail step has reduced them, a race."""
-    from owner_reduce.runtime.flush import Flusher
-
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     _balanced(monkeypatch)
     hb, rt, _ = _run("two_level", 1, 1, False, rank=rank, ws=4, comm_cls=LevelComm,
-                     patches=[(Flusher, "_node_handoff", _node_handoff_on_the_node_stream)])
+                     patches=[(Executor, "_round", _node_handoff_on_the_node_stream)])
     assert rt.stats.node_handoffs > 0
     assert hb.races, "a node hand-off on the node stream went unnoticed"
 

@@ -299,7 +299,7 @@ def test_the_balanced_hand_off_is_costed_on_both_streams_and_chosen_where_rails_
     cost = _cost(64, 8, force="auto")
     sizes = [0] * 64
     sizes[54], sizes[55], sizes[56] = 61_079_600, 203_372_880, 194_309_760
-    options = cost.two_level_options(sizes)
+    options = cost.two_level.options(sizes, cost.dtype_bytes, host=cost.host_cost)
     by_owner = min((o for o in options if o.rail_layout != BALANCED), key=lambda o: o.alone_us)
     balanced = min((o for o in options if o.rail_layout == BALANCED), key=lambda o: o.alone_us)
     assert balanced.alone_us < 0.6 * by_owner.alone_us  # 3 of 8 rails carried it

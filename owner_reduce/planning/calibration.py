@@ -47,13 +47,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .calls import ALLREDUCE, COLLECTIVES, KindTable
 from .host_cost import HostCost
 from .json_digest import canonical_digest
 from .json_fields import FieldCheck, parse_json, read_text
 
 FORMAT = "owner_reduce.calibration/2"
 FORMAT_V1 = "owner_reduce.calibration/1"  # before the host's per-call cost was measured: read, with the defaults
-CALL_KINDS = ("allreduce", "reduce", "reduce_scatter")  # collective_time.KINDS' call kinds, as FlushCost asks them
+CALL_KINDS = COLLECTIVES  # the call kinds a calibration times (NCCL's collectives), in the order a file lists them
+# Each kind the cost model may ask a calibration for, with its fit's name in the file (``calls`` Note (no
+# fall-through)): a hand-off is timed as the send/recv round (``p2p``), never as a fit of its own.
+_FITS: KindTable[str, str] = KindTable("the calibration (planning.calibration)", {k: k.value for k in CALL_KINDS},
+                                       complete_for=CALL_KINDS)
 MAX_BANDWIDTH_GBS = 10_000.0  # the bandwidth of a fit whose time does not grow with the bytes (10 TB/s: "free")
 
 
@@ -92,7 +97,7 @@ class HostFit:
 
     per_call_us: float
     per_group_us: float
-    kind: str = "allreduce"
+    kind: str = ALLREDUCE.value
     points: tuple[tuple[int, int, float], ...] = ()
 
     def group_us(self, calls: int, fitted_us: float) -> float:
@@ -130,8 +135,9 @@ class Calibration:
                         native_call_us=default.native_call_us, source=f"calibration {self.digest()}")
 
     def fit_of(self, kind: str) -> KindFit:
+        name = _FITS[kind]  # a kind no calibration times raises here, naming it
         for f in self.fits:
-            if f.kind == kind:
+            if f.kind == name:
                 return f
         measured = ", ".join(f.kind for f in self.fits) or "none"
         raise ValueError(f"owner_reduce: the calibration has no '{kind}' measured (it has: {measured}); "
@@ -244,7 +250,7 @@ class Calibration:
         if obj.get("host") is not None:
             h = v.mapping(obj["host"], "host")
             v.keys(h, "host", required=("per_call_us", "per_group_us"), optional=("kind", "points"))
-            kind = v.string(h.get("kind", "allreduce"), "host.kind")
+            kind = v.string(h.get("kind", ALLREDUCE.value), "host.kind")
             if kind not in CALL_KINDS:
                 v.fail("host.kind", f"is not a call kind (one of {', '.join(CALL_KINDS)})", kind)
             host_points = tuple((v.integer(r[0], f"host.points[{i}][0]", minimum=1),

@@ -40,9 +40,11 @@ Pure: numbers in, microseconds out.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
+
+from .calls import ALLREDUCE, COLLECTIVES, REDUCE, REDUCE_SCATTER, KindTable
 
 LL, LL128, SIMPLE = 0, 1, 2
 PROTOCOLS = ("LL", "LL128", "Simple")
@@ -94,8 +96,7 @@ SORTER_MAX_BYTES = 1 << 30  # comm.h 368-369
 SORTER_UNIT_LOG2 = 10
 SORTER_BITS_PER_POW2 = 2
 
-ALLREDUCE, REDUCE, REDUCE_SCATTER = "allreduce", "reduce", "reduce_scatter"
-KINDS = (ALLREDUCE, REDUCE, REDUCE_SCATTER)
+KINDS = COLLECTIVES  # the call kinds NCCL's model costs, in the order its planner takes its functions
 
 
 @dataclass(frozen=True)
@@ -306,7 +307,7 @@ def _partial(topo: Topology, world_size: int) -> Topology:
 
 
 def _steps(kind: str, n: int) -> int:
-    return {ALLREDUCE: 2 * (n - 1), REDUCE_SCATTER: n - 1, REDUCE: n}[kind]
+    return _KIND[kind].steps(n)
 
 
 def _log2i(x: int) -> int:
@@ -315,20 +316,46 @@ def _log2i(x: int) -> int:
 
 def _algorithms(kind: str, topo: Topology) -> tuple[str, ...]:
     """tuning.cc 300-312 and 534-545, enqueue.cc 2000-2007: which algorithms NCCL costs for ``kind`` here."""
-    nodes = topo.nodes
-    if kind == REDUCE:
-        return (RING,)
-    if kind == REDUCE_SCATTER:
-        algos = [RING]
-        if topo.nvls and nodes == 1:
-            algos.append(NVLS)
-        if nodes == topo.ranks and nodes > 1:  # ncclPatEnable: one GPU per node
-            algos.append(PAT)
-        return tuple(algos)
+    return _KIND[kind].algorithms(topo)
+
+
+def _reduce_algorithms(topo: Topology) -> tuple[str, ...]:
+    return (RING,)
+
+
+def _reduce_scatter_algorithms(topo: Topology) -> tuple[str, ...]:
+    algos = [RING]
+    if topo.nvls and topo.nodes == 1:
+        algos.append(NVLS)
+    if topo.nodes == topo.ranks and topo.nodes > 1:  # ncclPatEnable: one GPU per node
+        algos.append(PAT)
+    return tuple(algos)
+
+
+def _allreduce_algorithms(topo: Topology) -> tuple[str, ...]:
     algos = [TREE, RING]
     if topo.nvls:
-        algos.append(NVLS if nodes == 1 else NVLS_TREE)
+        algos.append(NVLS if topo.nodes == 1 else NVLS_TREE)
     return tuple(algos)
+
+
+@dataclass(frozen=True)
+class _NcclKind:
+    """What NCCL's model needs of one call kind: its ring steps on ``n`` ranks (tuning.cc ``nsteps``), its traffic per
+    byte of input (enqueue.cc 91-102 ``trafficBytes``) and the algorithms tuning.cc costs for it here."""
+
+    steps: Callable[[int], int]
+    traffic: int
+    algorithms: Callable[[Topology], tuple[str, ...]]
+
+
+# The kinds NCCL's model costs (``calls`` Note (no fall-through)): a hand-off is sends and receives, costed as a p2p
+# round (Note (send/recv)), never as a collective.
+_KIND: KindTable[str, _NcclKind] = KindTable("NCCL's cost model (planning.collective_time)", {
+    ALLREDUCE: _NcclKind(lambda n: 2 * (n - 1), 2, _allreduce_algorithms),
+    REDUCE: _NcclKind(lambda n: n, 1, _reduce_algorithms),
+    REDUCE_SCATTER: _NcclKind(lambda n: n - 1, 1, _reduce_scatter_algorithms),
+}, complete_for=KINDS)
 
 
 @lru_cache(maxsize=4096)
@@ -467,7 +494,7 @@ def latency_us(kind: str, topo: Topology, protocol: int, algo: str = RING) -> fl
 
 def traffic_bytes(kind: str, nbytes: int) -> int:
     """enqueue.cc 91-102 ``trafficBytes``: AllReduce 2x, ReduceScatter nRanks x its receive count (its input)."""
-    return 2 * nbytes if kind == ALLREDUCE else nbytes
+    return _KIND[kind].traffic * nbytes
 
 
 def sorter_bin(traffic: int) -> int:

@@ -1,8 +1,8 @@
 """The calls a flush issues, as plain data: one ``Collective`` per call, and the hand-off's transfers.
 
-Why a module of its own: the flush's layout (``owner_layout``), its cost-based choice (``flush_choice``), the
-runtime that issues the calls and the sizing that times them all speak this vocabulary; none of them owns it.
-Pure: no torch.distributed, no cupy, no tensors.
+Why a module of its own: the flush's layout (``owner_layout``, ``algorithms``), its cost-based choice
+(``flush_choice``), its program (``program``) and the sizing that times it all read these records; none of them owns
+them. Their kinds and communicators are the vocabulary's (``calls``). Pure: no torch.distributed, no cupy, no tensors.
 """
 
 from __future__ import annotations
@@ -10,19 +10,26 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from .calls import (
+    ALLREDUCE,
+    HANDOFF,
+    KINDS,
+    NATIVE,
+    NODE,
+    NODE_HANDOFF,
+    RAIL,
+    REDUCE,
+    REDUCE_SCATTER,
+    TWO_LEVEL,
+    WORLD,
+    CallKind,
+    Level,
+)
 from .flush_plan import FlushRange
 
-REDUCE_SCATTER = "reduce_scatter"
-HANDOFF = "handoff"
-REDUCE = "reduce"
-ALLREDUCE = "allreduce"
-NATIVE = "native"  # a flush's choice (not a call kind): one AllReduce per gradient in one group, as z1.cpp issues
-TWO_LEVEL = "two_level"  # a flush's choice: a ReduceScatter in each node, then Reduces on the rails (``two_level``)
-KINDS = (REDUCE_SCATTER, HANDOFF, REDUCE, ALLREDUCE)  # the order algo_of names them in
-WORLD, NODE, RAIL = "world", "node", "rail"  # the communicator a call runs on (``Collective.comm``)
-# A balanced two-level flush's NVLink hand-off: the ranks of one node, on a communicator of their own that only the
-# rail stream uses (``two_level`` Note (balanced rails)).
-NODE_HANDOFF = "node_handoff"
+# The vocabulary is defined in ``calls``; its names stay importable from here, beside the records that use them.
+__all__ = ["ALLREDUCE", "HANDOFF", "KINDS", "NATIVE", "NODE", "NODE_HANDOFF", "RAIL", "REDUCE", "REDUCE_SCATTER",
+           "TWO_LEVEL", "WORLD", "Collective", "Transfer", "algo_of", "algo_of_calls", "collectives_of"]
 
 
 @dataclass(frozen=True)
@@ -39,12 +46,12 @@ class Collective:
     index, and only the ranks whose local rank is ``rail`` issue the call). ``stage``: the two-level pipeline stage.
     """
 
-    kind: str
+    kind: CallKind
     offset: int
     count: int
     root: int | None = None
     per_rank: int = 0
-    comm: str = WORLD
+    comm: Level = WORLD
     rail: int = -1
     stage: int = 0
 
@@ -62,7 +69,7 @@ class Transfer:
     dst: int
     offset: int
     count: int
-    comm: str = WORLD
+    comm: Level = WORLD
     stage: int = 0
 
 

@@ -37,27 +37,21 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from . import algorithms
 from .collective_time import Topology, aggregates, group_time_us, p2p_load, p2p_round_us, topology_of
-from .collectives import (
-    ALLREDUCE,
-    HANDOFF,
-    NATIVE,
-    REDUCE,
-    REDUCE_SCATTER,
-    TWO_LEVEL,
-    Collective,
-    Transfer,
-    collectives_of,
-)
+from .collectives import ALLREDUCE, NATIVE, REDUCE, Collective, Transfer, collectives_of
 from .flush_plan import ALL, FlushPlan, FlushRange, merge_ranges
 from .host_cost import DEFAULT as DEFAULT_HOST
 from .host_cost import HostCost
-from .two_level import TwoLevel, TwoLevelOption
+from .two_level import TwoLevel
 
 AUTO = "auto"
-CANDIDATES = (REDUCE_SCATTER, REDUCE, ALLREDUCE, HANDOFF, NATIVE, TWO_LEVEL)  # the order ties go (fewest calls first)
-# reduce_scatter cannot be forced: it needs every owner present
-FORCE_VALUES = (AUTO, REDUCE, ALLREDUCE, HANDOFF, NATIVE, TWO_LEVEL)
+
+
+def force_values() -> tuple[str, ...]:
+    """What ``FlushCost.force`` may be: ``auto`` and every algorithm the registry lets be forced (``algorithms``;
+    ``reduce_scatter`` cannot be: it needs every owner present)."""
+    return (AUTO, *algorithms.forceable())
 
 
 class CallTimes(Protocol):
@@ -88,9 +82,9 @@ class FlushCost:
     host: HostCost = DEFAULT_HOST
 
     def __post_init__(self) -> None:
-        if self.force not in FORCE_VALUES:
-            raise ValueError(f"owner_reduce: flush algorithm must be one of {', '.join(FORCE_VALUES)}, "
-                             f"got {self.force!r}")
+        allowed = force_values()
+        if self.force not in allowed:
+            raise ValueError(f"owner_reduce: flush algorithm must be one of {', '.join(allowed)}, got {self.force!r}")
         if self.dtype_bytes < 1:
             raise ValueError(f"owner_reduce: dtype_bytes must be positive, got {self.dtype_bytes}")
         if not 0 < self.p2p_bw_scale <= 1:
@@ -150,14 +144,6 @@ class FlushCost:
             return self.calibration.p2p_round_us(load.peers, max(load.remote_bytes, load.local_bytes))
         return p2p_round_us(load, self.topology, self.p2p_bw_scale)
 
-    def two_level_options(self, sizes: Sequence[int], max_padding: int | None = None) -> tuple[TwoLevelOption, ...]:
-        """The two-level pipelines for owner regions of ``sizes`` elements padding at most ``max_padding`` elements
-        (``TwoLevel.options``, each stage with its host issue), or none where it is not a candidate (see the class
-        docstring)."""
-        if self.two_level is None or (self.calibration is not None and self.force != TWO_LEVEL):
-            return ()
-        return self.two_level.options(sizes, self.dtype_bytes, max_padding, host=self.host_cost)
-
     def for_dtype_bytes(self, dtype_bytes: int) -> FlushCost:
         return self if dtype_bytes == self.dtype_bytes else replace(self, dtype_bytes=dtype_bytes)
 
@@ -184,12 +170,12 @@ def agreed_topology(world_size: int, ranks_per_node: Sequence[int], sm_majors: S
 def choose(costs: Mapping[str, float], force: str = AUTO, calls: Mapping[str, int] | None = None) -> str:
     """The candidate that runs: the forced one if it is among ``costs``, else the cheapest; ties go to the fewest
     ``calls`` (each candidate's calls where known: a Reduce per owner may be cut into several, ``aggregation``), then
-    ``CANDIDATES``' order."""
+    to the one registered first (``algorithms``: the registry's order)."""
     if force != AUTO and force in costs:
         return force
     counts = calls or {}
-    return min((c for c in CANDIDATES if c in costs),
-               key=lambda c: (costs[c], counts.get(c, 0), CANDIDATES.index(c)))
+    rank = algorithms.tie_rank
+    return min((c for c in algorithms.names() if c in costs), key=lambda c: (costs[c], counts.get(c, 0), rank(c)))
 
 
 @dataclass(frozen=True)

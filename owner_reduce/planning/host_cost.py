@@ -15,8 +15,9 @@ so a flush alone pays issue + device time and a flush queued behind a long one h
 The constants and their sources (``DEFAULT``):
 
 - the owner runtime, per call 2.5 us, per group 3.9 us, per two-level stage 0 us beyond its groups and calls:
-  measured by ``scripts/benchmark_runtime.py`` (its issue-time fit: ``Flusher._world_calls`` and
-  ``Flusher._two_level`` on the runtime's cupy communicator with NCCL's calls replaced by no-ops, groups of 1, 2, 4,
+  measured by ``scripts/benchmark_runtime.py`` (its issue-time fit: the flush's issue path of that day, which made
+  each call's view per flush; ``runtime.executor`` now binds them once per plan; on the runtime's cupy communicator
+  with NCCL's calls replaced by no-ops, groups of 1, 2, 4,
   8 and 16 calls and flushes of 1-16 stages, 2,000 interleaved rounds, least squares: 2.46 us per call, 3.91 us per
   group, a stage 11.14 us for its two groups and two calls, i.e. nothing beyond them; 2026-12-03, this package's
   2-core CPU host at load average 5.6). It is the Python part only, on a CPU, without CUDA's stream and event calls:

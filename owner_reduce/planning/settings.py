@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import OwnerReduceConfigError
-from .collectives import ALLREDUCE, HANDOFF, NATIVE, REDUCE, TWO_LEVEL
+from .algorithms import forceable
 from .flags import (
     BOOL_KEYS,
     FLAG_KEYS,
@@ -57,7 +57,7 @@ SETTING_KEYS: tuple[str, ...] = (*BOOL_KEYS, ALGO, CALIBRATION, VERDICTS, TIMEOU
 PATH_KEYS: tuple[str, ...] = (CALIBRATION, VERDICTS)
 
 MODEL = "model"  # the model's choice without the measured guard
-ALGO_VALUES: tuple[str, ...] = (AUTO, MODEL, REDUCE, ALLREDUCE, HANDOFF, NATIVE, TWO_LEVEL)
+ALGO_VALUES: tuple[str, ...] = (AUTO, MODEL, *forceable())  # the registry's, as it stands at import
 
 
 def key_name(key: str) -> str:
@@ -80,7 +80,7 @@ class OwnerReduceSettings:
 
     @property
     def flush_algo(self) -> str:
-        """The runtime's forced candidate (``planning.flush_choice.FORCE_VALUES``): ``auto`` for ``auto`` and
+        """The runtime's forced candidate (``planning.flush_choice.force_values()``): ``auto`` for ``auto`` and
         ``model`` (the model chooses), else the forced algorithm."""
         return AUTO if self.algo in (AUTO, MODEL) else self.algo
 

@@ -26,12 +26,13 @@ owner), kept to show what the choice changed.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from .collective_time import A800_NODE, ALLREDUCE, REDUCE, REDUCE_SCATTER, Topology, flush_time_us, topology_of
-from .collectives import HANDOFF, NODE, NODE_HANDOFF, RAIL
+from .calls import ALLREDUCE, HANDOFF, NODE, NODE_HANDOFF, RAIL, REDUCE, REDUCE_SCATTER, KindTable
+from .collective_time import A800_NODE, Topology, flush_time_us, topology_of
+from .collectives import Collective
 from .flush_choice import CallTimes, FlushCost
 from .flush_plan import ALL, BucketEntry, FlushRange, plan_flush
 from .owner_layout import OwnerLayout, StepLayouts, collectives_of, cost_step_choices, map_order, plan_step_layouts
@@ -269,6 +270,14 @@ class IssuedCall:
     stage: int | None = None  # a two-level call: its pipeline stage
 
 
+# What an issued call lists of each collective, (elements, root) (``calls`` Note (no fall-through)): a ReduceScatter its
+# per-rank count, a Reduce its count and root, an AllReduce its count. A hand-off is its group of sends, listed apart.
+_ISSUED: KindTable[str, Callable[[Collective], tuple[int, int | None]]] = KindTable(
+    "the sizing's issued calls (planning.sizing)", {REDUCE_SCATTER: lambda c: (c.per_rank, None),
+                                                    REDUCE: lambda c: (c.count, c.root),
+                                                    ALLREDUCE: lambda c: (c.count, None)})
+
+
 def issued_groups(layout: OwnerLayout, world_size: int) -> tuple[tuple[IssuedCall, ...], ...]:
     """The NCCL groups a flush's layout issues, in order: its collectives in one group, then (a hand-off) one
     grouped send/recv round listing every rank's sends (each has a matching recv on its ``peer``). A two-level flush:
@@ -278,12 +287,10 @@ def issued_groups(layout: OwnerLayout, world_size: int) -> tuple[tuple[IssuedCal
         return _two_level_groups(layout, world_size)
     calls = []
     for c in layout.collectives:
-        if c.kind == HANDOFF:
+        if c.kind == HANDOFF:  # its sends: the second group below
             continue
-        if c.kind == REDUCE_SCATTER:
-            calls.append(IssuedCall(REDUCE_SCATTER, c.per_rank, comm_size=world_size))
-        else:
-            calls.append(IssuedCall(c.kind, c.count, root=c.root, comm_size=world_size))
+        elements, root = _ISSUED[c.kind](c)
+        calls.append(IssuedCall(c.kind, elements, root=root, comm_size=world_size))
     groups = [tuple(calls)] if calls else []
     if layout.transfers:
         groups.append(tuple(IssuedCall("send", t.count, peer=t.dst, rank=t.src, comm_size=world_size)
@@ -308,17 +315,16 @@ def _two_level_groups(layout: OwnerLayout, world_size: int) -> tuple[tuple[Issue
         stages[4 * t.stage + 2].append(IssuedCall("send", t.count, peer=t.dst // per_node, rank=t.src // per_node,
                                                   comm=RAIL, comm_size=nodes, rail=t.src % per_node, stage=t.stage))
     for c in layout.collectives:
-        if c.kind == HANDOFF:
+        if c.kind == HANDOFF:  # its sends: listed from the transfers above
             continue
+        elements, root = _ISSUED[c.kind](c)
         if c.comm in (NODE, RAIL):
             size = per_node if c.comm == NODE else nodes
             rail = c.rail if c.comm == RAIL else None
-            call = (IssuedCall(REDUCE_SCATTER, c.per_rank, comm=c.comm, comm_size=size, rail=rail, stage=c.stage)
-                    if c.kind == REDUCE_SCATTER else
-                    IssuedCall(REDUCE, c.count, root=c.root, comm=c.comm, comm_size=size, rail=rail, stage=c.stage))
+            call = IssuedCall(c.kind, elements, root=root, comm=c.comm, comm_size=size, rail=rail, stage=c.stage)
             stages[4 * c.stage + (c.comm == RAIL)].append(call)
         else:
-            world.append(IssuedCall(c.kind, c.count, comm_size=world_size))
+            world.append(IssuedCall(c.kind, elements, root=root, comm_size=world_size))
     return tuple(tuple(g) for g in [*stages, world] if g)
 
 
@@ -348,7 +354,7 @@ class FlushSizing:
     # then its device time)
     host_us: float = 0.0
     native_host_us: float = 0.0
-    layout_choice: str = ""  # the candidate that won (flush_choice.CANDIDATES)
+    layout_choice: str = ""  # the algorithm that won (its name in the registry, ``planning.algorithms``)
     costs: tuple[tuple[str, float], ...] = ()  # every candidate's modelled time (us)
     gradients: tuple[int, ...] = ()  # elements of each gradient, in arrival order (native's calls)
     groups: tuple[tuple[IssuedCall, ...], ...] = ()  # what reduce_to_owner issues: one entry per NCCL group

@@ -36,12 +36,21 @@ from typing import Any
 
 import torch
 
-from ..planning.calibration import Calibration, KindFit, P2pFit, fit_host, fit_kind, fit_p2p
+from ..planning.calibration import CALL_KINDS, Calibration, KindFit, P2pFit, fit_host, fit_kind, fit_p2p
+from ..planning.calls import ALLREDUCE, REDUCE, REDUCE_SCATTER, KindTable
 from ..planning.wording import ranks_phrase
 from .comm import ReduceComm
 
-ALLREDUCE, REDUCE, REDUCE_SCATTER, P2P, HOST = "allreduce", "reduce", "reduce_scatter", "p2p", "host"
-MEASURED = (ALLREDUCE, REDUCE, REDUCE_SCATTER, P2P, HOST)
+P2P, HOST = "p2p", "host"  # the send/recv round and the host's per-call cost: measured, not call kinds
+MEASURED = (*CALL_KINDS, P2P, HOST)
+# How each call kind is timed: one call on the whole buffer, as the flush issues it (``calls`` Note (no
+# fall-through)); a ReduceScatter in ``world_size`` equal blocks, a Reduce to rank 0.
+_ISSUE: KindTable[str, Callable[[ReduceComm, torch.Tensor], None]] = KindTable(
+    "the calibration's timed calls (runtime.calibrate)", {
+        ALLREDUCE: lambda comm, buf: comm.all_reduce(buf),
+        REDUCE: lambda comm, buf: comm.reduce(buf, 0),
+        REDUCE_SCATTER: lambda comm, buf: comm.reduce_scatter(buf, buf.numel() // comm.world_size),
+    }, complete_for=CALL_KINDS)
 GPU_SIZES = tuple((4 << 10) << (2 * i) for i in range(8))  # 4 KiB .. 64 MiB
 CPU_SIZES = tuple((4 << 10) << (2 * i) for i in range(6))  # 4 KiB .. 4 MiB (gloo: under a minute on 4 ranks)
 MAX_PEERS = 8
@@ -218,15 +227,11 @@ def _issuer(comm: ReduceComm, m: _Measurement, send: torch.Tensor, recv: torch.T
                     comm.recv(recv.narrow(0, (d - 1) * piece, piece), (rank - d * stride) % n)
         return round_trip
     buf = send.narrow(0, 0, elems)
+    issue = _ISSUE[m.kind]
 
     def call() -> None:
         with comm.group():
-            if m.kind == ALLREDUCE:
-                comm.all_reduce(buf)
-            elif m.kind == REDUCE:
-                comm.reduce(buf, 0)
-            else:
-                comm.reduce_scatter(buf, elems // n)
+            issue(comm, buf)
     return call
 
 
@@ -275,7 +280,7 @@ def measure(comm: ReduceComm, options: CalibrationOptions, device: torch.device,
     worst = [max(column) / 1000.0 for column in zip(*comm.all_gather_ints(medians_ns), strict=True)]
 
     fits: list[KindFit] = []
-    for kind in (ALLREDUCE, REDUCE, REDUCE_SCATTER):
+    for kind in CALL_KINDS:
         points = [(m.nbytes, t) for m, t in zip(measurements, worst, strict=True) if m.kind == kind]
         if points:
             fits.append(fit_kind(kind, points))

@@ -42,7 +42,7 @@ from .buckets import DoubleBufferedBuckets
 from .comm import ReduceComm
 from .deadline import add_note
 from .exposure import ExposureProbe, OwnerPathModel
-from .flush import Flusher, Param
+from .flush import Flusher, Levels, Param
 from .guard import MeasuredGuard
 from .levels import close_levels, connect_handoffs, make_levels
 from .monitor import FlushHooks, MonitorSink, MonitorStep
@@ -80,8 +80,9 @@ class OwnerReduceRuntime:
         self._registered_elems: dict[int, tuple[torch.dtype, int]] = {}  # ds_id -> (dtype, numel): bucket sizes
         self._elems_by_dtype: dict[torch.dtype, int] | None = None  # summed from _registered_elems when needed
         self._accumulator = Accumulator(self.stats)
-        self.flusher = Flusher(owner_map, settings.flags, self._params, self.stats,
-                               FlushCost(None, force=settings.flush_algo))
+        self.flusher: Flusher | None = None  # made at init, with the communicators and the agreed cost model
+        self._levels: Levels | None = None  # the node and rail communicators, where a two-level flush can run
+        self._record_collectives = False  # handed to the flusher at init; tests may set it before
         self.placer: GradPlacer | None = None  # made at init (needs the bucket size and the agreed cost model)
         self._exposure: ExposureProbe | None = None  # the probe's step summary, until its lines are out (``exposure``)
         self._graph_numbers = GraphNumbers()  # graph ids in the schedule lines (``schedule_lines``)
@@ -106,23 +107,25 @@ class OwnerReduceRuntime:
 
     @property
     def record_collectives(self) -> bool:
-        return self.flusher.record_collectives
+        return self._record_collectives
 
     @record_collectives.setter
     def record_collectives(self, value: bool) -> None:
-        self.flusher.record_collectives = bool(value)
+        self._record_collectives = bool(value)
+        if self.flusher is not None:
+            self.flusher.record_collectives = self._record_collectives
 
     @property
     def collective_log(self) -> list[tuple[str, int | None, int, str]]:
-        return self.flusher.collective_log
+        return self.flusher.collective_log if self.flusher is not None else []
 
     @property
     def flush_log(self) -> list[FlushRecord]:
-        return self.flusher.flush_log
+        return self.flusher.flush_log if self.flusher is not None else []
 
     @property
     def plans_computed(self) -> int:
-        return self.flusher.plans_computed
+        return self.flusher.plans_computed if self.flusher is not None else 0
 
     @property
     def trial_clock(self) -> TrialClock:
@@ -156,14 +159,17 @@ class OwnerReduceRuntime:
                 self.hosts, self.global_ranks = list(agreed.hosts), agreed.global_ranks
                 self.node_layout, self._stall_keys = agreed.node_layout, agreed.stall_keys
                 cost = FlushCost(agreed.topology, force=settings.flush_algo, calibration=self.inputs.calibration)
-                self.flusher.comm = self.comm
                 # ``comm`` Note (lazy connections): every kind a flush may issue, connected here, not in a flush.
                 self.comm.warm_up(KINDS_BY_COMM[WORLD] if owner_path else NATIVE_KINDS, bucket_size)
-                cost, self.flusher.levels = make_levels(self.comm, cost, agreed.local_facts, owner_path=owner_path,
-                                                        double_buffer=double_buffer, bucket_size=bucket_size,
-                                                        stats=self.stats)
+                cost, self._levels = make_levels(self.comm, cost, agreed.local_facts, owner_path=owner_path,
+                                                 double_buffer=double_buffer, bucket_size=bucket_size,
+                                                 stats=self.stats)
+                self.flusher = Flusher(self.owner_map, settings.flags, self._params, self.stats, self.comm, cost,
+                                       self._levels)
+                self.flusher.record_collectives = self._record_collectives
+                if self._stage:
+                    self.flusher.stage = self._stage
                 flush_deadline = self._with_stall_report(flush_deadline)
-                self.flusher.cost = cost
                 buckets = DoubleBufferedBuckets(bucket_size, double_buffer, self._bucket_limits)
                 measuring = settings.measure and cost.force == AUTO and cost.topology is not None and owner_path
                 self.placer = GradPlacer(self.owner_map, owner_path, buckets, self.flusher, self.stats, cost,
@@ -208,12 +214,12 @@ class OwnerReduceRuntime:
             numel *= int(dim)
         self._registered_elems[ds_id] = (ds_tensor.dtype, numel)
         self._elems_by_dtype = None
-        self.flusher.forget_plans()
+        self._forget_plans()
 
     def update_param_grad_buffer(self, ds_id: int, grad_buffer: torch.Tensor, offset: int) -> None:
         self._params[ds_id] = self._params[ds_id]._replace(grad_buffer=self._checked_buffer(ds_id, grad_buffer, offset),
                                                            offset=int(offset))
-        self.flusher.forget_plans()
+        self._forget_plans()
 
     def register_graph_z1(self, graph_id: int, ds_ids: Any) -> None:
         self._register_graph(1, graph_id, ds_ids)
@@ -341,7 +347,8 @@ class OwnerReduceRuntime:
             raise RuntimeError(f"owner_reduce: graph {graph_id} registered for ZeRO stage {stage}, "
                                f"earlier graphs for stage {self._stage}")
         self._stage = stage
-        self.flusher.stage = stage
+        if self.flusher is not None:
+            self.flusher.stage = stage
         # A registration starts a graph: whatever was learned under its id belonged to another graph whose address
         # this one reuses (see Note (graph ids) in ``reset``), or to this one before DeepCompile compiled it again.
         self._graph_numbers.forget(graph_id)
@@ -469,11 +476,16 @@ class OwnerReduceRuntime:
         assert self.comm is not None and self.placer is not None, "owner_reduce runtime used before init()"
         self._guard.restore(data, source)
 
+    def _forget_plans(self) -> None:
+        """The flusher's cached plans, where init made one (registration and cleanup may come without it)."""
+        if self.flusher is not None:
+            self.flusher.forget_plans()
+
     def _forget_graphs(self) -> None:
         """Everything keyed by a graph id (see Note (graph ids) in ``reset``)."""
         self._graphs.clear()
         self._graph_numbers.clear()
-        self.flusher.forget_plans()
+        self._forget_plans()
         if self.placer is not None:
             self.placer.forget_schedules()
 
@@ -481,7 +493,7 @@ class OwnerReduceRuntime:
         """Drop every reference, close the communicator, hand the handle back (``on_cleanup``). ``comm.close()``
         waits within the deadline and may raise: the handle is handed back all the same, and that error is the one
         raised (see Note (cleanup always releases))."""
-        comm, self.comm, self.flusher.comm = self.comm, None, None
+        comm, self.comm = self.comm, None
         self._guard.release()
         if self.stall_reporter is not None:
             self.stall_reporter.close()
@@ -490,7 +502,7 @@ class OwnerReduceRuntime:
         self._params.clear()
         self._registered_elems.clear()
         self._elems_by_dtype = None
-        self.flusher.forget_plans()
+        self._forget_plans()
         if self.placer is not None:
             self.placer.clear()
         self._profiling = False
@@ -520,7 +532,7 @@ class OwnerReduceRuntime:
         store = stall_report.default_store()
         if store is None:
             return deadline
-        levels = self.flusher.levels
+        levels = self._levels
         members = {} if levels is None else {sub.role: sub.members for sub in levels if sub is not None}
         self.stall_reporter = stall_report.StallReporter(store, self._stall_keys, self.comm.rank, self.global_ranks,
                                                          self.hosts, members)
@@ -528,6 +540,6 @@ class OwnerReduceRuntime:
 
     def _close_levels(self) -> None:
         """Close the node and rail communicators (the data-parallel one stays)."""
-        self.flusher.levels = None
+        self._levels = None
         close_levels(self.comm)
 
