@@ -18,6 +18,9 @@ from .errors import (
     OwnerReduceInstallError,
     OwnerReduceInUseError,
     OwnerReduceMismatchError,
+    UnknownAlgorithmError,
+    UnknownCallKindError,
+    UnknownStepError,
 )
 from .runtime.deadline import OwnerReduceCommError
 from .version import __version__ as __version__
@@ -35,6 +38,9 @@ __all__ = [
     "OwnerReduceInUseError",
     "OwnerReduceInstallError",
     "OwnerReduceMismatchError",
+    "UnknownAlgorithmError",
+    "UnknownCallKindError",
+    "UnknownStepError",
     "__version__",
     "install",
     "is_installed",

@@ -1,4 +1,4 @@
-"""Every error owner_reduce raises derives from ``OwnerReduceError``; the ones with no fields of their own live here.
+"""Every error owner_reduce raises derives from ``OwnerReduceError``; all but the flush deadline's live here.
 
 Why one base: a launcher, a trainer or a test catches owner_reduce's refusals and failures with one ``except`` and
 tells them from its own; each class also keeps the built-in base it had (``ValueError`` for a bad value,
@@ -62,5 +62,47 @@ class OwnerReduceInUseError(OwnerReduceError, RuntimeError):
     (``wiring.install``)."""
 
 
+class UnknownCallKindError(OwnerReduceError, LookupError):
+    """A site met a call kind its table lacks (``planning.calls`` Note (no fall-through)): a code change added a kind
+    and missed a site. ``kind`` is what it met (a ``CallKind``, a (level, kind) pair, or a string no member spells),
+    ``site`` the table's owner."""
+
+    def __init__(self, kind: Any, site: str) -> None:
+        super().__init__(kind, site)
+        self.kind = kind
+        self.site = site
+
+    def __str__(self) -> str:
+        return (f"owner_reduce: {self.site} has no entry for the call kind {self.kind!r}: every site that maps call "
+                f"kinds names each one it handles (owner_reduce.planning.calls Note (no fall-through))")
+
+
+class UnknownAlgorithmError(OwnerReduceError, LookupError):
+    """No flush algorithm of that name is registered (``planning.algorithms``)."""
+
+    def __init__(self, name: str, known: tuple[str, ...]) -> None:
+        super().__init__(name, known)
+        self.name = name
+        self.known = known
+
+    def __str__(self) -> str:
+        return f"owner_reduce: no flush algorithm {self.name!r} is registered (registered: {', '.join(self.known)})"
+
+
+class UnknownStepError(OwnerReduceError, TypeError):
+    """A flush's program holds a step the executor has no entry for (``runtime.executor``): a code change added a
+    step and missed the executor."""
+
+    def __init__(self, step: Any, known: tuple[str, ...]) -> None:
+        super().__init__(step, known)
+        self.step = step
+        self.known = known
+
+    def __str__(self) -> str:
+        return (f"owner_reduce: the flush executor has no entry for the step {type(self.step).__name__} "
+                f"({self.step!r}); it runs {', '.join(self.known)}")
+
+
 __all__ = ["OwnerMapError", "OwnerReduceConfigError", "OwnerReduceError", "OwnerReduceInUseError",
-           "OwnerReduceInstallError", "OwnerReduceMismatchError"]
+           "OwnerReduceInstallError", "OwnerReduceMismatchError", "UnknownAlgorithmError", "UnknownCallKindError",
+           "UnknownStepError"]

@@ -31,6 +31,9 @@ BUILT_IN_BASE: dict[str, type[BaseException]] = {
     "UsageError": ValueError,
     "RankFailure": RuntimeError,
     "RankTimeout": TimeoutError,
+    "UnknownCallKindError": LookupError,
+    "UnknownAlgorithmError": LookupError,
+    "UnknownStepError": TypeError,
     "OwnerReduceError": Exception,
 }
 
@@ -47,6 +50,9 @@ def _comm_error() -> BaseException:
 MADE: dict[str, Any] = {
     "OwnerReduceCommError": _comm_error,
     "OwnerReduceMismatchError": lambda cls: cls("owner_reduce on rank 0: refusing to start: ...", ("bucket", "algo")),
+    "UnknownCallKindError": lambda cls: cls("broadcast", "the collective log"),
+    "UnknownAlgorithmError": lambda cls: cls("ring_of_rings", ("native", "reduce")),
+    "UnknownStepError": lambda cls: cls(("a", "tuple", "step"), ("Group", "P2pRound")),
 }
 
 

@@ -17,6 +17,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from enum import Enum
 from typing import Any, Generic, TypeVar
 
+from ..errors import UnknownCallKindError
+
 __all__ = ["ALGOS", "ALLREDUCE", "COLLECTIVES", "HANDOFF", "KINDS", "LEVELS", "NATIVE", "NODE", "NODE_HANDOFF", "RAIL",
            "REDUCE", "REDUCE_SCATTER", "TWO_LEVEL", "WORLD", "Algo", "CallKind", "KindTable", "Level",
            "UnknownCallKindError"]
@@ -104,19 +106,6 @@ ALGOS: tuple[Algo, ...] = tuple(Algo)
 COLLECTIVES: tuple[CallKind, ...] = (ALLREDUCE, REDUCE, REDUCE_SCATTER)
 
 
-class UnknownCallKindError(LookupError):
-    """A site met a call kind its table lacks: Note (no fall-through). ``kind`` is what it met (a ``CallKind``, a
-    (level, kind) pair, or a string no member spells), ``site`` the table's owner. Pickles (its arguments are its
-    ``args``): errors cross process boundaries in every launcher that reports a child's failure."""
-
-    def __init__(self, kind: Any, site: str) -> None:
-        super().__init__(kind, site)
-        self.kind = kind
-        self.site = site
-
-    def __str__(self) -> str:
-        return (f"owner_reduce: {self.site} has no entry for the call kind {self.kind!r}: every site that maps call "
-                f"kinds names each one it handles (owner_reduce.planning.calls Note (no fall-through))")
 
 
 K = TypeVar("K")

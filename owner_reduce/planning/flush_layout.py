@@ -8,9 +8,9 @@ neither imports the other. Pure: numbers in, a layout out.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from .alignment import align_up
 from .calls import ALLREDUCE, RAIL, CallKind
@@ -18,7 +18,32 @@ from .collectives import Collective, Transfer, algo_of_calls
 from .flush_plan import ALL, BucketEntry, FlushPlan, FlushRange
 
 if TYPE_CHECKING:
-    from .flush_choice import FlushCost
+    from .host_cost import HostCost
+    from .two_level import TwoLevel
+
+
+class CostModel(Protocol):
+    """What an algorithm reads of the flush's cost model (``flush_choice.FlushCost`` is the one there is).
+
+    Why a protocol here: ``flush_choice`` picks among the registered algorithms, so it imports their registry; were
+    the algorithms to name ``FlushCost``, even for their annotations, the two would import each other."""
+
+    @property
+    def dtype_bytes(self) -> int: ...
+
+    @property
+    def two_level(self) -> TwoLevel | None: ...
+
+    @property
+    def host_cost(self) -> HostCost: ...
+
+    def calls_us(self, calls: Iterable[tuple[str, int]]) -> float: ...
+
+    def group_us(self, calls: Sequence[tuple[str, int]]) -> float: ...
+
+    def issue_us(self, calls: int, groups: int = 1, stages: int = 0) -> float: ...
+
+    def handoff_us(self, transfers: Sequence[Transfer]) -> float: ...
 
 
 class RegionPiece(NamedTuple):
@@ -57,7 +82,7 @@ class FlushFacts:
     regions: tuple[tuple[RegionPiece, ...], ...]
     everyone: tuple[EveryonePiece, ...]
     sizes: tuple[int, ...]
-    cost: FlushCost
+    cost: CostModel
     align: int
     per_rank: int
     chunk: int

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..errors import UnknownStepError
 from ..planning.calls import ALLREDUCE, NODE, NODE_HANDOFF, RAIL, REDUCE, REDUCE_SCATTER, WORLD, KindTable, Level
 from ..planning.collectives import Collective
 from ..planning.program import FlushProgram, Group, P2pRound, Stage
@@ -41,17 +42,6 @@ class Levels(NamedTuple):
         return self.node.rank
 
 
-class UnknownStepError(TypeError):
-    """A program holds a step the executor has no entry for. Pickles (its arguments are its ``args``)."""
-
-    def __init__(self, step: Any, known: tuple[str, ...]) -> None:
-        super().__init__(step, known)
-        self.step = step
-        self.known = known
-
-    def __str__(self) -> str:
-        return (f"owner_reduce: the flush executor has no entry for the step {type(self.step).__name__} "
-                f"({self.step!r}); it runs {', '.join(self.known)}")
 
 
 def _reduce(comm: ReduceComm, view: torch.Tensor, call: Collective) -> None:

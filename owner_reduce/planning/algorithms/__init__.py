@@ -12,6 +12,7 @@ registered first (``flush_choice.choose``). Which ones ``compile.reduce_to_owner
 
 from __future__ import annotations
 
+from ...errors import UnknownAlgorithmError
 from . import allreduce, handoff, native, reduce, reduce_scatter, two_level
 from .base import Algorithm, Estimate, Pipeline
 
@@ -19,16 +20,6 @@ __all__ = ["Algorithm", "Estimate", "Pipeline", "UnknownAlgorithmError", "forcea
            "registered", "tie_rank", "unregister"]
 
 
-class UnknownAlgorithmError(LookupError):
-    """No algorithm of that name is registered. Pickles (its arguments are its ``args``)."""
-
-    def __init__(self, name: str, known: tuple[str, ...]) -> None:
-        super().__init__(name, known)
-        self.name = name
-        self.known = known
-
-    def __str__(self) -> str:
-        return f"owner_reduce: no flush algorithm {self.name!r} is registered (registered: {', '.join(self.known)})"
 
 
 _REGISTRY: dict[str, Algorithm] = {}

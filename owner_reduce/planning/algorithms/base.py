@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..flush_choice import FlushCost
-    from ..flush_layout import FlushFacts, OwnerLayout
+    from ..flush_layout import CostModel, FlushFacts, OwnerLayout
     from ..step_plan import FlushTimes
 
 
@@ -38,7 +37,7 @@ class Pipeline:
 
     options: Callable[[Estimate], tuple[Any, ...]]
     times: Callable[[FlushFacts, Any], FlushTimes]
-    recost: Callable[[FlushFacts, Any, FlushCost], Any]
+    recost: Callable[[FlushFacts, Any, CostModel], Any]
 
 
 @dataclass(frozen=True)

@@ -11,18 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from ..alignment import align_up, slots
 from ..calls import ALLREDUCE, Algo
 from ..collectives import Collective
-from ..flush_layout import FlushFacts, OwnerLayout, PlacedPiece, RegionPiece, place_everyone, placed_grads
+from ..flush_layout import CostModel, FlushFacts, OwnerLayout, PlacedPiece, RegionPiece, place_everyone, placed_grads
 from ..step_plan import FlushTimes
 from ..two_level import BALANCED, TwoLevelGeometry, TwoLevelOption, balanced_parts, two_level_calls
 from .base import Algorithm, Estimate, Pipeline
-
-if TYPE_CHECKING:
-    from ..flush_choice import FlushCost
 
 
 def cost(facts: FlushFacts) -> Estimate | None:
@@ -45,7 +41,7 @@ def times(facts: FlushFacts, option: TwoLevelOption) -> FlushTimes:
                       (*option.stage_issue, *((facts.everyone_issue,) if facts.everyone_us else ())))
 
 
-def recost(facts: FlushFacts, option: TwoLevelOption, cost: FlushCost) -> TwoLevelOption | None:
+def recost(facts: FlushFacts, option: TwoLevelOption, cost: CostModel) -> TwoLevelOption | None:
     """``option``'s pipeline costed under ``cost`` (the sizing's hand-off sensitivity); None without two levels."""
     if cost.two_level is None:
         return None
