@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-from fakes import ExchangeWorld, exchange_backward, flat_map, mirror_runtime
 
 from owner_reduce.planning import algorithms
 from owner_reduce.planning.algorithms import Algorithm, Estimate, register, unregister
@@ -26,6 +25,7 @@ from owner_reduce.planning.flush_choice import FlushCost, force_values
 from owner_reduce.planning.flush_layout import FlushFacts, OwnerLayout, owner_regions_layout, pack_regions
 from owner_reduce.planning.owner_layout import plan_owner_layout
 from owner_reduce.planning.settings import ALGO_VALUES
+from tests.support.fakes import ExchangeWorld, exchange_backward, flat_map, mirror_runtime
 
 NAME = "allreduce_per_owner"
 NUMELS = [3 + (5 * i) % 13 for i in range(30)]
@@ -162,10 +162,9 @@ def test_negative_control_a_variant_that_leaves_out_one_owners_call_is_caught_by
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("ws", [2, 4])
 def test_it_runs_end_to_end_on_the_simulated_devices_cupy_path(ws, per_owner):
-    from sim_cuda import Sim
-    from sim_runtime import check_buffers, check_collective_log, cupy_runtimes, train_step
-
     from owner_reduce.runtime.nccl_comm import CupyNcclComm
+    from tests.support.sim.cuda import Sim
+    from tests.support.sim.runtime import check_buffers, check_collective_log, cupy_runtimes, train_step
 
     owner_map = flat_map(NUMELS, ws)
     with Sim(hang_bound_s=20, hb=True) as sim:

@@ -16,7 +16,6 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
-from fakes import flat_map
 
 from owner_reduce.harness.launch import fresh_process_context
 from owner_reduce.planning.alignment import align_elems, align_up, aligned_cut
@@ -33,6 +32,7 @@ from owner_reduce.planning.owner_layout import (
 from owner_reduce.planning.owner_map import OwnerMap
 from owner_reduce.planning.sizing import DEFAULT_BUCKET_SIZE, Cluster, simulate_flushes
 from owner_reduce.planning.two_level import BALANCED, BY_OWNER, RAIL_REDUCE, RAIL_SCATTER
+from tests.support.fakes import flat_map
 
 MODELS = ("gpt2-124m", "1b", "llama-7b")
 WORLD_SIZES = (8, 24, 64)
@@ -203,10 +203,9 @@ def test_the_runtime_zeroes_the_padding_its_calls_reduce(zeroed, monkeypatch):
     whatever the allocator reused (zeros after an unrelated change of the planner's allocations)."""
     from types import SimpleNamespace
 
-    from fakes import mirror_runtime
-
     from owner_reduce.runtime import buckets
     from owner_reduce.runtime.flush import Flusher
+    from tests.support.fakes import mirror_runtime
 
     def stale(*size, dtype=None, device=None):  # noqa: ANN001, ANN002, ANN202
         return torch.full(size, -7.0, dtype=dtype, device=device)

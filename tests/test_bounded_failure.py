@@ -2,8 +2,8 @@
 the stalled rank and its host; plain ZeRO-1 in the same test, on the same machine at the same time, is still hanging
 at that point.
 
-Real processes, one per rank, started as a user's launcher would (``tests/stall_worker.py``), so the exit
-codes and the error on stderr are the real ones. Every process is killed at the end, whatever happened.
+Real processes, one per rank, started as a user's launcher would (``tests/support/launched/stall_worker.py``), so the
+exit codes and the error on stderr are the real ones. Every process is killed at the end, whatever happened.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 
 import pytest
-from stall_worker import USER_TIMEOUT_S
 
 from owner_reduce.harness.launch import free_port
+from tests.support.launched.stall_worker import USER_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "stall_worker.py"
+WORKER = ROOT / "tests" / "support" / "launched" / "stall_worker.py"
 GRACE_S = 30  # the issue's bound: every survivor exits within timeout + 30 s
 STARTUP_LIMIT_S = 240  # both jobs up to the stall, on a loaded 2-core machine
 ERROR_RE = re.compile(r"OwnerReduceCommError: owner_reduce: rank (\d+), flush #\d+: (reduce|all_reduce)\(.*\) "

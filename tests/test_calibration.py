@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import MirrorComm, flat_map
 
 from owner_reduce.planning.calibration import (
     FORMAT,
@@ -34,6 +33,7 @@ from owner_reduce.planning.owner_layout import default_cost, plan_owner_layout
 from owner_reduce.planning.rank_inputs import read_inputs
 from owner_reduce.planning.settings import parse_settings
 from owner_reduce.runtime.calibrate import CalibrationOptions, default_peers, measure, plan_measurements
+from tests.support.fakes import MirrorComm, flat_map
 
 LADDER = tuple((4 << 10) << (2 * i) for i in range(8))  # 4 KiB .. 64 MiB
 KEY = "compile.reduce_to_owner_calibration"
@@ -314,7 +314,7 @@ def test_two_gloo_ranks_write_the_same_calibration(tmp_path):
 
 
 def _exchange_runtimes(cals, numels=(50_000,) * 8):
-    from fakes import ExchangeWorld, mirror_runtime
+    from tests.support.fakes import ExchangeWorld, mirror_runtime
 
     world = ExchangeWorld(len(cals), timeout_s=20)
     m = flat_map(list(numels), len(cals))
@@ -337,7 +337,7 @@ def _one_backward(world, runtimes, m):
 def test_the_runtime_chooses_on_the_calibration_every_rank_loaded():
     """Four in-process ranks that really exchange: with a calibration whose ReduceScatter is slow the schedule
     leaves the ReduceScatter NCCL's tables pick, the same on every rank, and says what it was costed on."""
-    from ds_log import ds_log
+    from tests.support.ds_log import ds_log
 
     world, runtimes, m = _exchange_runtimes([None] * 4)
     _one_backward(world, runtimes, m)
@@ -393,9 +393,8 @@ def test_an_incomplete_calibration_is_refused_when_read_naming_what_it_lacks(tmp
 @pytest.mark.timeout(30)
 def test_an_incomplete_calibration_on_every_rank_refuses_at_init_not_after_the_first_step(tmp_path):
     """Before: the runtime started, and every rank failed inside the first backward that costed a ReduceScatter."""
-    from fakes import ExchangeWorld, mirror_runtime
-
     from owner_reduce.runtime.handle import OwnerReduceMismatchError
+    from tests.support.fakes import ExchangeWorld, mirror_runtime
 
     partial = dataclasses.replace(_cal(world_size=2), fits=_cal().fits[:2])
     path = tmp_path / "partial.json"
@@ -413,8 +412,8 @@ def test_under_a_calibration_no_node_or_rail_communicator_is_made(monkeypatch):
     """Two nodes of two: without a calibration the node, rail and node hand-off communicators are made (two-level is a
     candidate); under one they are not (not a candidate: no creations, no device memory, no "two-level flush
     ready")."""
-    from ds_log import ds_log
-    from fakes import ExchangeWorld, group_threads_as_nodes, mirror_runtime
+    from tests.support.ds_log import ds_log
+    from tests.support.fakes import ExchangeWorld, group_threads_as_nodes, mirror_runtime
 
     group_threads_as_nodes(monkeypatch, 2)
     m = flat_map([50_000] * 8, 4)

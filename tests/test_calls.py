@@ -13,7 +13,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from fakes import flat_map
 
 from owner_reduce.planning import collective_time as ct
 from owner_reduce.planning.calibration import Calibration, KindFit
@@ -40,6 +39,7 @@ from owner_reduce.planning.owner_layout import plan_owner_layout
 from owner_reduce.planning.program import FlushProgram, Group, ProgramCounts, compile_program
 from owner_reduce.planning.sizing import issued_groups
 from owner_reduce.runtime.executor import Executor, UnknownStepError
+from tests.support.fakes import flat_map
 
 NEW = "all_gather"  # a call kind no table holds: what a kind added to the vocabulary is at every site that lacks it
 

@@ -148,7 +148,7 @@ def test_flags_off_leaves_config_values_unchanged(section):
 
 def _initialize_cases(rank, world_size):
     """deepspeed.initialize itself (not only DeepSpeedConfig) honours and rejects the flags."""
-    from zero1_engines import odd_mlp_engine
+    from tests.support.zero1_engines import odd_mlp_engine
 
     owner_reduce.install()
     out = {}
@@ -360,9 +360,9 @@ def _first_step(engine, steps=2):
     the first (and DeepSpeed's ``step`` on the class, untouched)."""
     import torch
     from deepspeed.runtime.engine import DeepSpeedEngine
-    from ds_log import ds_log
 
     from owner_reduce.wiring import unused_flags
+    from tests.support.ds_log import ds_log
 
     unused_flags._warned.clear()  # owner_reduce says each reason once per process
     armed = "step" in engine.__dict__
@@ -382,13 +382,13 @@ def _first_step(engine, steps=2):
 def _first_step_worker(rank, world_size, out_dir):
     """One rank: an engine never compiled, the same with the check's arming broken in the product (the control), one
     compiled (it must say nothing), and the transformers Trainer without --torch_compile."""
-    from launched_train import build_model
-    from launched_trainer import RandomTokens
     from transformers import Trainer, TrainingArguments
-    from zero1_engines import odd_mlp_engine
 
     from owner_reduce.run import _create_accelerate_state
     from owner_reduce.wiring import unused_flags
+    from tests.support.launched.launched_train import build_model
+    from tests.support.launched.launched_trainer import RandomTokens
+    from tests.support.zero1_engines import odd_mlp_engine
 
     owner_reduce.install()
     out = {"uncompiled": _first_step(odd_mlp_engine(deepcompile=True, reduce_to_owner=True))}
@@ -404,7 +404,7 @@ def _first_step_worker(rank, world_size, out_dir):
           "zero_optimization": {"stage": 1}, "compile": {"deepcompile": True, "reduce_to_owner": True}}
     args = TrainingArguments(output_dir=out_dir, deepspeed=ds, per_device_train_batch_size=2, max_steps=2,
                              report_to="none", save_strategy="no", accelerator_config={"use_configured_state": True})
-    from ds_log import ds_log
+    from tests.support.ds_log import ds_log
 
     unused_flags._warned.clear()
     with ds_log(None) as log:

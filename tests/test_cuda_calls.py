@@ -18,11 +18,11 @@ from collections import Counter
 
 import pytest
 import torch
-from fakes import MirrorComm, flat_map, rows_in_nodes
-from sim_cuda import Sim
-from sim_runtime import make_runtime
 
 from owner_reduce.runtime.streams import CudaStreams
+from tests.support.fakes import MirrorComm, flat_map, rows_in_nodes
+from tests.support.sim.cuda import Sim
+from tests.support.sim.runtime import make_runtime
 
 CUDA_CALLS = ("Stream", "Event", "current_stream", "stream switch", "wait_event", "wait_stream", "query",
               "synchronize", "Event.record", "Event.query", "Event.synchronize", "Event.elapsed_time",

@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 import torch
-from fakes import MirrorComm, two_gpu_ranks_env
 
 from owner_reduce import OwnerReduceCommError
 from owner_reduce.harness.launch import run_ranks
 from owner_reduce.runtime import deadline as deadlines
 from owner_reduce.runtime import nccl_binding, nccl_comm
 from owner_reduce.runtime.deadline import CONFIG_SOURCE, Deadline, poll_until_done, resolve, wait_work
+from tests.support.fakes import MirrorComm, two_gpu_ranks_env
 
 SHORT = Deadline(0.2, "test")
 # A stall fails within its deadline plus this. The bound is the claim; the slack is this loaded 2-core host's
@@ -794,11 +794,10 @@ def test_inits_waits_share_one_deadline_no_shorter_than_the_default_groups(monke
 
 
 def test_the_runtime_inits_under_one_deadline_then_gives_its_communicators_the_flushes(monkeypatch):
-    from fakes import MirrorComm, flat_map
-
     from owner_reduce.planning.flags import OwnerReduceFlags
     from owner_reduce.planning.settings import MODEL, OwnerReduceSettings
     from owner_reduce.runtime.handle import OwnerReduceRuntime
+    from tests.support.fakes import MirrorComm, flat_map
 
     made = []
 

@@ -10,7 +10,8 @@ import time
 
 import pytest
 import torch
-from fakes import ExchangeMismatch, ExchangeTimeout, ExchangeWorld
+
+from tests.support.fakes import ExchangeMismatch, ExchangeTimeout, ExchangeWorld
 
 
 def _data(rank: int, n: int = 6) -> torch.Tensor:
@@ -167,7 +168,7 @@ NUMELS_3 = [7, 5, 9, 4, 6, 3]  # flat over 3 partitions of 12; a bucket of 12 cu
 def _handoff_steps(world, steps=3):
     """Three ranks, the hand-off forced, each rank its own gradients; returns the runtimes after ``steps`` backwards
     and whether every kept grad buffer held the true reduced gradient, bitwise, after every step."""
-    from fakes import exchange_runtimes, flat_map
+    from tests.support.fakes import exchange_runtimes, flat_map
 
     ids = [11, 22, 33]
     runtimes = exchange_runtimes(world, flat_map(NUMELS_3, 3), ids, algo="handoff", bucket=12)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from fakes import flat_map
 
 from owner_reduce.planning.collective_time import topology_of
 from owner_reduce.planning.exposure import (
@@ -28,6 +27,7 @@ from owner_reduce.planning.exposure import (
     unpack_rows,
 )
 from owner_reduce.planning.flush_choice import FlushCost
+from tests.support.fakes import flat_map
 
 
 def _timeline(compute_per_layer, delay, layers, tail=0.0):

@@ -9,9 +9,9 @@ import re
 
 import pytest
 import torch
-from fakes import MirrorComm, flat_map, mirror_runtime
 
 from owner_reduce.planning.exposure import PROBE_STEPS
+from tests.support.fakes import MirrorComm, flat_map, mirror_runtime
 
 NUMELS = [3 + (7 * i) % 11 for i in range(40)]  # 40 gradients of 3..13 elements
 LINE_RE = re.compile(r"^\[dc-probe\]\[r0\] step (\d+): reduction (\d+\.\d+) ms, exposed (\d+\.\d+) ms \((\d+)%\) of a "

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from fakes import flat_map
-from sim_cuda import Sim
 
 from owner_reduce.planning.exposure import MODELLED, OWNER, PROBE_STEPS
 from owner_reduce.planning.flags import OwnerReduceFlags
 from owner_reduce.runtime.nccl_binding import new_unique_id
 from owner_reduce.runtime.nccl_comm import CupyNcclComm
 from owner_reduce.runtime.streams import CudaStreams
+from tests.support.fakes import flat_map
+from tests.support.sim.cuda import Sim
 
 GRAPH = 11
 WS = 2
@@ -276,7 +276,7 @@ def test_two_level_flushes_are_marked_on_their_own_streams(monkeypatch):
     happens-before checker on). Every NCCL kernel takes ``delay_ms`` here, so the last flush's rail step alone keeps
     the reduction exposed for at least that long after the compute ended (the exact schedule depends on the layout
     the two-level plan picks: not recomputed here)."""
-    from sim_runtime import group_ranks_as_nodes
+    from tests.support.sim.runtime import group_ranks_as_nodes
 
     case = CASES["between"]
     with Sim(hang_bound_s=20, hb=True) as sim:
@@ -385,7 +385,7 @@ def test_a_step_whose_marks_have_not_completed_is_not_measured_and_never_waited_
     """Negative control of the no-wait rule: every rank's step 3 compute mark answers ``completed`` False when step 4
     reads it (injected where the product asks); that step is 'not measured' (no elapsed_time of it, which CUDA would
     refuse), the others are read, and nothing synchronizes."""
-    from sim_cuda import _sim
+    from tests.support.sim.cuda import _sim
 
     compute_mark, completed = CudaStreams.compute_mark, CudaStreams.completed
     marks: dict[int, list] = collections.defaultdict(list)

@@ -4,7 +4,6 @@ candidate wins (or the forced one), identical inputs give identical choices, and
 from __future__ import annotations
 
 import pytest
-from fakes import flat_map
 
 from owner_reduce.planning import collective_time as ct
 from owner_reduce.planning.collectives import ALLREDUCE, HANDOFF, NATIVE, REDUCE, REDUCE_SCATTER
@@ -19,6 +18,7 @@ from owner_reduce.planning.host_cost import NONE as NO_HOST_COST
 from owner_reduce.planning.owner_layout import map_order, plan_owner_layout, plan_placed
 from owner_reduce.planning.owner_map import GroupTables, OwnerMap
 from owner_reduce.planning.sizing import backward_order, simulate_flushes
+from tests.support.fakes import flat_map
 
 SIZES = [int(1.6 ** k) for k in range(3, 48)]  # 4 elements to 6.5e9 bytes in bf16
 

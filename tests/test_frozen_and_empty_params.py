@@ -12,16 +12,16 @@ import dataclasses
 
 import pytest
 import torch
-from test_runtime_e2e import (
+
+from owner_reduce.harness.launch import RankFailure, run_ranks
+from owner_reduce.harness.toy_training import TrainSpec, train
+from tests.test_runtime_e2e import (
     _assert_bitwise,
     _assert_kept_own_share_caught,
     _assert_runtime_ran,
     _assert_same_collectives_on_all_ranks,
     _run_with_reference,
 )
-
-from owner_reduce.harness.launch import RankFailure, run_ranks
-from owner_reduce.harness.toy_training import TrainSpec, train
 
 MODEL_KWARGS = (("empty_param", True), ("freeze_fc2", True), ("unused_empty_param", True))
 N_REDUCED = 4  # fc1 and fc3, weight and bias; fc2 is frozen, the two zero-element parameters are not reduced

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_runtime_e2e import _run_with_reference
 
 from owner_reduce.harness.toy_training import TrainSpec
+from tests.test_runtime_e2e import _run_with_reference
 
 
 @pytest.mark.timeout(300)

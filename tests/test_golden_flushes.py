@@ -5,15 +5,17 @@ the calls records them again, with a commit that says why."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import golden_flushes  # noqa: E402 - the recorder itself, so that the test and the script compare alike
+# The recorder itself, so that the test and the script compare alike
+_SPEC = importlib.util.spec_from_file_location("golden_flushes", ROOT / "scripts" / "golden_flushes.py")
+golden_flushes = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(golden_flushes)
 
 
 @pytest.mark.timeout(300)

@@ -14,15 +14,15 @@ import dataclasses
 import re
 
 import pytest
-from test_runtime_e2e import (
+
+from owner_reduce.harness.toy_training import TrainSpec
+from tests.test_runtime_e2e import (
     _assert_bitwise,
     _max_param_diff,
     _run,
     _run_with_reference,
     _scheduled_run_matching_plain,
 )
-
-from owner_reduce.harness.toy_training import TrainSpec
 
 ALGO_RE = re.compile(r" calls=(\d+) .* algo=(\S+)$")
 BIG = (("dim", 550), ("layers", 13))  # 13 matrices of 302,500 elements: partition boundaries inside them

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from fakes import flat_map
 
 from owner_reduce.harness.toy_models import TinyTransformer
 from owner_reduce.planning import collective_time as ct
@@ -24,6 +23,7 @@ from owner_reduce.planning.owner_layout import plan_step_layouts
 from owner_reduce.planning.sizing import backward_order, simulate_flushes
 from owner_reduce.planning.step_plan import FlushTimes, native_step_us, plan_step, schedule
 from owner_reduce.planning.two_level import pipelined_us
+from tests.support.fakes import flat_map
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[1]

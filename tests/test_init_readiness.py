@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import ExchangeWorld, flat_map, mirror_runtime
 
 from owner_reduce import OwnerReduceCommError
 from owner_reduce.planning.flags import OwnerReduceFlags
@@ -24,6 +23,7 @@ from owner_reduce.planning.settings import OwnerReduceSettings
 from owner_reduce.runtime.deadline import Deadline
 from owner_reduce.runtime.handle import OwnerReduceMismatchError
 from owner_reduce.runtime.torch_comm import TorchDistComm
+from tests.support.fakes import ExchangeWorld, flat_map, mirror_runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 

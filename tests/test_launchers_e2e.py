@@ -32,7 +32,8 @@ import torch
 
 from owner_reduce.harness.launch import free_port
 
-TESTS = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHED = ROOT / "tests" / "support" / "launched"  # the scripts the launchers start
 RUNTIME = "owner_reduce.runtime.handle.OwnerReduceRuntime"
 N_PARAMS = 21  # the tiny Llama: embeddings, 2 x (4 attention + 3 MLP + 2 norm weights), final norm, lm_head
 STEPS = 3
@@ -50,7 +51,7 @@ DS_CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps":
 def _launch(cmd: list[str], out: Path) -> tuple[str, list[dict]]:
     """Run a launcher (its own session, killed whole past the deadline); its output and each rank's results."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, cwd=TESTS.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
         log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
@@ -115,7 +116,7 @@ def test_accelerate_launch_with_a_deepspeed_config_file_zero_1_2_gradient_accumu
     variants = [(1, 1), (1, 2), (2, 1)]  # ZeRO-2 with GA 2: the Trainer test below
     log, results = _launch([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(acc),
                             "--main_process_port", str(free_port()), "-m", "owner_reduce.run",
-                            "--accelerate-backend", "gloo", str(TESTS / "launched_train.py"), "--api", "accelerate",
+                            "--accelerate-backend", "gloo", str(LAUNCHED / "launched_train.py"), "--api", "accelerate",
                             "--variants", ",".join(f"{s}:{g}" for s, g in variants), "--steps", str(STEPS),
                             "--out", str(out)], out)
     for rank, r in enumerate(results):
@@ -140,7 +141,7 @@ def test_torchrun_with_the_transformers_trainer(tmp_path):
         "gradient_clipping": "auto", "zero_optimization": {"stage": stage}, "compile": COMPILE, "log_level": "info"})
     log, results = _launch([
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-        "-m", "owner_reduce.run", "--accelerate-backend", "gloo", str(TESTS / "launched_trainer.py"),
+        "-m", "owner_reduce.run", "--accelerate-backend", "gloo", str(LAUNCHED / "launched_trainer.py"),
         "--deepspeed", str(ds), "--torch_compile_backend", "eager",
         "--accelerator_config", '{"use_configured_state": true}', "--output_dir", str(tmp_path / "trainer"),
         "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", str(grad_accum),

@@ -82,7 +82,6 @@ def test_cleanup_hands_the_handle_back_when_the_close_wait_times_out(monkeypatch
     (its stream never drains): DeepSpeed's one ``cleanup()`` raises that error, and DeepCompile's handle, the
     active runtime and the dc schemas are handed back all the same, so the next engine starts."""
     import deepspeed.compile.util as dc_util
-    from fakes import MirrorComm
 
     from owner_reduce import OwnerReduceCommError
     from owner_reduce.planning.flags import OwnerReduceFlags
@@ -90,6 +89,7 @@ def test_cleanup_hands_the_handle_back_when_the_close_wait_times_out(monkeypatch
     from owner_reduce.runtime.deadline import Deadline
     from owner_reduce.runtime.handle import OwnerReduceRuntime
     from owner_reduce.wiring import activation, ops
+    from tests.support.fakes import MirrorComm
 
     class StuckComm(MirrorComm):
         def close(self):

@@ -19,7 +19,6 @@ import time
 
 import pytest
 import torch
-from fakes import ExchangeComm, ExchangeWorld, exchange_backward, flat_map, mirror_runtime
 
 from owner_reduce.harness.fixed_samples import FixedSamples
 from owner_reduce.planning import measured
@@ -37,6 +36,7 @@ from owner_reduce.planning.measured import (
     verdicts,
 )
 from owner_reduce.runtime.handle import OwnerReduceMismatchError
+from tests.support.fakes import ExchangeComm, ExchangeWorld, exchange_backward, flat_map, mirror_runtime
 
 NUMELS = [3 + (7 * i) % 11 for i in range(24)]  # ws 2: one flush, the model's choice a ReduceScatter
 WS = 2
@@ -366,7 +366,7 @@ def test_negative_control_ranks_deciding_alone_diverge_and_the_exchange_sees_it(
     (every rank its own row) rank 0 switches to native and rank 1 keeps the ReduceScatter: the next flush's calls
     differ, which in-process ranks that really exchange report as a mismatch. With the product's gather both keep
     the model's choice."""
-    from fakes import ExchangeMismatch
+    from tests.support.fakes import ExchangeMismatch
 
     world, runtimes = _world(FAST_CHOICE, comms={0: _NoAgreement, 1: _NoAgreement} if agreement == "broken" else None)
     if agreement == "broken":
@@ -410,10 +410,9 @@ def _overlapping_world(monkeypatch, slow_rail: bool):
     (trial flush 0, the step as a whole): ``slow_rail``: rank 1's plan is slow (its rail calls), so native's calls win
     the step, though the plan is faster on the other ranks; else native's calls are slow on rank 0, so the plan wins,
     though native is faster on the other ranks (a rule that took the fastest rank would decide otherwise)."""
-    from fakes import group_threads_as_nodes
-
     from owner_reduce.planning import owner_layout
     from owner_reduce.planning.step_plan import StepPlan, native_step_us, schedule
+    from tests.support.fakes import group_threads_as_nodes
 
     def every_flush_two_level(options, native, buckets, per_bucket=2):
         picks = tuple(1 if len(o) > 1 else 0 for o in options)

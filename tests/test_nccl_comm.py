@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import two_gpu_ranks_env
 
 from owner_reduce.harness.launch import run_ranks
 from owner_reduce.planning.flush_plan import ALL
@@ -26,6 +25,7 @@ from owner_reduce.runtime import nccl_binding, nccl_comm
 from owner_reduce.runtime.comm import ReduceComm
 from owner_reduce.runtime.comm_select import FALLBACK_PREFIX, SelectSteps, combine_reasons, local_readiness, select_comm
 from owner_reduce.runtime.torch_comm import TorchDistComm
+from tests.support.fakes import two_gpu_ranks_env
 
 nccl = pytest.importorskip("cupy.cuda.nccl")
 HAS_CUDA = torch.cuda.is_available()

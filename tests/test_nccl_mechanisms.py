@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import MirrorComm
 
 from owner_reduce.planning.flags import OwnerReduceFlags
 from owner_reduce.planning.owner_map import OwnerMap
 from owner_reduce.planning.settings import MODEL, OwnerReduceSettings
 from owner_reduce.runtime.handle import OwnerReduceRuntime
+from tests.support.fakes import MirrorComm
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "nccl_mechanisms.py"
@@ -85,8 +85,8 @@ def test_the_product_stall_is_judged_on_the_bound_and_the_named_error(mech):
 
 _ON_THE_SIM = """
 import importlib.util, sys
-sys.path[:0] = [{tests!r}]
-from sim_cuda import Sim
+sys.path[:0] = [{root!r}]
+from tests.support.sim.cuda import Sim
 spec = importlib.util.spec_from_file_location("nccl_mechanisms", {script!r})
 mech = importlib.util.module_from_spec(spec)
 sys.modules["nccl_mechanisms"] = mech
@@ -103,7 +103,7 @@ def test_each_check_passes_on_the_simulated_device(mech, monkeypatch, tmp_path, 
     """The script as gpu_check runs it (its parent: spawning, bounds, verdict, RESULT line), each rank process on the
     simulated device (``Sim(transport="processes")``: CUDA's launch queue, NCCL's abort waiting for the last kernel), so
     that its first run on a GPU is not its first run."""
-    boot = _ON_THE_SIM.format(tests=str(ROOT / "tests"), script=str(SCRIPT))
+    boot = _ON_THE_SIM.format(root=str(ROOT), script=str(SCRIPT))
     monkeypatch.setattr(mech, "_rank_command", lambda args, rank, out: [sys.executable, "-c", boot, *args, "--rank",
                                                                        str(rank), "--dir", str(out)])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the parent's check; the ranks run on the sim

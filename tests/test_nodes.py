@@ -5,7 +5,6 @@ names (``ExchangeWorld``). Pure but for the last two tests."""
 from __future__ import annotations
 
 import pytest
-from fakes import ExchangeWorld, flat_map, mirror_runtime
 
 from owner_reduce.planning.nodes import (
     HOST_INTS,
@@ -16,6 +15,7 @@ from owner_reduce.planning.nodes import (
     slurm_tasks_on_node,
     unpack_host,
 )
+from tests.support.fakes import ExchangeWorld, flat_map, mirror_runtime
 
 LWS = LAUNCHER_VARS.index("LOCAL_WORLD_SIZE")
 STEP = SLURM_VARS.index("SLURM_STEP_TASKS_PER_NODE")
@@ -89,9 +89,8 @@ def test_host_names_travel_as_integers():
 def test_the_runtime_counts_ranks_per_node_from_the_hosts_it_gathered(monkeypatch):
     """Four in-process ranks on two hosts that really exchange their agreement rows, with no LOCAL_WORLD_SIZE (a bare
     srun): the runtime's layout and topology say two nodes of two, and every rank knows every rank's host."""
-    from fakes import exchange_thread_rank
-
     from owner_reduce.runtime import agreement
+    from tests.support.fakes import exchange_thread_rank
 
     monkeypatch.setattr(agreement, "host_name", lambda: f"gpu-node-{exchange_thread_rank() // 2:02d}")
     monkeypatch.setattr(agreement, "launcher_ranks_per_node", lambda environ=None: (-1, 0))
@@ -107,9 +106,9 @@ def test_the_runtime_counts_ranks_per_node_from_the_hosts_it_gathered(monkeypatc
 @pytest.mark.timeout(60)
 def test_negative_control_a_launcher_that_says_otherwise_is_warned_about_on_rank_0(monkeypatch):
     from deepspeed.utils import logger
-    from fakes import exchange_thread_rank
 
     from owner_reduce.runtime import agreement
+    from tests.support.fakes import exchange_thread_rank
 
     monkeypatch.setattr(agreement, "host_name", lambda: "one-host")
     monkeypatch.setattr(agreement, "launcher_ranks_per_node", lambda environ=None: (LWS, 2))

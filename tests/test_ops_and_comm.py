@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from fakes import MirrorComm
 
 from owner_reduce.wiring import ops
+from tests.support.fakes import MirrorComm
 
 
 class _Recorder:

@@ -10,7 +10,6 @@ import dataclasses
 import random
 
 import pytest
-from fakes import flat_map
 
 from owner_reduce.harness.faults import misroute_handoff
 from owner_reduce.planning.flush_choice import FlushCost
@@ -31,6 +30,7 @@ from owner_reduce.planning.owner_layout import (
     plan_placed,
 )
 from owner_reduce.planning.owner_map import GroupTables, OwnerMap
+from tests.support.fakes import flat_map
 
 
 def _map3(whole=frozenset()):

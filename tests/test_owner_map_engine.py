@@ -31,9 +31,9 @@ def _tamper(owner_map: OwnerMap, how: str) -> OwnerMap:
 
 def _map_worker(rank, world_size, two_groups):
     import deepspeed.comm as dist
-    from zero1_engines import odd_mlp_engine
 
     from owner_reduce.wiring.engine_tables import build_owner_map, disagreements_with_optimizer
+    from tests.support.zero1_engines import odd_mlp_engine
 
     engine = odd_mlp_engine(two_groups=two_groups, empty_param=True)
     opt = engine.optimizer

@@ -79,7 +79,8 @@ def test_lines_go_through_deepspeeds_logger_at_info_in_one_write_each(monkeypatc
 
 def test_probe_lines_come_from_rank_0_unless_every_rank_is_asked_for(monkeypatch):
     import torch
-    from fakes import flat_map, mirror_runtime
+
+    from tests.support.fakes import flat_map, mirror_runtime
 
     m = flat_map([8, 8], 2)
 

@@ -12,11 +12,11 @@ import re
 
 import pytest
 import torch
-from fakes import MirrorComm, flat_map, mirror_runtime, rows_in_nodes
 
 from owner_reduce.harness.launch import run_ranks
 from owner_reduce.harness.toy_training import TrainSpec, train_each
 from owner_reduce.runtime import flush as flush_module
+from tests.support.fakes import MirrorComm, flat_map, mirror_runtime, rows_in_nodes
 
 RANGE = re.compile(r"^owner_reduce flush #(\d+) (\S+) (\d+) B$")
 LEVEL = re.compile(r"^owner_reduce flush #(\d+) stage (\d+) (node|rail) (\S+) (\d+) B$")
@@ -132,10 +132,9 @@ def test_on_the_simulated_device_each_flush_and_level_is_one_nvtx_range(monkeypa
     """CUDA buffers (the simulated device's): every flush, and each two-level stage's node and rail step, pushes one
     NVTX range and pops it, with no torch profiler running (Nsight's view). The CPU torch build here has no NVTX: the
     product's push and pop are replaced by recorders, as a CUDA build's would be called."""
-    from sim_cuda import Sim
-    from sim_runtime import cupy_runtimes, group_ranks_as_nodes, train_step
-
     from owner_reduce.planning import two_level
+    from tests.support.sim.cuda import Sim
+    from tests.support.sim.runtime import cupy_runtimes, group_ranks_as_nodes, train_step
 
     pushed: list[str] = []
     depth = [0]

@@ -7,7 +7,6 @@ programs compiled with the wrong local rank issue some rail's calls twice and an
 from __future__ import annotations
 
 import pytest
-from fakes import flat_map
 
 from owner_reduce.planning import two_level
 from owner_reduce.planning.calls import HANDOFF, NODE, NODE_HANDOFF, RAIL, REDUCE, WORLD
@@ -27,6 +26,7 @@ from owner_reduce.planning.program import (
     copy_segments,
     split_sizes,
 )
+from tests.support.fakes import flat_map
 
 NUMELS = [37, 5, 64, 3, 90, 11, 26, 8, 55]
 

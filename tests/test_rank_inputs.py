@@ -7,8 +7,6 @@ product's own parsing."""
 from __future__ import annotations
 
 import pytest
-from fakes import ExchangeWorld, flat_map, mirror_runtime
-from test_calibration import _cal
 
 from owner_reduce.planning.rank_inputs import (
     NCCL_BLOCKING_ENV_VAR,
@@ -19,6 +17,8 @@ from owner_reduce.planning.rank_inputs import (
 from owner_reduce.planning.settings import parse_settings
 from owner_reduce.planning.verdict_book import VerdictBook, write_verdicts
 from owner_reduce.runtime.handle import OwnerReduceMismatchError
+from tests.support.fakes import ExchangeWorld, flat_map, mirror_runtime
+from tests.test_calibration import _cal
 
 CAL = "compile.reduce_to_owner_calibration"
 VER = "compile.reduce_to_owner_verdicts"

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fakes import NUMELS, TABLES, ExchangeWorld, exchange_runtimes
 
 from owner_reduce.planning.owner_map import OwnerMap
+from tests.support.fakes import NUMELS, TABLES, ExchangeWorld, exchange_runtimes
 
 ORDER = (2, 1, 0)  # backward order: c, b, a (arrival order differs from owner order: a schedule reorders the bucket)
 

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 import torch
-from fakes import ExchangeWorld, exchange_backward, flat_map, mirror_runtime
-from test_measured_guard import NUMELS, TRIAL_ROUNDS, WS, fixed_clocks
 
 from owner_reduce.harness.fixed_samples import FixedSamples
 from owner_reduce.planning.verdict_book import CHECKPOINT_KEY
 from owner_reduce.runtime.trial_clock import StreamClock
 from owner_reduce.wiring.checkpoint import RUNTIME_ATTR, wrap_save_checkpoint
+from tests.support.fakes import ExchangeWorld, exchange_backward, flat_map, mirror_runtime
+from tests.test_measured_guard import NUMELS, TRIAL_ROUNDS, WS, fixed_clocks
 
 GRAPH = 11
 STEPS = 1 + 2 * TRIAL_ROUNDS + 2  # learned, the trial, two steps after the verdict
@@ -203,7 +203,7 @@ def test_a_verdict_file_written_after_the_save_pins_the_resumed_trial(uninterrup
 def test_a_step_timed_as_a_whole_resumes_too(monkeypatch):
     """Four ranks in two nodes whose flushes overlap (the trial times the step as a whole: trial flush 0): saved
     after three steps, resumed in fresh runtimes, the same calls step by step as the uninterrupted run."""
-    from test_measured_guard import _four_rank_steps, _overlapping_world
+    from tests.test_measured_guard import _four_rank_steps, _overlapping_world
 
     world, runtimes = _overlapping_world(monkeypatch, slow_rail=True)
     reference = _four_rank_steps(world, runtimes, STEPS)

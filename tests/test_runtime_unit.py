@@ -4,12 +4,12 @@ import types
 
 import pytest
 import torch
-from fakes import NUMELS, TABLES, MirrorComm, ws2_runtime
 
 from owner_reduce.planning.flags import OwnerReduceFlags
 from owner_reduce.planning.owner_map import OwnerMap
 from owner_reduce.planning.settings import OwnerReduceSettings
 from owner_reduce.runtime.handle import OwnerReduceMismatchError, OwnerReduceRuntime
+from tests.support.fakes import NUMELS, TABLES, MirrorComm, ws2_runtime
 
 
 def _runtime(rank=0, owner=True, probe=True, bucket=64, problems=(), comm=None):
@@ -373,10 +373,9 @@ def test_a800_ranks_are_modelled_with_their_eight_nvlinks(monkeypatch):
     DEBUG line names it; the same ranks without the name fact are modelled as A100s (12 links)."""
     import logging
 
-    from ds_log import ds_log
-    from fakes import flat_map, mirror_runtime
-
     from owner_reduce.runtime import agreement
+    from tests.support.ds_log import ds_log
+    from tests.support.fakes import flat_map, mirror_runtime
 
     monkeypatch.setattr(agreement, "sm_major", lambda device=None: 8)
     names = {}

@@ -5,7 +5,8 @@ control (a layout off by one slice)."""
 
 import pytest
 import torch
-from fakes import NUMELS, ws2_runtime
+
+from tests.support.fakes import NUMELS, ws2_runtime
 
 
 def _runtime(rank=0, bucket=64, probe=True, algo="reduce"):

@@ -35,15 +35,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_calibration import _cal
 
 import owner_reduce
 from owner_reduce.harness.launch import free_port, run_ranks
 from owner_reduce.harness.toy_training import TrainSpec, ds_config, train_each
 from owner_reduce.planning.measured import TRIAL_ROUNDS
 from owner_reduce.planning.verdict_book import load_verdicts
+from tests.test_calibration import _cal
 
-TESTS = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHED = ROOT / "tests" / "support" / "launched"  # the scripts the launchers start
 WS = 4
 STEPS = 2 + 2 * TRIAL_ROUNDS  # the schedule learned at step 1, the trial's steps, one step with the winners
 LAUNCH_TIMEOUT_S = 420
@@ -55,7 +56,7 @@ BASE = TrainSpec(mode="owner", backend="eager", model="exact_linear", steps=STEP
 
 
 def _launch(cmd: list[str], env: dict[str, str], out: Path) -> tuple[str, list[dict]]:
-    proc = subprocess.Popen(cmd, cwd=TESTS.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
         log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
@@ -105,17 +106,17 @@ def test_every_setting_from_a_config_file_through_deepspeeds_launcher_without_ow
     ]
     assert json.loads((tmp_path / "auto.json").read_text())["compile"] == {"deepcompile": True, **every}
     env = {k: v for k, v in os.environ.items() if not k.startswith("OWNER_REDUCE_")}
-    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(TESTS.parent))
+    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
     out = tmp_path / "out"
     log, results = _launch([str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(WS), "--master_port",
-                            str(free_port()), "--module", "owner_reduce.run", str(TESTS / "launched_settings.py"),
+                            str(free_port()), "--module", "owner_reduce.run", str(LAUNCHED / "launched_settings.py"),
                             "--runs", json.dumps(runs), "--out", str(out)], env, out)
     assert all(r["world_size"] == WS and r["owner_reduce_env"] == [] for r in results), "the environment was scrubbed"
     # DeepSpeed's launcher runs ``python -u -m owner_reduce.run --local_rank=N launched_settings.py ...``: the script
     # gets ``--local_rank=N`` right after its name, as if the launcher had started it, and DeepSpeed's config parsing
     # there takes the owner runs' keys before any run (install() ran in that process: owner_reduce.run).
     for rank, r in enumerate(results):
-        assert r["argv"][:2] == [str(TESTS / "launched_settings.py"), f"--local_rank={rank}"], r["argv"]
+        assert r["argv"][:2] == [str(LAUNCHED / "launched_settings.py"), f"--local_rank={rank}"], r["argv"]
         assert r["local_rank_arg"] == rank and r["env_local_rank"] == str(rank), r
         assert r["keys_accepted"] == [True, True, True], f"rank {rank}: DeepSpeed rejected the keys: no install()"
     by_run = {name: [r["runs"][name] for r in results] for name, _ in runs}

@@ -8,13 +8,13 @@ import deepspeed
 import pytest
 import torch
 from deepspeed.runtime.config import DeepSpeedConfig
-from ds_log import ds_log
-from test_settings import BAD, EVERY_KEY
 
 import owner_reduce
 from owner_reduce import OwnerReduceConfigError
 from owner_reduce.planning.flags import OwnerReduceFlags
 from owner_reduce.planning.settings import SETTING_KEYS, OwnerReduceSettings, parse_settings, settings_of
+from tests.support.ds_log import ds_log
+from tests.test_settings import BAD, EVERY_KEY
 
 IN_EFFECT = {**EVERY_KEY, "reduce_to_owner_algo": "auto"}  # "model" keeps no verdicts: warned below
 

@@ -33,10 +33,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-import sim_cuda
-import sim_nccl
 import torch
-from sim_cuda import Sim, SimError, SimTensor
+
+from tests.support.sim import cuda as sim_cuda
+from tests.support.sim import nccl as sim_nccl
+from tests.support.sim.cuda import Sim, SimError, SimTensor
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRODUCT_CUPY_MODULES = ("owner_reduce/runtime/nccl_binding.py", "owner_reduce/runtime/nccl_comm.py",

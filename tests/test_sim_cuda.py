@@ -9,8 +9,9 @@ import time
 
 import pytest
 import torch
-from sim_cuda import Sim, SimError, SimHang, sim_fixture  # noqa: F401 - sim_fixture: the `sim` fixture
-from sim_nccl import NCCL_BFLOAT16, NCCL_FLOAT32, NCCL_INT64, NCCL_SUM, NcclError, SimMismatch
+
+from tests.support.sim.cuda import Sim, SimError, SimHang, sim_fixture  # noqa: F401 - sim_fixture: the `sim` fixture
+from tests.support.sim.nccl import NCCL_BFLOAT16, NCCL_FLOAT32, NCCL_INT64, NCCL_SUM, NcclError, SimMismatch
 
 
 def _nccl():

@@ -14,9 +14,12 @@ import re
 
 import pytest
 import torch
-from fakes import flat_map
-from sim_cuda import Sim
-from sim_runtime import (
+
+from owner_reduce.runtime.nccl_comm import CupyNcclComm
+from owner_reduce.runtime.streams import CudaStreams
+from tests.support.fakes import flat_map
+from tests.support.sim.cuda import Sim
+from tests.support.sim.runtime import (
     check_buffers,
     check_collective_log,
     cupy_runtimes,
@@ -24,9 +27,6 @@ from sim_runtime import (
     group_ranks_as_nodes,
     train_step,
 )
-
-from owner_reduce.runtime.nccl_comm import CupyNcclComm
-from owner_reduce.runtime.streams import CudaStreams
 
 NUMELS = [3 + (5 * i) % 13 for i in range(30)]  # 30 gradients of 3..15 elements
 STEPS = 3  # learning (arrival order), then the owner-ordered schedule twice
@@ -150,9 +150,8 @@ def test_negative_control_a_wrong_root_in_one_ranks_two_level_stage_is_caught(mo
     root: the sim reports the mismatch naming both ranks' calls, the rail rank that completed the mismatched call
     fails naming its rail call, and no rank finishes its backward. (How the peers fail is issue 37's business: at the
     deadline, or, until its finding 2 is fixed, in an abort that waits behind the rail's spinning kernel.)"""
-    from sim_cuda import SimHang
-
     from owner_reduce import OwnerReduceCommError
+    from tests.support.sim.cuda import SimHang
 
     with Sim(hang_bound_s=3) as sim:
         _two_level(monkeypatch, sim, 2, "reduce", "by_owner")

@@ -15,9 +15,6 @@ import types
 
 import pytest
 import torch
-from fakes import MirrorComm, flat_map
-from sim_cuda import Sim, SimHang
-from sim_runtime import GRAPH, connect_comms, cupy_runtimes, exact_grads, group_ranks_as_nodes, train_step
 from torch.distributed import HashStore
 
 from owner_reduce import OwnerReduceCommError
@@ -25,6 +22,9 @@ from owner_reduce.runtime import deadline as deadlines
 from owner_reduce.runtime import stall_report
 from owner_reduce.runtime.nccl_binding import new_unique_id
 from owner_reduce.runtime.nccl_comm import CupyNcclComm
+from tests.support.fakes import MirrorComm, flat_map
+from tests.support.sim.cuda import Sim, SimHang
+from tests.support.sim.runtime import GRAPH, connect_comms, cupy_runtimes, exact_grads, group_ranks_as_nodes, train_step
 
 DEADLINE_S = 1.0
 HANG_BOUND_S = 5.0  # a blocked host wait past this is a hang (each test's bound: the deadline + 4 s)

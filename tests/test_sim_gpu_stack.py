@@ -29,15 +29,15 @@ from typing import Any
 
 import pytest
 import torch
-from fakes import flat_map
-from sim_cuda import Sim
-from sim_runtime import check_buffers, connect_comms, cupy_runtimes, train_step
-from test_watchdog import fast
 
 from owner_reduce import OwnerReduceCommError
 from owner_reduce.runtime import nccl_binding, nccl_comm, threads
 from owner_reduce.runtime import watchdog as watchdogs
 from owner_reduce.runtime.deadline import Deadline
+from tests.support.fakes import flat_map
+from tests.support.sim.cuda import Sim
+from tests.support.sim.runtime import check_buffers, connect_comms, cupy_runtimes, train_step
+from tests.test_watchdog import fast
 
 DEADLINE = Deadline(0.5, "test")
 HANG_BOUND_S = 8.0  # the sim's: a host wait past this would never return on a GPU (``SimHang``)
@@ -370,7 +370,7 @@ def _connections_by_phase(monkeypatch, two_level: bool) -> tuple[list[list], Any
     learning step (arrival-order flushes, then the schedule learned), then two scheduled steps. Two nodes of two ranks
     with a balanced two-level flush (node, rail and node hand-off communicators), or four ranks with the one-level
     ReduceScatter and hand-off."""
-    from test_sim_e2e import _two_level
+    from tests.test_sim_e2e import _two_level
 
     with Sim(hang_bound_s=HANG_BOUND_S) as sim:
         if two_level:
@@ -420,8 +420,8 @@ def test_negative_control_without_the_warm_up_the_flushes_set_up_connections(mon
 def test_the_two_level_lines_device_memory_holds_the_levels_connections(monkeypatch):
     """The "two-level flush ready" line's MiB of device memory is what the node and rail communicators took, their
     connections included (made in its window), not torch's tensors (the warm-up's buffer)."""
-    from sim_nccl import CONNECT_BYTES
-    from test_sim_e2e import _two_level
+    from tests.support.sim.nccl import CONNECT_BYTES
+    from tests.test_sim_e2e import _two_level
 
     with Sim(hang_bound_s=HANG_BOUND_S) as sim:
         _two_level(monkeypatch, sim, 2, "scatter", "balanced")

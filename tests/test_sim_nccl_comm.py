@@ -11,14 +11,14 @@ import re
 import time
 
 import pytest
-import sim_nccl
 import torch
-from sim_cuda import Sim, SimHang
-from sim_nccl import SimUseAfterFree
 
 from owner_reduce import OwnerReduceCommError
 from owner_reduce.runtime import nccl_binding, nccl_comm
 from owner_reduce.runtime.deadline import Deadline
+from tests.support.sim import nccl as sim_nccl
+from tests.support.sim.cuda import Sim, SimHang
+from tests.support.sim.nccl import SimUseAfterFree
 
 SHORT = Deadline(0.2, "test")
 

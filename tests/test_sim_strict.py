@@ -20,14 +20,14 @@ from typing import Any
 
 import pytest
 import torch
-from sim_cuda import POISON_BYTE, Sim, SimHang, sim_fixture  # noqa: F401 - sim_fixture: the `sim` fixture
-from sim_nccl import SimOverlap
 
 from owner_reduce.runtime import deadline as deadlines
 from owner_reduce.runtime import nccl_binding, nccl_comm
 from owner_reduce.runtime.deadline import Deadline
 from owner_reduce.runtime.host_memory import pinned
 from owner_reduce.runtime.torch_comm import TorchDistComm
+from tests.support.sim.cuda import POISON_BYTE, Sim, SimHang, sim_fixture  # noqa: F401 - sim_fixture: the `sim` fixture
+from tests.support.sim.nccl import SimOverlap
 
 POISON_INT64 = int.from_bytes(bytes([POISON_BYTE]) * 8, "little", signed=True)
 

@@ -19,13 +19,13 @@ def _worker(rank: int, world_size: int) -> dict:
 
     import torch
     import torch.distributed as dist
-    from fakes import flat_map
-    from sim_cuda import Sim
-    from sim_runtime import GRAPH, exact_grads, expected_buffers, make_runtime
 
     from owner_reduce import OwnerReduceCommError
     from owner_reduce.runtime.comm_select import SelectSteps, local_readiness, select_comm
     from owner_reduce.runtime.nccl_comm import CupyNcclComm
+    from tests.support.fakes import flat_map
+    from tests.support.sim.cuda import Sim
+    from tests.support.sim.runtime import GRAPH, exact_grads, expected_buffers, make_runtime
 
     out: dict = {}
     owner_map = flat_map(NUMELS, world_size)

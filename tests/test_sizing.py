@@ -464,9 +464,8 @@ def test_1b_preset_at_ws_8_one_call_per_owner_or_its_cut_regions():
 def test_handoff_sensitivity_costs_the_full_bandwidth_choices_at_less_and_chooses_again():
     """Issue 20 item 3: each row at 0.5x and 0.25x of the hand-off's network bandwidth, both for the choices made at
     full bandwidth (what runs before the measured guard decides) and chosen again knowing it (never worse)."""
-    from fakes import flat_map
-
     from owner_reduce.planning.sizing import size_the_win
+    from tests.support.fakes import flat_map
 
     m = flat_map([4096 * 11008] * 148, 1024)  # partial flushes at 1024 ranks: the hand-off wins without NVLS
     order = backward_order(range(148))
@@ -487,9 +486,8 @@ def test_handoff_sensitivity_schedules_the_full_bandwidth_choices_as_the_runtime
     its flushes' own times added up (which counts every hidden rail step again: 1.19x for Llama-13B at ws 512 where
     the step is 0.75x), and the rail hand-off (rail step ``scatter``) is scaled with the other p2p transfers (it was
     not: every row read the same at 0.25x). At 1.0x the row is the step itself."""
-    from fakes import flat_map
-
     from owner_reduce.planning.sizing import size_the_win
+    from tests.support.fakes import flat_map
 
     m = flat_map([5120 * 13824] * 40, 512)
     report = size_the_win(m, backward_order(range(40)), (500_000_000,), model="5120x13824 matrices",

@@ -26,7 +26,7 @@ from owner_reduce.offline_sizing.model_spec import PRESETS, ModelSpec, build_met
 from owner_reduce.planning.host_cost import DEFAULT as DEFAULT_HOST
 
 REPO = Path(__file__).resolve().parent.parent
-HERE = Path(__file__).stem  # this module's import name in a fresh process (tests/ is on its sys.path)
+HERE = __name__  # this module's import name in a fresh process (the repository root is on its sys.path)
 
 
 # ---- factories the cross-check sizes as module:factory ---------------------------------------------------------

@@ -11,13 +11,13 @@ import time
 
 import pytest
 import torch
-from fakes import ExchangeWorld, exchange_thread_rank, flat_map, mirror_runtime
 from torch.distributed import HashStore
 
 from owner_reduce import OwnerReduceCommError
 from owner_reduce.runtime import agreement, stall_report
 from owner_reduce.runtime.deadline import Deadline
 from owner_reduce.runtime.stall_report import GRACE_S, MARK_AFTER_S, REPORT_BOUND_S, StallReporter
+from tests.support.fakes import ExchangeWorld, exchange_thread_rank, flat_map, mirror_runtime
 
 HOSTS = ["gpu-node-01"] * 4 + ["gpu-node-02"] * 4
 GLOBAL = list(range(16, 24))  # a data-parallel group of a larger job: data-parallel rank r is global rank 16 + r

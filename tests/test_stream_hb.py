@@ -24,14 +24,14 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from fakes import MirrorComm, flat_map, rows_in_nodes
-from sim_cuda import Sim
 
 from owner_reduce.planning.flags import OwnerReduceFlags
 from owner_reduce.planning.settings import OwnerReduceSettings
 from owner_reduce.runtime.executor import Executor
 from owner_reduce.runtime.handle import OwnerReduceRuntime
 from owner_reduce.runtime.streams import CudaStreams
+from tests.support.fakes import MirrorComm, flat_map, rows_in_nodes
+from tests.support.sim.cuda import Sim
 
 GRAPH = 11
 WS, RANK = 3, 0

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fakes import (
+
+from tests.support.fakes import (
     ExchangeMismatch,
     ExchangeWorld,
     exchange_backward,

@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from fakes import flat_map
 
 from owner_reduce.harness.faults import wrong_rail
 from owner_reduce.planning import owner_layout, two_level
@@ -28,6 +27,7 @@ from owner_reduce.planning.two_level import (
     two_level_calls,
     two_level_of,
 )
+from tests.support.fakes import flat_map
 
 
 def _cost(world_size: int, per_node: int, force: str = TWO_LEVEL) -> FlushCost:

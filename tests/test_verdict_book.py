@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_measured_guard import GRAPH, NUMELS, SLOW_RANK, TRIAL_ROUNDS, _steps, _world, verdict_rule
 
 from owner_reduce.planning.measured import TrialFlush, Verdict
 from owner_reduce.planning.verdict_book import (
@@ -22,6 +21,7 @@ from owner_reduce.planning.verdict_book import (
     write_verdicts,
 )
 from owner_reduce.runtime.handle import OwnerReduceMismatchError
+from tests.test_measured_guard import GRAPH, NUMELS, SLOW_RANK, TRIAL_ROUNDS, _steps, _world, verdict_rule
 
 DECIDED = 1 + 2 * TRIAL_ROUNDS  # backwards until a trial's verdict (the first learns the schedule)
 

@@ -22,16 +22,16 @@ import time
 import types
 
 import pytest
-import sim_nccl
 import torch
-from sim_cuda import Sim, SimHang
-from sim_runtime import connect_comms
 
 from owner_reduce import OwnerReduceCommError
 from owner_reduce.runtime import nccl_binding, nccl_comm
 from owner_reduce.runtime import watchdog as watchdogs
 from owner_reduce.runtime.deadline import BLOCKED_EXIT_CODE, Deadline
 from owner_reduce.runtime.torch_comm import TorchDistComm
+from tests.support.sim import nccl as sim_nccl
+from tests.support.sim.cuda import Sim, SimHang
+from tests.support.sim.runtime import connect_comms
 
 DEADLINE = Deadline(0.4, "test")
 HANG_S = 20.0  # what a test waits at most for the code under test (so a regression fails instead of hanging)

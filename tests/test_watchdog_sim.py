@@ -32,11 +32,10 @@ BOUND_S = 10.0  # the issue: within the deadline plus 10 s
 def stalled_peer_main(world_size: int, stall_rank: int, layers: int, kernels: int, bucket: int, steps: int,
                       stall_step: int, deadline_s: float = DEADLINE_S) -> None:
     """The acceptance scenario, in this process (``python -c``): prints one JSON line per rank."""
-    from fakes import flat_map
-    from sim_cuda import Sim
-    from sim_runtime import GRAPH, make_runtime
-
     from owner_reduce.runtime import nccl_binding, nccl_comm
+    from tests.support.fakes import flat_map
+    from tests.support.sim.cuda import Sim
+    from tests.support.sim.runtime import GRAPH, make_runtime
 
     numels = [256, 16] * layers  # a weight and a bias per layer
     owner_map = flat_map(numels, world_size)
@@ -113,8 +112,8 @@ def stalled_peer_main(world_size: int, stall_rank: int, layers: int, kernels: in
 
 @pytest.mark.timeout(240)
 def test_a_stalled_peer_in_a_deep_model_fails_every_survivor_within_the_deadline_plus_10s():
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
-    code = ("from test_watchdog_sim import stalled_peer_main; "
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    code = (f"from {__name__} import stalled_peer_main; "
             "stalled_peer_main(world_size=3, stall_rank=2, layers=128, kernels=8, bucket=1024, steps=4, stall_step=3)")
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=200,
@@ -140,10 +139,9 @@ def test_a_stalled_peer_in_a_deep_model_fails_every_survivor_within_the_deadline
 
 
 def _pair(sim, deadline_s: float):
-    from sim_runtime import connect_comms
-
     from owner_reduce.runtime import nccl_binding, nccl_comm
     from owner_reduce.runtime.deadline import Deadline
+    from tests.support.sim.runtime import connect_comms
 
     uid = nccl_binding.new_unique_id()
     comms = sim.run_ranks(lambda rank: nccl_comm.CupyNcclComm(uid, rank, 2), 2)
@@ -159,9 +157,8 @@ def test_all_gather_ints_behind_a_collective_that_never_completes_fails_within_t
     """Rank 0's stream holds an AllReduce rank 1 never joins; the agreement's gather after it must fail within the
     deadline. A blocking host-to-device copy of the values synchronized with that stream first: no bound at all (here:
     the sim's hang bound, 20 s)."""
-    from sim_cuda import Sim
-
     from owner_reduce import OwnerReduceCommError
+    from tests.support.sim.cuda import Sim
 
     with Sim(hang_bound_s=20.0) as sim:
         comms = _pair(sim, deadline_s=1.0)
@@ -189,7 +186,7 @@ def test_all_gather_ints_behind_a_collective_that_never_completes_fails_within_t
 
 @pytest.mark.timeout(120)
 def test_the_agreement_gathers_without_a_blocking_copy():
-    from sim_cuda import Sim
+    from tests.support.sim.cuda import Sim
 
     with Sim() as sim:
         comms = _pair(sim, deadline_s=10.0)

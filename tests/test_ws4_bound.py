@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import shared_gpu_env
+
+from tests.support.fakes import shared_gpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -50,9 +50,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import hb_cuda
-import sim_cuda
 import torch
+
+from tests.support.sim import cuda as sim_cuda
+from tests.support.sim import hb_cuda
 
 hb_cuda.skip_file(__file__)
 
@@ -639,14 +640,14 @@ class SimNccl:
 
     def _make_group(self, uid: bytes, ndev: int) -> Any:
         if uid[len(MAGIC)] == 1:
-            import sim_nccl_transport
+            from tests.support.sim import transport as sim_nccl_transport
 
             return sim_nccl_transport.RemoteGroup(self, uid, ndev)
         return Group(self, uid, ndev)
 
     def new_unique_id(self) -> bytes:
         if self.transport == "processes":
-            import sim_nccl_transport
+            from tests.support.sim import transport as sim_nccl_transport
 
             if self._hub is None:
                 self._hub = sim_nccl_transport.Hub(self)

@@ -19,8 +19,9 @@ import threading
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
-import sim_nccl
 import torch
+
+from tests.support.sim import nccl as sim_nccl
 
 _HOST = "127.0.0.1"
 

@@ -17,7 +17,11 @@ import os
 import sys
 
 import torch
-from launched_train import SEQ, VOCAB, build_model, handle_report
+
+if __package__:  # imported by a test (tests.support.launched)
+    from .launched_train import SEQ, VOCAB, build_model, handle_report
+else:  # run by path: its folder is sys.path[0]
+    from launched_train import SEQ, VOCAB, build_model, handle_report
 
 
 @dataclasses.dataclass

@@ -5,7 +5,7 @@ calling ``torch.cuda.*``, ``cupy`` and ``cupy.cuda.nccl``; ``Sim`` patches those
 
 API::
 
-    from sim_cuda import Sim, SimHang, sim_fixture  # the ``sim`` fixture: a Sim() installed for the test
+    from tests.support.sim.cuda import Sim, SimHang, sim_fixture  # the ``sim`` fixture: a Sim() installed for the test
 
     with Sim(launch_bound=1000, hang_bound_s=10.0, hb=False) as sim:   # installed (this thread: rank 0's process)
         x = torch.zeros(8, device="cuda")        # a device tensor (``SimTensor``) on the current device
@@ -75,9 +75,10 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import hb_cuda
 import pytest
 import torch
+
+from tests.support.sim import hb_cuda
 
 hb_cuda.skip_file(__file__)
 
@@ -666,7 +667,7 @@ class Sim(_Watched):
                  stream_pool: int = DEFAULT_STREAM_POOL, strict_contexts: bool = True, first_device: int = 0,
                  **nccl_options: Any) -> None:
         super().__init__()
-        import sim_nccl
+        from tests.support.sim import nccl as sim_nccl
 
         if stream_pool < 1:
             raise ValueError(f"stream_pool must be at least 1, got {stream_pool}")

@@ -14,11 +14,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from sim_cuda import Sim
 
 from owner_reduce.planning.calls import HANDOFF, LEVELS, LOG_NAMES
 from owner_reduce.planning.flags import OwnerReduceFlags
 from owner_reduce.planning.owner_map import OwnerMap
+from tests.support.sim.cuda import Sim
 
 GRAPH = 11
 
@@ -81,7 +81,7 @@ def connect_comms(sim: Sim, comms: Sequence[Any]) -> None:
 
 
 def _sim_or_none() -> Any:
-    import sim_cuda
+    from tests.support.sim import cuda as sim_cuda
 
     return sim_cuda._ACTIVE
 

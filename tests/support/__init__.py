@@ -1,0 +1,3 @@
+"""What the tests share and never test themselves: the stand-ins for the communicator stack (``fakes``: the runtime's
+communicator seam; ``sim``: CUDA and cupy's NCCL under ``CupyNcclComm``), DeepSpeed's log captured (``ds_log``), small
+ZeRO engines (``zero1_engines``) and the scripts that launchers start by path (``launched``)."""
