@@ -7,7 +7,7 @@ buckets, with and without NVLS), byte for byte.
     .venv/bin/python scripts/golden_flushes.py compare tests/golden           # after it: exit 1 naming what differs
     .venv/bin/python scripts/golden_flushes.py compare tests/golden --logs-only   # the logs alone (a minute)
 
-The logs are also compared by ``tests/test_golden_flushes.py`` (the sizing, minutes per run, only here).
+The logs are also compared by ``tests/repo/test_golden_flushes.py`` (the sizing, minutes per run, only here).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def sim_logs() -> dict[str, Any]:
     """Each of ``test_sim_e2e``'s one- and two-level cases, run as the test runs it."""
     import pytest
 
-    from tests import test_sim_e2e as e2e
+    from tests.sim import test_sim_e2e as e2e
     from tests.support.sim.cuda import Sim
 
     out: dict[str, Any] = {}
@@ -65,7 +65,7 @@ def exchange_logs() -> dict[str, Any]:
     """``test_two_level_exchange``'s cases (ws 4, 6, 8; by owner and balanced), three steps each."""
     import pytest
 
-    from tests import test_two_level_exchange as tx
+    from tests.exchange import test_two_level_exchange as tx
 
     out: dict[str, Any] = {}
     for ws, per_node in ((4, 2), (6, 2), (8, 4)):

@@ -1,9 +1,9 @@
 """One rank of a training job whose rank ``stall_rank`` stops itself (SIGSTOP) at the start of a backward pass.
 
 Run as a plain script, one process per rank (as a user's launcher would), so that the test sees real exit
-codes: ``python tests/stall_worker.py MODE STALL_RANK MARKER_DIR`` with RANK, WORLD_SIZE, MASTER_ADDR and
-MASTER_PORT set. ``deepspeed.init_distributed(timeout=USER_TIMEOUT_S)`` is the user's timeout; MODE is "owner"
-(DeepCompile + owner_reduce) or "plain" (ZeRO-1's own hooks). The stalled rank writes ``stalled-<rank>`` into
+codes: ``python tests/support/launched/stall_worker.py MODE STALL_RANK MARKER_DIR`` with RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT set. ``deepspeed.init_distributed(timeout=USER_TIMEOUT_S)`` is the user's timeout; MODE
+is "owner" (DeepCompile + owner_reduce) or "plain" (ZeRO-1's own hooks). The stalled rank writes ``stalled-<rank>`` into
 MARKER_DIR just before it stops; the survivors' next collective is the one they can never finish.
 """
 
@@ -15,7 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
-# The user's timeout (init_distributed); tests/test_bounded_failure.py reads it. 12 s: above the ranks' skew when
+# The user's timeout (init_distributed); test_bounded_failure.py reads it. 12 s: above the ranks' skew when
 # 5 processes start at once on 2 cores, short enough that the test does not wait 20 s twice.
 USER_TIMEOUT_S = 12
 STALL_AT_BACKWARD = 3  # after two full steps: compiled, profiled, flushes done

@@ -5,7 +5,7 @@
   ``NCCL_COMM_BLOCKING=0`` it fails as cupy 14 does on NCCL's ``ncclInProgress`` (``KeyError: 7``).
 - Calls (``reduce``, ``allReduce``, ``reduceScatter``, ``allGather``, ``broadcast``, ``send``, ``recv``) take device
   pointers (resolved through the sim's allocation registry), NCCL's enum values and a stream handle, with cupy 14.2's
-  signatures and argument conversion (``cython_args``: ``tests/test_sim_conformance.py`` holds them to the installed
+  signatures and argument conversion (``cython_args``: ``tests/sim/test_sim_conformance.py`` holds them to the installed
   binding). Outside a group a call is one kernel; ``groupStart``/``groupEnd`` nest per thread, and a group's calls on
   one communicator are one kernel (a failed call inside a group makes ``groupEnd`` report its error again and launch
   nothing). A call of an open group over bytes another call of that group writes or reads while one of them writes,
@@ -982,7 +982,7 @@ class SimNccl:
 
 # ---- cupy's argument conversion: what Cython does to a C-typed parameter before the binding's body runs ------------
 
-# The C types of cupy's ``nccl.pyx`` signatures, as annotations of the sim's methods (``tests/test_sim_conformance.py``
+# The C types of cupy's ``nccl.pyx`` signatures, as annotations of the sim's methods (``test_sim_conformance.py``
 # compares them with the installed binding's): each names the conversion below.
 intptr_t = int  # noqa: PYI042 - cupy's C type names
 size_t = int  # noqa: PYI042
@@ -1255,7 +1255,7 @@ def from_dlpack(array: Any, *, device: Any = None, copy: Any = None) -> SimArray
 
 def make_modules() -> dict[str, types.ModuleType]:
     """``cupy``, ``cupy.cuda``, ``cupy.cuda.nccl``, ``cupy.cuda.runtime`` (fresh modules over this one's objects)."""
-    cupy = types.ModuleType("cupy", "the simulated cupy (tests/sim_nccl.py)")
+    cupy = types.ModuleType("cupy", "the simulated cupy (tests/support/sim/nccl.py)")
     cuda = types.ModuleType("cupy.cuda")
     nccl = types.ModuleType("cupy.cuda.nccl")
     runtime = types.ModuleType("cupy.cuda.runtime")
