@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -24,82 +23,15 @@ from owner_reduce.runtime.deadline import Deadline
 from owner_reduce.runtime.handle import OwnerReduceMismatchError
 from owner_reduce.runtime.torch_comm import TorchDistComm
 from tests.support.fakes import ExchangeWorld, flat_map, mirror_runtime
+from tests.support.tdist import FakeTdist
 
 ROOT = Path(__file__).resolve().parents[2]
 
 # ---- finding 4: the torch groups are warmed at their creation ------------------------------------------------------
 
 
-class Work:
-    """A gloo work: ``wait(timeout)`` returns, or raises gloo's timeout when the group never completes."""
-
-    def __init__(self, completes: bool) -> None:
-        self.completes = completes
-
-    def wait(self, timeout):
-        if not self.completes:
-            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Timed out waiting for peer")
-        return True
-
-    def is_completed(self) -> bool:
-        return self.completes
-
-
-class Group:
-    def __init__(self, ranks) -> None:
-        self.ranks = list(ranks)
-        self.ops: list[str] = []  # every operation on this group, in order
-
-
-class RecordingTdist:
-    """The part of ``torch.distributed`` TorchDistComm uses, recording each group's operations (this is global rank 0
-    of 4, data-parallel over WORLD); ``batch_isend_irecv`` records on the group of its operations."""
-
-    ReduceOp = types.SimpleNamespace(SUM="sum")
-
-    def __init__(self, completes: bool = True) -> None:
-        self.world = Group(range(4))
-        self.group = types.SimpleNamespace(WORLD=self.world)
-        self.completes = completes
-        self.made: list[Group] = []
-
-    def get_rank(self, group):
-        return 0
-
-    def get_world_size(self, group):
-        return len(group.ranks)
-
-    def get_global_rank(self, group, rank):
-        return group.ranks[rank]
-
-    def get_backend(self, group):
-        return "gloo"
-
-    def new_group(self, ranks, timeout, use_local_synchronization=False):
-        self.made.append(Group(ranks))
-        return self.made[-1]
-
-    def all_reduce(self, buf, op, group, async_op):
-        group.ops.append(f"all_reduce(count={buf.numel()})")
-        return Work(self.completes)
-
-    def reduce(self, buf, dst, op, group, async_op):
-        group.ops.append("reduce")
-        return Work(True)
-
-    def P2POp(self, fn, buf, peer, group):  # noqa: N802 - torch's name
-        return types.SimpleNamespace(fn=fn, buf=buf, peer=peer, group=group)
-
-    isend = "isend"
-    irecv = "irecv"
-
-    def batch_isend_irecv(self, ops):
-        ops[0].group.ops.append("batch_isend_irecv")
-        return [Work(True) for _ in ops]
-
-
 def test_every_new_group_is_warmed_by_one_collective_at_its_creation_before_any_flush():
-    tdist = RecordingTdist()
+    tdist = FakeTdist(ranks=range(4), backend="gloo")  # global rank 0 of 4, data-parallel over WORLD
     dp = TorchDistComm(tdist.world, tdist=tdist)
     node = dp.split([[0, 1], [2, 3]], "node")
     rail = dp.split([[0, 2], [1, 3]], "rail")
@@ -111,13 +43,13 @@ def test_every_new_group_is_warmed_by_one_collective_at_its_creation_before_any_
         handoff.recv(torch.zeros(2), 1)
     with rail.group(flush=1):
         rail.reduce(torch.ones(2), 1)
-    assert tdist.made[2].ops == ["all_reduce(count=1)", "batch_isend_irecv"]
-    assert tdist.made[1].ops == ["all_reduce(count=1)", "reduce"] and node is dp.subs[0]
+    assert tdist.made[2].ops == ["all_reduce(count=1)", "batch_isend_irecv(count=2)", "batch_isend_irecv(count=2)"]
+    assert tdist.made[1].ops == ["all_reduce(count=1)", "reduce(count=2)"] and node is dp.subs[0]
     assert tdist.world.ops == []  # the data-parallel group itself is DeepSpeed's, used already
 
 
 def test_a_warm_up_that_never_completes_fails_within_inits_deadline_naming_the_group():
-    tdist = RecordingTdist(completes=False)
+    tdist = FakeTdist(ranks=range(4), backend="gloo", complete=False)
     dp = TorchDistComm(tdist.world, tdist=tdist)
     dp.deadline = Deadline(0.5, "test")
     with pytest.raises(OwnerReduceCommError) as caught:
@@ -128,19 +60,13 @@ def test_a_warm_up_that_never_completes_fails_within_inits_deadline_naming_the_g
 
 
 _BLOCKED_WARM_UP = """
-import threading, types, torch
+import threading
 from owner_reduce.runtime import deadline
 from owner_reduce.runtime.torch_comm import TorchDistComm
+from tests.support.tdist import FakeTdist
 
-class Tdist:  # torch's NCCL backend creating the new group's communicator inside its first call: a peer never joins
-    ReduceOp = types.SimpleNamespace(SUM="sum")
-    group = types.SimpleNamespace(WORLD=None)
-    def get_rank(self, group): return 0
-    def get_world_size(self, group): return 2
-    def get_global_rank(self, group, rank): return rank
-    def get_backend(self, group): return "nccl"
-    def new_group(self, ranks, timeout, use_local_synchronization=False): return object()
-    def all_reduce(self, buf, op, group, async_op): threading.Event().wait()
+class Tdist(FakeTdist):  # torch's NCCL backend creating the new group's communicator inside its first call
+    def all_reduce(self, buf, op, group, async_op): threading.Event().wait()  # a peer never joins
 
 comm = TorchDistComm(None, tdist=Tdist())
 comm.set_deadline(deadline.resolve(1.5, None))  # compile.reduce_to_owner_timeout_s 1.5

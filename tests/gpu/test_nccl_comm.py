@@ -22,10 +22,9 @@ from owner_reduce.harness.launch import run_ranks
 from owner_reduce.planning.flush_plan import ALL
 from owner_reduce.planning.owner_map import Placement
 from owner_reduce.runtime import nccl_binding, nccl_comm
-from owner_reduce.runtime.comm import ReduceComm
 from owner_reduce.runtime.comm_select import FALLBACK_PREFIX, SelectSteps, combine_reasons, local_readiness, select_comm
 from owner_reduce.runtime.torch_comm import TorchDistComm
-from tests.support.fakes import two_gpu_ranks_env
+from tests.support.fakes import MirrorComm, two_gpu_ranks_env
 
 nccl = pytest.importorskip("cupy.cuda.nccl")
 HAS_CUDA = torch.cuda.is_available()
@@ -107,18 +106,14 @@ def test_combine_reasons():
     assert combine_reasons(["a", None, "b"]) == "rank 0: a; rank 2: b"
 
 
-class _Built(ReduceComm):
+class _Built(MirrorComm):
+    """A communicator ``select_comm`` builds or falls back to: it may close one, never issue a call on it."""
+
     name = "built"
 
     def __init__(self, rank: int = 0) -> None:
-        super().__init__(rank, 2)
+        super().__init__(rank, 2, fail_on_call=0)  # any collective raises
         self.closed = 0
-
-    def reduce(self, buf, root):  # pragma: no cover - never called
-        raise AssertionError
-
-    def all_reduce(self, buf):  # pragma: no cover - never called
-        raise AssertionError
 
     def all_gather_ints(self, values):  # pragma: no cover - never called
         raise AssertionError

@@ -2,9 +2,9 @@
 wait with fake and real (gloo) works, and the error's message. The cupy communicator's waits, aborts and group rules
 run on the simulated device's NCCL (``tests/sim/test_sim_nccl_comm.py``).
 
-Fakes that stay, and why: ``FakeClock``/``FakeEvent`` time the polling core itself (``poll_until_done`` takes its clock
-and completion as arguments); ``FakeTdist``/``DeviceWork`` stand for torch's ProcessGroupNCCL works, which the
-simulated device does not model (it simulates cupy's NCCL, not torch's process group)."""
+torch.distributed and its works are the suite's stand-in for that layer (``tests.support.tdist``: the simulated device
+models cupy's NCCL, not torch's process group). ``FakeClock``/``FakeEvent`` stay here: they time the polling core itself
+(``poll_until_done`` takes its clock and completion as arguments)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import re
 import threading
 import time
 import types
-from typing import Any
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from owner_reduce.runtime import deadline as deadlines
 from owner_reduce.runtime import nccl_binding, nccl_comm
 from owner_reduce.runtime.deadline import CONFIG_SOURCE, Deadline, poll_until_done, resolve, wait_work
 from tests.support.fakes import MirrorComm, two_gpu_ranks_env
+from tests.support.tdist import DeviceBuf, FakeGroup, FakeTdist, HostWork
 
 SHORT = Deadline(0.2, "test")
 # A stall fails within its deadline plus this. The bound is the claim; the slack is this loaded 2-core host's
@@ -193,136 +193,25 @@ def test_handle_waits_name_the_flush_and_the_call():
 # ---- torch.distributed works ---------------------------------------------------------------------------------
 
 
-class FakeWork:
-    def __init__(self, raises: str | None = None, completed: bool = True) -> None:
-        self.raises, self.completed = raises, completed
-        self.timeouts: list[datetime.timedelta] = []
-
-    def wait(self, timeout):
-        self.timeouts.append(timeout)
-        if self.raises:
-            raise RuntimeError(self.raises)
-        return True
-
-    def is_completed(self):
-        return self.completed
-
-
 def test_wait_work_passes_the_remaining_time_and_names_failures():
     clock = FakeClock()
-    work = FakeWork()
+    work = HostWork()
     wait_work(work, deadline=Deadline(20, "t"), started=clock.now - 5, rank=0, flush=1, call="reduce", clock=clock)
     assert work.timeouts == [datetime.timedelta(seconds=15)]
     with pytest.raises(OwnerReduceCommError, match=r"rank 0, flush #2: reduce\(root=1\) timed out after waiting 20 s "
                                                    r"\(the deadline, from t; measured "):
-        wait_work(FakeWork(raises="Operation timed out!"), deadline=Deadline(20, "t"), started=clock.now - 20,
+        wait_work(HostWork(raises="Operation timed out!"), deadline=Deadline(20, "t"), started=clock.now - 20,
                   rank=0, flush=2, call="reduce(root=1)", clock=clock)
     with pytest.raises(OwnerReduceCommError, match=r"all_reduce failed: RuntimeError: \[gloo\] Connection closed"):
-        wait_work(FakeWork(raises="[gloo] Connection closed by peer\ndetails"), deadline=Deadline(20, "t"),
+        wait_work(HostWork(raises="[gloo] Connection closed by peer\ndetails"), deadline=Deadline(20, "t"),
                   started=clock.now, rank=0, flush=2, call="all_reduce", clock=clock)
-    late = FakeWork(completed=False)
+    late = HostWork(completed=False)
     with pytest.raises(OwnerReduceCommError, match="timed out"):
         wait_work(late, deadline=Deadline(20, "t"), started=clock.now - 21, rank=0, flush=2, call="x", clock=clock)
     assert late.timeouts == []
 
 
 # ---- torch.distributed on NCCL (CUDA tensors): ordered on the stream, bounded at the next sync point ------------
-
-
-class DeviceWork:
-    """A ProcessGroupNCCL work: ``wait(timeout)`` would block the host until the collective ends (recorded, then
-    the collective is taken to have stalled); ``block_current_stream()`` returns at once."""
-
-    def __init__(self, completed: bool, error: BaseException | None = None) -> None:
-        self.completed, self.error = completed, error
-        self.host_waits: list[Any] = []
-        self.stream_waits = 0
-
-    def wait(self, timeout=None):
-        self.host_waits.append(timeout)
-        if not self.completed:
-            raise RuntimeError("Operation timed out!")
-        return True
-
-    def block_current_stream(self) -> None:
-        self.stream_waits += 1
-
-    def is_completed(self) -> bool:
-        return self.completed or self.error is not None
-
-    def exception(self):
-        return self.error
-
-
-class DeviceBuf:
-    """A CUDA tensor as TorchDistComm sees one (it only reads these), without a GPU."""
-
-    is_cuda = True
-    dtype = torch.float32
-
-    def __init__(self, numel: int) -> None:
-        self._numel = numel
-
-    def numel(self) -> int:
-        return self._numel
-
-    def narrow(self, dim: int, start: int, length: int) -> DeviceBuf:
-        return DeviceBuf(length)
-
-
-class FakeGroup:
-    def __init__(self) -> None:
-        self.aborts = 0
-
-    def abort(self) -> None:
-        self.aborts += 1
-
-
-class FakeTdist:
-    """The part of ``torch.distributed`` TorchDistComm uses, on an NCCL group of 2 ranks (this is rank 0); every
-    call returns a ``DeviceWork`` (or a ``FakeWork`` for a CPU tensor) that completes when ``complete`` says."""
-
-    ReduceOp = types.SimpleNamespace(SUM="sum")
-    group = types.SimpleNamespace(WORLD=None)
-
-    def __init__(self, complete: bool = True, coalesce: bool = False) -> None:
-        self.complete = complete
-        self.coalesce = coalesce  # NCCL: batch_isend_irecv returns one work for the whole round
-        self.works: list[Any] = []
-
-    def get_rank(self, group):
-        return 0
-
-    def get_world_size(self, group):
-        return 2
-
-    def get_global_rank(self, group, rank):
-        return rank
-
-    def get_backend(self, group):
-        return "nccl"
-
-    def _work(self, buf) -> Any:
-        work = DeviceWork(self.complete) if buf.is_cuda else FakeWork(completed=self.complete)
-        self.works.append(work)
-        return work
-
-    def reduce(self, buf, dst, op, group, async_op):
-        return self._work(buf)
-
-    def all_reduce(self, buf, op, group, async_op):
-        return self._work(buf)
-
-    def reduce_scatter_tensor(self, out, buf, op, group, async_op):
-        return self._work(buf)
-
-    def P2POp(self, fn, buf, peer, group):  # noqa: N802 - torch's name
-        return buf
-
-    isend = irecv = None
-
-    def batch_isend_irecv(self, ops):
-        return [self._work(ops[0])] if self.coalesce else [self._work(buf) for buf in ops]
 
 
 def _device_flush(comm, flush: int) -> None:
@@ -397,15 +286,17 @@ def test_torch_dist_on_nccl_sync_point_returns_when_the_works_complete_and_names
 
 def _levels(dp, node_complete: bool, rail_complete: bool):
     """Data-parallel rank 0's node and rail communicators of two nodes of two ranks, made through ``split`` (so it keeps
-    them): its node holds data-parallel ranks 0 and 1, its rail 0 and 2."""
+    them): its node holds data-parallel ranks 0 and 1, its rail 0 and 2. Each group's warm-up at the split completes;
+    its flushes' works complete as ``node_complete`` and ``rail_complete`` say."""
     from owner_reduce.runtime.torch_comm import TorchDistComm
 
-    made = iter([TorchDistComm(FakeGroup(), tdist=FakeTdist(complete=node_complete)),
-                 TorchDistComm(FakeGroup(), tdist=FakeTdist(complete=rail_complete))])
+    tdists = [FakeTdist(), FakeTdist()]
+    made = iter([TorchDistComm(FakeGroup(), tdist=tdist) for tdist in tdists])
     dp._split = lambda groups: next(made)
     node, rail = dp.split([[0, 1], [2, 3]], "node"), dp.split([[0, 2], [1, 3]], "rail")
-    for sub in (node, rail):
+    for sub, tdist, complete in zip((node, rail), tdists, (node_complete, rail_complete), strict=True):
         sub.deadline = dp.deadline
+        tdist.complete = complete
     return node, rail
 
 
@@ -734,10 +625,9 @@ def test_a_cupy_communicator_whose_peer_never_joins_ends_its_process_at_the_dead
 class _TimingOutTdist(FakeTdist):
     """gloo: every work's ``wait(timeout)`` raises gloo's timeout, after the group's warm-up at its creation."""
 
-    def _work(self, buf):
-        self.works.append(FakeWork(raises=None if not self.works else
-                                   "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting"))
-        return self.works[-1]
+    def _work(self, buf, group, name, count=None):
+        self.complete = not self.works  # the warm-up (the first work) completes, nothing after it
+        return super()._work(buf, group, name, count)
 
 
 def test_a_gloo_rail_that_times_out_names_the_global_rank_the_data_parallel_root_and_the_rail():
@@ -760,22 +650,11 @@ def test_torch_sub_groups_are_made_by_their_members_only_and_named_by_their_rank
     local synchronization (hashed name) by its members, never by counting groups per process."""
     from owner_reduce.runtime.torch_comm import TorchDistComm
 
-    made = []
-
-    class _Tdist(FakeTdist):
-        def get_world_size(self, group):
-            return 4
-
-        def get_global_rank(self, group, rank):
-            return 4 + 2 * rank  # data-parallel ranks 0, 1, 2, 3 are global ranks 4, 6, 8, 10
-
-        def new_group(self, ranks, timeout, use_local_synchronization=False):
-            made.append((list(ranks), use_local_synchronization))
-            return FakeGroup()
-
-    dp = TorchDistComm(FakeGroup(), tdist=_Tdist())
+    tdist = FakeTdist(ranks=(4, 6, 8, 10))  # data-parallel ranks 0, 1, 2, 3 are global ranks 4, 6, 8, 10
+    dp = TorchDistComm(tdist.world, tdist=tdist)
     node = dp.split([[0, 1], [2, 3]], "node")
     rail = dp.split([[0, 2], [1, 3]], "rail")
+    made = [(g.ranks, g.local) for g in tdist.made]
     assert made == [([4, 6], True), ([4, 8], True)]  # this rank's two groups, nothing else
     assert (node.members, rail.members, node.global_rank) == ((0, 1), (0, 2), 4)
 

@@ -28,6 +28,7 @@ from owner_reduce.runtime.host_memory import pinned
 from owner_reduce.runtime.torch_comm import TorchDistComm
 from tests.support.sim.cuda import POISON_BYTE, Sim, SimHang, sim_fixture  # noqa: F401 - sim_fixture: the `sim` fixture
 from tests.support.sim.nccl import SimOverlap
+from tests.support.tdist import SimTdist
 
 POISON_INT64 = int.from_bytes(bytes([POISON_BYTE]) * 8, "little", signed=True)
 
@@ -163,73 +164,6 @@ def test_negative_control_cupy_all_gather_ints_without_the_wait_for_its_copy_rea
             release.set()
 
 
-class _SimWork:
-    """A torch NCCL work on the sim: an event recorded after the collective on its internal stream."""
-
-    def __init__(self, done: Any) -> None:
-        self.done = done
-
-    def block_current_stream(self) -> None:
-        torch.cuda.current_stream().wait_event(self.done)
-
-    def is_completed(self) -> bool:
-        return bool(self.done.query())
-
-    def exception(self) -> BaseException | None:
-        return None
-
-
-class SimTorchNccl:
-    """The part of ``torch.distributed`` on an NCCL group that the product's device paths use, as ProcessGroupNCCL
-    runs it: the collective on an internal stream that first waits for the current one, the data of the other ranks
-    (``rows``, by rank) written by that stream's kernel, the work's ``block_current_stream`` ordering the current
-    stream after it."""
-
-    ReduceOp = types.SimpleNamespace(SUM="sum")
-    group = types.SimpleNamespace(WORLD=None)
-
-    def __init__(self, sim: Sim, rank: int, rows: list[list[int]]) -> None:
-        self.sim, self.rank, self.rows = sim, rank, rows
-        self.stream = torch.cuda.Stream()
-
-    def get_rank(self, group: Any = None) -> int:
-        return self.rank
-
-    def get_world_size(self, group: Any = None) -> int:
-        return len(self.rows)
-
-    def get_global_rank(self, group: Any, rank: int) -> int:
-        return rank
-
-    def get_backend(self, group: Any = None) -> str:
-        return "nccl"
-
-    def _issue(self, name: str, reads: list[Any], writes: list[Any], run: Any) -> _SimWork:
-        self.stream.wait_stream(torch.cuda.current_stream())
-        self.sim.kernel(0.0, name=name, stream=self.stream, reads=reads, writes=writes, fn=run)
-        done = torch.cuda.Event()
-        done.record(self.stream)
-        return _SimWork(done)
-
-    def all_gather(self, gathered: list[Any], local: Any, group: Any = None, async_op: bool = False) -> _SimWork:
-        values = [torch.tensor(row, dtype=torch.int64) for row in self.rows]
-
-        def run() -> None:
-            for r, out in enumerate(gathered):
-                out._inner.copy_(local._inner if r == self.rank else values[r])
-
-        return self._issue("nccl all_gather (torch)", [local], list(gathered), run)
-
-    def broadcast(self, tensor: Any, src: int, group: Any = None, async_op: bool = False) -> _SimWork:
-        value = torch.tensor(self.rows[src], dtype=tensor.dtype)
-
-        def run() -> None:
-            if self.rank != src:
-                tensor._inner.copy_(value)
-
-        return self._issue("nccl broadcast (torch)", [tensor], [tensor], run)
-
-
 def _fake_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
     """``deepspeed.accelerator.get_accelerator()`` answering CUDA (TorchDistComm's all_gather_ints asks it), without
     importing DeepSpeed."""
@@ -244,8 +178,8 @@ def _fake_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _gather_on_the_torch_path(sim: Sim, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
     _fake_accelerator(monkeypatch)
-    tdist = SimTorchNccl(sim, 0, [[0, 0, 0], [1, 11, -1]])
-    comm = TorchDistComm(object(), tdist=tdist)
+    tdist = SimTdist(sim, 0, [[0, 0, 0], [1, 11, -1]])
+    comm = TorchDistComm(tdist.world, tdist=tdist)
     comm.set_deadline(Deadline(10, "test"))
     return comm.all_gather_ints([7, 10, 0])
 
@@ -285,10 +219,10 @@ def _exchange_on_device(sim: Sim, monkeypatch: pytest.MonkeyPatch) -> bytes:
     """Rank 1 of two receives rank 0's unique id over an NCCL process group (``_broadcast_on_device``)."""
     import torch.distributed as dist
 
-    tdist = SimTorchNccl(sim, 1, [[1, *UID], [0] * 129])
+    tdist = SimTdist(sim, 1, [[1, *UID], [0] * 129])
     for name in ("get_rank", "get_global_rank", "get_backend", "broadcast"):
         monkeypatch.setattr(dist, name, getattr(tdist, name))
-    return nccl_binding.exchange_unique_id(object())
+    return nccl_binding.exchange_unique_id(tdist.world)
 
 
 @pytest.mark.timeout(60)

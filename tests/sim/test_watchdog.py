@@ -10,9 +10,8 @@ test says so, so rank 0's collectives spin: a stalled peer.
 Wall-clock bounds here are the claim (a failure within the deadline plus the watchdog's bounds), never a verdict by
 sleeping: every wait is on an event the code under test sets, bounded so that a regression fails instead of hanging.
 
-Fakes that stay, and why: ``TorchDevice``, ``_Work``, ``_Group``, ``_Tdist`` and ``_DeviceBuf`` stand for torch's
-ProcessGroupNCCL and its works (``TorchDistComm``), which the simulated device does not model: it simulates cupy's
-NCCL, not torch's process group (as ``tests/processes/test_deadline.py`` says for its ``FakeTdist``).
+torch's ProcessGroupNCCL and its works (under ``TorchDistComm``) are the suite's stand-in for that layer
+(``tests.support.tdist``): the simulated device models cupy's NCCL, not torch's process group.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from owner_reduce.runtime.torch_comm import TorchDistComm
 from tests.support.sim import nccl as sim_nccl
 from tests.support.sim.cuda import Sim, SimHang
 from tests.support.sim.runtime import connect_comms
+from tests.support.tdist import DeviceBuf, FakeTdist
 
 DEADLINE = Deadline(0.4, "test")
 HANG_S = 20.0  # what a test waits at most for the code under test (so a regression fails instead of hanging)
@@ -505,93 +505,15 @@ def test_the_first_claim_wins_and_the_watchdog_stands_down():
 # ---- torch.distributed on NCCL: the same watchdog over its works ---------------------------------------------------
 
 
-class TorchDevice:
-    """What the torch.distributed fakes share: which groups have a work spinning (their peer stalled); ``drained``
-    is set once none does."""
-
-    def __init__(self) -> None:
-        self.spinning: set[str] = set()
-        self.drained = threading.Event()
-        self.drained.set()
-        self.lock = threading.Lock()
-
-    def stall(self, name: str) -> None:
-        with self.lock:
-            self.spinning.add(name)
-            self.drained.clear()
-
-    def stop(self, name: str) -> None:
-        with self.lock:
-            self.spinning.discard(name)
-            if not self.spinning:
-                self.drained.set()
-
-
-class _Work:
-    def __init__(self, device: TorchDevice, name: str) -> None:
-        self.device, self.name = device, name
-
-    def is_completed(self) -> bool:
-        return self.name not in self.device.spinning
-
-    def exception(self):
-        return None
-
-    def block_current_stream(self) -> None:
-        pass
-
-
-class _Group:
-    def __init__(self, device: TorchDevice, name: str) -> None:
-        self.device, self.name = device, name
-        self.aborts = 0
-
-    def abort(self) -> None:
-        self.aborts += 1
-        self.device.stop(self.name)
-
-
-class _Tdist:
-    ReduceOp = types.SimpleNamespace(SUM="sum")
-    group = types.SimpleNamespace(WORLD=None)
-
-    def __init__(self, device: TorchDevice, name: str) -> None:
-        self.device, self.name = device, name
-
-    def get_rank(self, group):
-        return 0
-
-    def get_world_size(self, group):
-        return 2
-
-    def get_global_rank(self, group, rank):
-        return rank
-
-    def get_backend(self, group):
-        return "nccl"
-
-    def all_reduce(self, buf, op, group, async_op):
-        return _Work(self.device, self.name)
-
-
-class _DeviceBuf:
-    is_cuda = True
-    dtype = torch.float32
-
-    def numel(self) -> int:
-        return 4
-
-
 def test_torch_dist_works_are_watched_too(monkeypatch):
-    device = TorchDevice()
-    group = _Group(device, "data-parallel")
-    comm = TorchDistComm(group, tdist=_Tdist(device, "data-parallel"))
+    tdist = FakeTdist(complete=False)  # the peer stalled: the work never completes
+    group = tdist.world
+    comm = TorchDistComm(group, tdist=tdist)
     comm.deadline = DEADLINE
     fast(comm.watchdog)
-    device.stall("data-parallel")
     with comm.group(flush=4):
-        comm.all_reduce(_DeviceBuf())
-    assert device.drained.wait(HANG_S) and group.aborts == 1  # the watchdog aborted the group at its deadline
+        comm.all_reduce(DeviceBuf(4))
+    assert group.aborted.wait(HANG_S) and group.aborts == 1  # the watchdog aborted the group at its deadline
     with pytest.raises(OwnerReduceCommError) as caught, comm.group(flush=5):
         raise AssertionError("not reached: the group refuses to open")
     assert caught.value is comm.watchdog.error
