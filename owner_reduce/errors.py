@@ -10,7 +10,7 @@ Note (errors cross processes): a launcher that reports a child rank's failure pi
 an exception by calling its class with ``args``, which fails for a class whose ``__init__`` takes other arguments
 (``runtime.deadline.OwnerReduceCommError`` takes keywords only: ``TypeError`` on unpickling). ``OwnerReduceError``
 rebuilds every subclass from its message and fields instead, without calling ``__init__``
-(``tests/test_errors.py`` round-trips every error class of the package).
+(``tests/repo/test_errors.py`` round-trips every error class of the package).
 """
 
 from __future__ import annotations

@@ -10,10 +10,10 @@ save, and the run resumed from the checkpoint (``load_checkpoint``, then ``engin
         [--drop-trial-state]
 
 The guard's samples are the host clock's (as in the product) unless ``--fixed``: then every rank's samples are fixed
-(``harness.fixed_samples``) and close, the case of ``tests/test_checkpoint_trial_e2e.py``. On the host clock whether
-two runs decide alike depends on the machine's load; where a resumed trial's own samples decide otherwise than the
-saving run's, rank 0 says so (the "within the noise" warning). ``--drop-trial-state``: the resumed run drops the
-checkpoint's trial under way where the runtime reads it (``harness.faults``), as every run did before issue 40.
+(``harness.fixed_samples``) and close, the case of ``tests/processes/test_checkpoint_trial_e2e.py``. On the host
+clock whether two runs decide alike depends on the machine's load; where a resumed trial's own samples decide otherwise
+than the saving run's, rank 0 says so (the "within the noise" warning). ``--drop-trial-state``: the resumed run drops
+the checkpoint's trial under way where the runtime reads it (``harness.faults``), as every run did before issue 40.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ STEPS = 8
 
 
 # --fixed: per rank, per trial flush (the model's samples by round, native's), us; flush 1 close with native ahead,
-# flush 2 within the noise, flush 3 the model's (the samples of tests/test_checkpoint_trial_e2e.py)
+# flush 2 within the noise, flush 3 the model's (the samples of tests/processes/test_checkpoint_trial_e2e.py)
 FIXED = ((([30, 24, 26], [21, 22, 23]), ([10, 30, 12], [11, 9, 10.5]), ([10, 10, 11], [20, 21, 20])),
          (([29, 25, 27], [22, 23, 22]), ([10, 30, 12], [11, 9, 10.5]), ([10, 10, 11], [20, 21, 20])),
          (([28, 25, 26], [22, 21, 23]), ([10, 30, 12], [11, 9, 10.5]), ([10, 10, 11], [20, 21, 20])))

@@ -1,7 +1,7 @@
 """Words, sentence lengths and developer references of a Markdown user document, and its relative links.
 
 Why here: the user guide and the README have limits a reader feels (length, sentence length, no test names, commit
-hashes or source-line citations). CI checks them (tests/test_docs.py) with nothing from outside the repository, so
+hashes or source-line citations). CI checks them (tests/repo/test_docs.py) with nothing from outside the repository, so
 the counting rules live in the repository. They follow the project's judge of a user document rule for rule: every
 whitespace-separated token of the file is a word; sentences are counted in prose only (code blocks, table rows and
 headings left out, inline code one word), split after `.`, `!`, `?`, `:` or `;` before a capital, `(`, a backtick,

@@ -7,7 +7,7 @@ buckets, with and without NVLS), byte for byte.
     .venv/bin/python scripts/golden_flushes.py compare tests/golden           # after it: exit 1 naming what differs
     .venv/bin/python scripts/golden_flushes.py compare tests/golden --logs-only   # the logs alone (a minute)
 
-The logs are also compared by ``tests/test_golden_flushes.py`` (the sizing, minutes per run, only here).
+The logs are also compared by ``tests/repo/test_golden_flushes.py`` (the sizing, minutes per run, only here).
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ LOGS = "flush_logs.json"
 
 
 def _tests_on_path() -> None:
-    for path in (str(ROOT), str(ROOT / "tests")):
-        if path not in sys.path:
-            sys.path.insert(0, path)
+    if str(ROOT) not in sys.path:  # the tests and their support code, as the package ``tests``
+        sys.path.insert(0, str(ROOT))
 
 
 def _calls(runtimes: list[Any]) -> list[list[list[Any]]]:
@@ -43,8 +42,9 @@ def _calls(runtimes: list[Any]) -> list[list[list[Any]]]:
 def sim_logs() -> dict[str, Any]:
     """Each of ``test_sim_e2e``'s one- and two-level cases, run as the test runs it."""
     import pytest
-    import test_sim_e2e as e2e
-    from sim_cuda import Sim
+
+    from tests.sim import test_sim_e2e as e2e
+    from tests.support.sim.cuda import Sim
 
     out: dict[str, Any] = {}
     for case, (ws, stage, ga, algo, bucket, dtype) in e2e.ONE_LEVEL.items():
@@ -64,7 +64,8 @@ def sim_logs() -> dict[str, Any]:
 def exchange_logs() -> dict[str, Any]:
     """``test_two_level_exchange``'s cases (ws 4, 6, 8; by owner and balanced), three steps each."""
     import pytest
-    import test_two_level_exchange as tx
+
+    from tests.exchange import test_two_level_exchange as tx
 
     out: dict[str, Any] = {}
     for ws, per_node in ((4, 2), (6, 2), (8, 4)):

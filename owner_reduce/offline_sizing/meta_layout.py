@@ -28,7 +28,7 @@ an instance made with ``object.__new__`` and given only the attributes they read
 - not supported: MoE layers (expert groups partition over other communicators, set up by
   ``_configure_moe_settings`` from live groups): the builder refuses them; use the real-engine builder.
 
-``tests/test_sizing_at_scale.py`` checks that ``OwnerMap.digest()``, the gradient order and the bucket size
+``tests/processes/test_sizing_at_scale.py`` checks that ``OwnerMap.digest()``, the gradient order and the bucket size
 equal the real engine's for GPT and Llama presets at several world sizes, with one and two parameter groups.
 """
 

@@ -2,5 +2,5 @@
 
 Why apart: these decide what every rank does and must agree across ranks by construction, so they are plain
 Python over plain data, tested without processes. Nothing here imports torch.distributed, deepspeed or cupy
-(``tests/test_layering.py`` reads the imports to keep it so).
+(``tests/repo/test_layering.py`` reads the imports to keep it so).
 """

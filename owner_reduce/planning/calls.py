@@ -162,5 +162,5 @@ NCCL's cost model into its algorithms and steps, the calibration into a fit, the
 into a name) looks it up in a ``KindTable`` of its own that names the site; a kind the table lacks raises
 ``UnknownCallKindError`` there, never an ``else:`` that issues, costs or logs it as another kind. A kind added to
 ``CallKind`` therefore fails loudly at the first site that lacks it, or at import where a table must be complete
-(``complete_for``); ``tests/test_calls.py`` sends a kind no table holds to each site.
+(``complete_for``); ``tests/pure/test_calls.py`` sends a kind no table holds to each site.
 """

@@ -20,7 +20,7 @@ first three. Every candidate is costed with its host time (``host_cost``): the r
 NCCL launches them, so a candidate alone costs its issue plus its device time, and a cut, a stage or a hand-off that
 adds calls must save more latency than its calls cost to issue. ``allreduce`` is always a candidate, and one
 AllReduce of a flush is never modelled slower on the device than the native runtime's one AllReduce per gradient
-(the model is subadditive; ``tests/test_flush_choice.py`` checks it), so no flush is modelled slower than native's
+(the model is subadditive; ``tests/pure/test_flush_choice.py`` checks it), so no flush is modelled slower than native's
 calls issued by this runtime, and slower than native DeepCompile's own (its C++ loop) at most by what this runtime
 needs to issue one call: Python costs the host more than C++ (``host_cost``'s defaults).
 

@@ -7,7 +7,7 @@ at exit) is read by more than the communicator (``comm_select`` asks whether NCC
 names its version, ``calibrate`` and the user's ``scripts/nccl_check.py`` read them too), and the communicator's own
 module then holds its lifecycle and its error handling alone. cupy is imported inside ``nccl_module`` and
 ``cupy_module`` at each call, so a process that never makes an NCCL communicator never loads it, and the simulated
-device (``tests/sim_nccl.py`` installs its own ``cupy`` modules) is what a test's communicator gets.
+device (``tests/support/sim/nccl.py`` installs its own ``cupy`` modules) is what a test's communicator gets.
 """
 
 from __future__ import annotations

@@ -47,9 +47,10 @@ Note (bounded waits): ``synchronize(wait)`` hands the reduce stream's ``query`` 
 ``wait_until``), which polls it within the deadline and aborts the communicator on failure; a plain
 ``synchronize()`` would hang forever on an NCCL kernel whose peer stalled.
 Note (seam): ``CudaStreams`` reaches CUDA only through its ``cuda`` argument (``torch.cuda`` by default) and copies
-only through ``copy``, so a CPU test counts what the hot path asks of CUDA (``tests/test_cuda_calls.py``), and
+only through ``copy``, so a CPU test counts what the hot path asks of CUDA (``tests/sim/test_cuda_calls.py``), and
 another proves the notes above by happens-before: every tensor access of the runtime stamped with its stream, the
-waits as vector clocks, any unordered pair of accesses a race (``tests/hb_cuda.py``, ``tests/test_stream_hb.py``).
+waits as vector clocks, any unordered pair of accesses a race (``tests/support/sim/hb_cuda.py``,
+``tests/sim/test_stream_hb.py``).
 """
 
 from __future__ import annotations
