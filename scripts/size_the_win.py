@@ -42,7 +42,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 _START = time.perf_counter()  # before torch and deepspeed are imported: the wall time printed covers them
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: owner_reduce, harness/, research/
 
 from owner_reduce.offline_sizing.fake_engine import (  # noqa: E402
     check_published_in_subprocess,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from stall_worker import USER_TIMEOUT_S
 
-from owner_reduce.harness.launch import free_port
+from harness.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "stall_worker.py"

@@ -20,8 +20,8 @@ from test_runtime_e2e import (
     _run_with_reference,
 )
 
-from owner_reduce.harness.launch import RankFailure, run_ranks
-from owner_reduce.harness.toy_training import TrainSpec, train
+from harness.launch import RankFailure, run_ranks
+from harness.toy_training import TrainSpec, train
 
 MODEL_KWARGS = (("empty_param", True), ("freeze_fc2", True), ("unused_empty_param", True))
 N_REDUCED = 4  # fc1 and fc3, weight and bias; fc2 is frozen, the two zero-element parameters are not reduced
@@ -29,7 +29,7 @@ SPEC = TrainSpec(mode="owner", steps=3, model_kwargs=MODEL_KWARGS, record_collec
 
 
 def _initial_fc2() -> dict[str, torch.Tensor]:
-    from owner_reduce.harness.toy_models import OddMLP
+    from harness.toy_models import OddMLP
 
     torch.manual_seed(SPEC.seed)
     model = OddMLP(**dict(MODEL_KWARGS))

@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_runtime_e2e import _run_with_reference
 
-from owner_reduce.harness.toy_training import TrainSpec
+from harness.toy_training import TrainSpec
 
 
 @pytest.mark.timeout(300)

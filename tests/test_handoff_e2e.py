@@ -22,7 +22,7 @@ from test_runtime_e2e import (
     _scheduled_run_matching_plain,
 )
 
-from owner_reduce.harness.toy_training import TrainSpec
+from harness.toy_training import TrainSpec
 
 ALGO_RE = re.compile(r" calls=(\d+) .* algo=(\S+)$")
 BIG = (("dim", 550), ("layers", 13))  # 13 matrices of 302,500 elements: partition boundaries inside them

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from owner_reduce.harness.launch import free_port
+from harness.launch import free_port
 
 TESTS = Path(__file__).resolve().parent
 RUNTIME = "owner_reduce.runtime.handle.OwnerReduceRuntime"

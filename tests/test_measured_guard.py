@@ -21,7 +21,7 @@ import pytest
 import torch
 from fakes import ExchangeComm, ExchangeWorld, exchange_backward, flat_map, mirror_runtime
 
-from owner_reduce.harness.fixed_samples import FixedSamples
+from harness.fixed_samples import FixedSamples
 from owner_reduce.planning import measured
 from owner_reduce.planning.measured import (
     TRIAL_ROUNDS,

@@ -19,7 +19,7 @@ import pytest
 import torch
 from fakes import two_gpu_ranks_env
 
-from owner_reduce.harness.launch import run_ranks
+from harness.launch import run_ranks
 from owner_reduce.planning.flush_plan import ALL
 from owner_reduce.planning.owner_map import Placement
 from owner_reduce.runtime import nccl_binding, nccl_comm

@@ -18,7 +18,7 @@ import torch
 from fakes import ExchangeWorld, exchange_backward, flat_map, mirror_runtime
 
 import owner_reduce
-from owner_reduce.harness.fixed_samples import FixedSamples
+from harness.fixed_samples import FixedSamples
 from owner_reduce.planning.measured import STEP, TRIAL_ROUNDS, TrialFlush, Verdict, format_measured_line
 from owner_reduce.planning.verdict_book import load_verdicts
 

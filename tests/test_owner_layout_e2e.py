@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_runtime_e2e import _assert_runtime_ran, _max_param_diff, _run_with_reference, _scheduled_run_matching_plain
 
-from owner_reduce.harness.toy_training import TrainSpec
+from harness.toy_training import TrainSpec
 from owner_reduce.planning.alignment import align_elems, aligned_cut
 
 ALGO_RE = re.compile(r" calls=(\d+) .* algo=(\S+)$")

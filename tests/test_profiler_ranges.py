@@ -14,8 +14,8 @@ import pytest
 import torch
 from fakes import MirrorComm, flat_map, mirror_runtime, rows_in_nodes
 
-from owner_reduce.harness.launch import run_ranks
-from owner_reduce.harness.toy_training import TrainSpec, train_each
+from harness.launch import run_ranks
+from harness.toy_training import TrainSpec, train_each
 from owner_reduce.runtime import flush as flush_module
 
 RANGE = re.compile(r"^owner_reduce flush #(\d+) (\S+) (\d+) B$")

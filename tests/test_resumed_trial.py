@@ -18,7 +18,7 @@ import torch
 from fakes import ExchangeWorld, exchange_backward, flat_map, mirror_runtime
 from test_measured_guard import NUMELS, TRIAL_ROUNDS, WS, fixed_clocks
 
-from owner_reduce.harness.fixed_samples import FixedSamples
+from harness.fixed_samples import FixedSamples
 from owner_reduce.planning.verdict_book import CHECKPOINT_KEY
 from owner_reduce.runtime.trial_clock import StreamClock
 from owner_reduce.wiring.checkpoint import RUNTIME_ATTR, wrap_save_checkpoint
