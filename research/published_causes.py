@@ -26,8 +26,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .collective_time import Topology, best_algo, group_time_us
-from .host_cost import DEFAULT, HostCost
+from owner_reduce.planning.collective_time import Topology, best_algo, group_time_us
+from owner_reduce.planning.host_cost import DEFAULT, HostCost
+
 from .nccl_plan import channel_time_us, plan_group
 
 SMALL_BYTES = 64 << 10  # (c): a call this small is latency-bound on any of the tables' protocols
