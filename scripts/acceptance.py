@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: owner_reduce, harness/, research/
+
 # Measured on this setup (tiny transformer, fp32, Adam lr 1e-3, 4 gloo ranks, 200 steps): clean runs stay near
 # 1e-7 (max) and 1e-8 (mean); a wrong root or a skipped range passes 1e-3 within 10 steps.
 BAND_MAX = 1e-4
@@ -71,8 +73,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=900)
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from owner_reduce.harness.launch import run_ranks
-    from owner_reduce.harness.toy_training import TrainSpec, train
+    from harness.launch import run_ranks
+    from harness.toy_training import TrainSpec, train
 
     args.out.mkdir(parents=True, exist_ok=True)
     base = TrainSpec(model="tiny_transformer", steps=args.steps, same_data=False, lr=args.lr, reduce_probe=True,

@@ -29,7 +29,10 @@ import statistics
 import sys
 import time
 import types
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: owner_reduce, harness/, research/
 
 
 def _empty_ops() -> tuple[Any, Any]:
@@ -205,7 +208,7 @@ def _comm_costs(rounds: int, calls: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    from owner_reduce.harness.launch import free_port
+    from harness.launch import free_port
     from owner_reduce.runtime.torch_comm import TorchDistComm
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -505,8 +508,8 @@ def main() -> int:
     ratios: dict[str, list[float]] = {"allreduce": [], "owner": []}
     summary = None
     if not args.skip_training:
-        from owner_reduce.harness.launch import run_ranks
-        from owner_reduce.harness.toy_training import TrainSpec, train
+        from harness.launch import run_ranks
+        from harness.toy_training import TrainSpec, train
 
         base = TrainSpec(model="tiny_transformer", model_kwargs=(("dim", args.dim), ("layers", args.layers)),
                          steps=args.steps, backend=args.backend, micro_batch=8)

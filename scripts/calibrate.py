@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: owner_reduce, harness/, research/
+
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.local_gloo < 2:
             parser.error("--local-gloo needs at least 2 ranks")
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        from owner_reduce.harness.launch import run_ranks
+        from harness.launch import run_ranks
         from owner_reduce.runtime.calibrate import local_rank_worker
 
         options = _options(args)

@@ -24,10 +24,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: owner_reduce, harness/, research/
 
-from owner_reduce.harness.launch import run_ranks  # noqa: E402
-from owner_reduce.harness.toy_training import TrainSpec, train_each  # noqa: E402
+from harness.launch import run_ranks  # noqa: E402
+from harness.toy_training import TrainSpec, train_each  # noqa: E402
 
 WS = 3
 STEPS = 8

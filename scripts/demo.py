@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: owner_reduce, harness/, research/
+
 
 def _per_step(results: list[dict[str, Any]], key: str) -> list[float]:
     return [sum(r[key][i] for r in results) / len(results) for i in range(len(results[0][key]))]
@@ -154,8 +156,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=600)
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from owner_reduce.harness.launch import run_ranks
-    from owner_reduce.harness.toy_training import TrainSpec, train
+    from harness.launch import run_ranks
+    from harness.toy_training import TrainSpec, train
 
     args.out.mkdir(parents=True, exist_ok=True)
     base = TrainSpec(model="tiny_transformer", model_kwargs=(("dim", args.dim), ("layers", args.layers)),

@@ -1,6 +1,6 @@
 """DeepCompile ZeRO-1 end to end on GPUs: owner path vs plain ZeRO-1 vs native DeepCompile, same model and data.
 
-Why its own launcher: ``owner_reduce.harness.launch.run_ranks`` starts gloo ranks on the CPU accelerator; here every
+Why its own launcher: ``harness.launch.run_ranks`` starts gloo ranks on the CPU accelerator; here every
 rank runs DeepSpeed's NCCL backend on a GPU. Each rank sees exactly one GPU (CUDA_VISIBLE_DEVICES) and is
 LOCAL_RANK 0, so several ranks can share one GPU, which NCCL >= 2.30 allows with NCCL_MULTI_RANK_GPU_ENABLE=1
 (set here when ranks outnumber GPUs). Each mode runs as its own job (fresh processes), one after the other:
@@ -36,7 +36,10 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: owner_reduce, harness/, research/
 
 MODES = ("plain", "owner", "handoff", "native", "two_level")  # handoff, two_level: the owner path with
 # compile.reduce_to_owner_algo set so (two_level needs --ranks-per-node: ranks grouped as nodes)
@@ -86,8 +89,8 @@ def _train(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     """One rank of ``job``: owner_reduce's shared training run (identical batches on every rank), summarized."""
     import torch
 
-    from owner_reduce.harness.phases import CollectiveCounter, PhaseLog
-    from owner_reduce.harness.toy_training import TrainSpec, train
+    from harness.phases import CollectiveCounter, PhaseLog
+    from harness.toy_training import TrainSpec, train
 
     counter = CollectiveCounter()
     phases = PhaseLog(rank, counter=counter, echo=True)
@@ -170,8 +173,8 @@ def launch(job: Job, world_size: int, timeout: float) -> list[dict[str, Any]]:
 
     On GPUs each rank sees one device (cuda:0, LOCAL_RANK 0), so several ranks can share one GPU.
     """
-    from owner_reduce.harness.launch import RankFailure, RankTimeout, run_ranks
-    from owner_reduce.harness.phases import PHASE_DIR_ENV, describe_phases
+    from harness.launch import RankFailure, RankTimeout, run_ranks
+    from harness.phases import PHASE_DIR_ENV, describe_phases
 
     rank_env = None
     if not job.cpu:

@@ -32,7 +32,10 @@ import json
 import os
 import statistics
 import sys
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: owner_reduce, harness/, research/
 
 NO_GPU, CANNOT_RUN, RANKS_FAILED = 3, 4, 5
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -377,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
     if under_launcher:
         return launched(args, header)
-    from owner_reduce.harness.launch import RankFailure, RankTimeout, run_ranks
+    from harness.launch import RankFailure, RankTimeout, run_ranks
 
     try:  # no DeepSpeed, no torch process group: the ranks meet through the NCCL unique id alone
         results = run_ranks(rank_main, ws, args=(unique_id, args), timeout=args.timeout, dist_backend=None)

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: owner_reduce, harness/, research/
+
 NO_GPU, RANKS_FAILED = 3, 5
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = ("launch-stall", "abort-order", "product-stall")
@@ -110,7 +112,7 @@ def _setup(rank: int, world_size: int) -> Any:
     import torch
     import torch.distributed as dist
 
-    from owner_reduce.harness.launch import local_device
+    from harness.launch import local_device
 
     torch.cuda.set_device(local_device(rank, torch.cuda.device_count()))
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
@@ -296,7 +298,7 @@ def _rank_command(argv: list[str], rank: int, out_dir: Path) -> list[str]:
 
 
 def _spawn(args: argparse.Namespace, out_dir: Path) -> list[subprocess.Popen]:
-    from owner_reduce.harness.launch import free_port
+    from harness.launch import free_port
 
     port = free_port()
     procs = []

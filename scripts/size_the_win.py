@@ -24,7 +24,7 @@ group (owner_reduce/planning/collective_time.py) on the cluster the options desc
 Hopper GPUs on NVSwitch with NVLS, one 400 Gb/s NIC per GPU (one NVLink node when the world fits in one);
 ``--calibration FILE`` replaces NCCL's tables with times measured on your cluster (scripts/calibrate.py).
 ``--check-published`` also models the one published measurement (8x A800 NVLink, 806 MB bf16, one collective
-per parameter).
+per parameter; research/published_check.py, beside the package).
 
 Why one process per world size when several are given: the fake process group is process-global.
 """
@@ -42,26 +42,22 @@ from contextlib import contextmanager
 from pathlib import Path
 
 _START = time.perf_counter()  # before torch and deepspeed are imported: the wall time printed covers them
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: owner_reduce, harness/, research/
 
-from owner_reduce.offline_sizing.fake_engine import (  # noqa: E402
-    check_published_in_subprocess,
-    size_in_subprocess,
-    size_model,
-)
+from owner_reduce.offline_sizing.fake_engine import size_in_subprocess, size_model  # noqa: E402
 from owner_reduce.offline_sizing.model_spec import GROUPINGS, PRESETS, ModelSpec, describe_preset  # noqa: E402
 from owner_reduce.planning.sizing import (  # noqa: E402
     DEFAULT_BUCKET_SIZE,
     DTYPE_BYTES,
     HANDOFF_SENSITIVITY,
     Cluster,
-    format_published_check,
     format_report,
     format_summary_rows,
     plan_to_dicts,
     report_to_dict,
     summary_header,
 )
+from research.published_check import check_published_in_subprocess, format_published_check  # noqa: E402
 
 
 def _elements(text: str) -> int:

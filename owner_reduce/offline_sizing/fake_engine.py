@@ -29,22 +29,14 @@ from multiprocessing import get_context
 import torch
 from torch import nn
 
-from ..planning.sizing import (
-    DEFAULT_BUCKET_SIZE,
-    Cluster,
-    PublishedCheck,
-    SizingReport,
-    published_check,
-    size_the_win,
-)
+from ..planning.sizing import DEFAULT_BUCKET_SIZE, Cluster, SizingReport, size_the_win
 from .fake_world import BuiltLayout, grad_order_of, init_fake_world, zero1_sizing_config
 from .gpt_presets import build_uninitialized
 from .meta_layout import build_meta_layout
 from .model_spec import ModelSpec
 
-__all__ = ["BuiltLayout", "ModelSpec", "build_engine_layout", "build_layout", "build_model", "check_published",
-           "check_published_in_subprocess", "init_fake_world", "size_in_subprocess", "size_model",
-           "zero1_sizing_config"]
+__all__ = ["BuiltLayout", "ModelSpec", "build_engine_layout", "build_layout", "build_model", "init_fake_world",
+           "size_in_subprocess", "size_model", "zero1_sizing_config"]
 
 
 def build_model(spec: ModelSpec, dtype: torch.dtype = torch.bfloat16) -> tuple[nn.Module, list[str]]:
@@ -105,29 +97,6 @@ def size_model(spec: ModelSpec, world_size: int, bucket_sizes: Sequence[int] = (
              f"fake process group, rank 0 of {world_size}",) + layout.notes
     return size_the_win(layout.owner_map, layout.grad_order, sizes, model=spec.describe(), dtype=dtype,
                         build_seconds=layout.seconds, notes=notes, cluster=cluster, sensitivity=tuple(sensitivity))
-
-
-PUBLISHED_SPEC = ModelSpec("gpt2-350m", tied_head=False)  # 406.3M params, 293 tensors: nearest preset to 402.8M
-
-
-def check_published(spec: ModelSpec = PUBLISHED_SPEC,
-                    exact_engine: bool = False) -> tuple[str, tuple[PublishedCheck, ...]]:
-    """The alpha-beta model against the published 8x A800 run, on ``spec``'s tensors and DeepSpeed's ws-8 map;
-    once per Reduce-latency variant of tuning.cc (graph sameChannels 1 and 0)."""
-    import dataclasses
-
-    from ..planning.collective_time import A800_NODE
-
-    layout = build_layout(spec, 8, exact_engine=exact_engine)
-    checks = tuple(published_check(layout.owner_map, topology=dataclasses.replace(
-        A800_NODE, same_channels=same, name=f"{A800_NODE.name}, sameChannels={int(same)}")) for same in (True, False))
-    return spec.describe(), checks
-
-
-def check_published_in_subprocess(spec: ModelSpec = PUBLISHED_SPEC,
-                                  exact_engine: bool = False) -> tuple[str, tuple[PublishedCheck, ...]]:
-    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
-        return pool.submit(check_published, spec, exact_engine).result()
 
 
 def size_in_subprocess(spec: ModelSpec, world_size: int, bucket_sizes: Sequence[int] = (),

@@ -31,13 +31,12 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .calls import ALLREDUCE, HANDOFF, NODE, NODE_HANDOFF, RAIL, REDUCE, REDUCE_SCATTER, KindTable
-from .collective_time import A800_NODE, Topology, flush_time_us, topology_of
+from .collective_time import Topology, topology_of
 from .collectives import Collective
 from .flush_choice import CallTimes, FlushCost
 from .flush_plan import ALL, BucketEntry, FlushRange, plan_flush
 from .owner_layout import OwnerLayout, StepLayouts, collectives_of, cost_step_choices, map_order, plan_step_layouts
 from .owner_map import OwnerMap, Placement
-from .published_causes import Case, Causes, costed, format_causes
 from .step_plan import runs_alone
 from .two_level import two_level_of
 from .wording import count_noun
@@ -570,74 +569,6 @@ def _handoff_row(full: _PlannedStep, owner_map: OwnerMap, grad_order: Sequence[i
     worst = max(ratios, default=None)
     again = size_buckets(owner_map, grad_order, bucket_size, double_buffer, dtype_bytes, scaled).us_ratio("layout")
     return scale, (fixed.end_us / fixed.native_us if fixed.native_us else 1.0), worst, again
-
-
-# ---- the one published measurement ---------------------------------------------------------------------------
-
-PUBLISHED = {"gpus": "8x A800, NVLink", "params": 402.8e6, "bytes": 806e6, "dtype": "bf16",
-             "allreduce_ms": 22.72, "owner_ms": 18.43}
-
-
-@dataclass(frozen=True)
-class PublishedCheck:
-    """The alpha-beta model against the published 8x A800 measurement (one collective per parameter), and each
-    candidate cause of the gap costed on it (``published_causes``)."""
-
-    topology: str
-    tensors: int
-    model_bytes: float
-    allreduce_ms: float  # one AllReduce per gradient (DeepCompile today)
-    owner_ms: float  # one Reduce per single-owner gradient, one AllReduce per straddler (the proposal)
-    measured_allreduce_ms: float
-    measured_owner_ms: float
-    causes: Causes | None = None
-
-    @property
-    def ratio(self) -> float:
-        return self.owner_ms / self.allreduce_ms
-
-    @property
-    def measured_ratio(self) -> float:
-        return self.measured_owner_ms / self.measured_allreduce_ms
-
-
-def published_check(owner_map: OwnerMap, total_bytes: float = PUBLISHED["bytes"],
-                    topology: Topology = A800_NODE) -> PublishedCheck:
-    """Model the published run: every gradient scaled so the model holds ``total_bytes``, one grouped flush."""
-    elems = sum(p.numel for p in owner_map)
-    scale = total_bytes / elems
-    tensors = [p for p in owner_map if p.numel]
-    # NCCL's own table, either sameChannels: the check compares NCCL's model, as published, with the measurement.
-    ar_calls = tuple((ALLREDUCE, int(p.numel * scale)) for p in tensors)
-    owner_calls = tuple((REDUCE if p.placement is Placement.ONE_OWNER else ALLREDUCE, int(p.numel * scale))
-                        for p in tensors)
-    allreduce = flush_time_us(ar_calls, topology, physical=False)
-    owner = flush_time_us(owner_calls, topology, physical=False)
-    cases = (Case("AllReduce", ar_calls, PUBLISHED["allreduce_ms"], allreduce / 1000),
-             Case("reduce-to-owner", owner_calls, PUBLISHED["owner_ms"], owner / 1000))
-    return PublishedCheck(topology=topology.name, tensors=len(tensors), model_bytes=total_bytes,
-                          allreduce_ms=allreduce / 1000, owner_ms=owner / 1000,
-                          measured_allreduce_ms=PUBLISHED["allreduce_ms"], measured_owner_ms=PUBLISHED["owner_ms"],
-                          causes=costed(cases, topology))
-
-
-def format_published_check(check: PublishedCheck, model: str) -> str:
-    err_ar = check.allreduce_ms / check.measured_allreduce_ms - 1
-    err_ow = check.owner_ms / check.measured_owner_ms - 1
-    return "\n".join([
-        f"published measurement check: {PUBLISHED['gpus']}, {check.model_bytes / 1e6:.0f} MB bf16 gradients, "
-        f"one collective per parameter",
-        f"  tensor sizes: {model}, {check.tensors} tensors scaled to {check.model_bytes / 1e6:.0f} MB",
-        f"  topology: {check.topology}",
-        f"  AllReduce       model {check.allreduce_ms:7.2f} ms   measured {check.measured_allreduce_ms:6.2f} ms   "
-        f"({100 * err_ar:+.0f}%)",
-        f"  reduce-to-owner model {check.owner_ms:7.2f} ms   measured {check.measured_owner_ms:6.2f} ms   "
-        f"({100 * err_ow:+.0f}%)",
-        f"  owner / AllReduce: model {check.ratio:.3f}   measured {check.measured_ratio:.3f}",
-        *(format_causes(check.causes, (Case("AllReduce", (), check.measured_allreduce_ms, check.allreduce_ms),
-                                       Case("reduce-to-owner", (), check.measured_owner_ms, check.owner_ms)))
-          if check.causes is not None else []),
-    ])
 
 
 # ---- the whole report ---------------------------------------------------------------------------------------

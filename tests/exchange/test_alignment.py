@@ -17,7 +17,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 
-from owner_reduce.harness.launch import fresh_process_context
+from harness.launch import fresh_process_context
 from owner_reduce.planning.alignment import align_elems, align_up, aligned_cut
 from owner_reduce.planning.collectives import ALLREDUCE, HANDOFF, NATIVE, REDUCE, REDUCE_SCATTER, TWO_LEVEL
 from owner_reduce.planning.flush_plan import FlushRange

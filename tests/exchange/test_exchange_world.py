@@ -206,7 +206,7 @@ def test_negative_control_a_handoff_piece_sent_to_the_wrong_rank_shows_as_wrong_
     """Every rank agrees on the misrouted transfer (it is in the shared layout), so the calls match; the true owner
     never receives that piece and keeps its ReduceScatter's NaN there."""
     import owner_reduce.runtime.placement as placement
-    from owner_reduce.harness.faults import break_layout, break_step_layouts
+    from harness.faults import break_layout, break_step_layouts
 
     original, original_step = placement.plan_owner_layout, placement.plan_step_layouts
     monkeypatch.setattr(placement, "plan_owner_layout",

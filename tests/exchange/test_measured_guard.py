@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from owner_reduce.harness.fixed_samples import FixedSamples
+from harness.fixed_samples import FixedSamples
 from owner_reduce.planning import measured
 from owner_reduce.planning.measured import (
     TRIAL_ROUNDS,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import owner_reduce
-from owner_reduce.harness.fixed_samples import FixedSamples
+from harness.fixed_samples import FixedSamples
 from owner_reduce.planning.measured import STEP, TRIAL_ROUNDS, TrialFlush, Verdict, format_measured_line
 from owner_reduce.planning.verdict_book import load_verdicts
 from tests.support.fakes import ExchangeWorld, exchange_backward, flat_map, mirror_runtime

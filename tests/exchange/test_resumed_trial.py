@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from owner_reduce.harness.fixed_samples import FixedSamples
+from harness.fixed_samples import FixedSamples
 from owner_reduce.planning.verdict_book import CHECKPOINT_KEY
 from owner_reduce.runtime.trial_clock import StreamClock
 from owner_reduce.wiring.checkpoint import RUNTIME_ATTR, wrap_save_checkpoint

@@ -275,7 +275,7 @@ def test_fault_injection_still_reaches_cached_plans(monkeypatch):
     """The harness's negative controls replace plan_flush in the flush module; the cache must plan through it."""
     import owner_reduce.runtime.flush as flush_module
     import owner_reduce.runtime.placement as placement_module
-    from owner_reduce.harness.faults import inject
+    from harness.faults import inject
 
     monkeypatch.setattr(flush_module, "plan_flush", flush_module.plan_flush)  # restored after the test
     monkeypatch.setattr(placement_module, "plan_owner_layout", placement_module.plan_owner_layout)  # broken too

@@ -114,7 +114,7 @@ def test_two_graphs_in_one_backward_learn_nothing():
 def test_negative_control_layout_off_by_one_slice_is_caught(rank, monkeypatch):
     import owner_reduce.runtime.flush as flush_module
     import owner_reduce.runtime.placement as placement_module
-    from owner_reduce.harness.faults import inject
+    from harness.faults import inject
 
     monkeypatch.setattr(placement_module, "plan_owner_layout", placement_module.plan_owner_layout)  # restored after
     monkeypatch.setattr(placement_module, "plan_step_layouts", placement_module.plan_step_layouts)

@@ -293,7 +293,7 @@ def _launched_rank(rank, world_size):
 
 @pytest.mark.timeout(120)
 def test_nccl_check_under_a_launcher_hands_rank_0s_id_out_and_reports_every_rank():
-    from owner_reduce.harness.launch import run_ranks
+    from harness.launch import run_ranks
 
     (code0, out0, seen0), (code1, out1, seen1) = run_ranks(_launched_rank, 2, timeout=90,
                                                            dist_backend=None)

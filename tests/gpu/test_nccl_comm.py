@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from owner_reduce.harness.launch import run_ranks
+from harness.launch import run_ranks
 from owner_reduce.planning.flush_plan import ALL
 from owner_reduce.planning.owner_map import Placement
 from owner_reduce.runtime import nccl_binding, nccl_comm

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from owner_reduce.harness.launch import free_port
+from harness.launch import free_port
 from tests.support.launched.stall_worker import USER_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -294,7 +294,7 @@ def test_script_parses_sizes():
 
 @pytest.mark.timeout(180)
 def test_two_gloo_ranks_write_the_same_calibration(tmp_path):
-    from owner_reduce.harness.launch import run_ranks
+    from harness.launch import run_ranks
     from owner_reduce.runtime.calibrate import local_rank_worker
 
     options = CalibrationOptions(sizes=(4096, 65536, 262144), warmup=1, repeats=3)
@@ -439,7 +439,7 @@ def _refusing_rank(rank: int, world_size: int, paths: list[str]) -> dict:
     """One owner run whose config names ``paths[rank]``; what init raised (or that it did not), and when."""
     import time
 
-    from owner_reduce.harness.toy_training import TrainSpec, train
+    from harness.toy_training import TrainSpec, train
 
     start = time.monotonic()
     try:
@@ -458,7 +458,7 @@ def test_a_calibration_path_missing_on_one_rank_makes_every_rank_refuse_naming_i
     path = tmp_path / "cal.json"
     path.write_text(_cal(world_size=2).to_json())
     missing = tmp_path / "elsewhere" / "cal.json"
-    from owner_reduce.harness.launch import run_ranks
+    from harness.launch import run_ranks
 
     r0, r1 = run_ranks(_refusing_rank, 2, args=([str(path), str(missing)],), timeout=150)
     for r in (r0, r1):

@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from owner_reduce.harness.launch import run_ranks
-from owner_reduce.harness.toy_training import TrainSpec, train_each
+from harness.launch import run_ranks
+from harness.toy_training import TrainSpec, train_each
 from owner_reduce.planning.calibration import Calibration, HostFit, KindFit, P2pFit
 from owner_reduce.planning.measured import MODEL, NATIVE_VARIANT, TRIAL_ROUNDS
 

@@ -28,8 +28,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from owner_reduce.harness.launch import run_ranks
-from owner_reduce.harness.toy_training import TrainSpec, train
+from harness.launch import run_ranks
+from harness.toy_training import TrainSpec, train
 
 WORLD_SIZE = 2
 STEPS = 8

@@ -7,8 +7,8 @@ from deepspeed.runtime import config as ds_config
 from deepspeed.runtime.config import DeepSpeedConfig
 
 import owner_reduce
+from harness.launch import run_ranks
 from owner_reduce import OwnerReduceConfigError
-from owner_reduce.harness.launch import run_ranks
 from owner_reduce.planning.flags import OwnerReduceFlags
 from owner_reduce.planning.settings import SETTING_KEYS, OwnerReduceSettings, settings_of
 
@@ -321,7 +321,7 @@ def _silent_cases_worker(rank, world_size):
     engine.compile() reaches DeepCompile's native stage-3 init, which on a machine without CUDA fails to build)."""
     import torch
 
-    from owner_reduce.harness.toy_models import OddMLP
+    from harness.toy_models import OddMLP
 
     owner_reduce.install()
     out = {}

@@ -17,8 +17,8 @@ import types
 import pytest
 import torch
 
+from harness.launch import run_ranks
 from owner_reduce import OwnerReduceCommError
-from owner_reduce.harness.launch import run_ranks
 from owner_reduce.runtime import deadline as deadlines
 from owner_reduce.runtime import nccl_binding, nccl_comm
 from owner_reduce.runtime.deadline import CONFIG_SOURCE, Deadline, poll_until_done, resolve, wait_work

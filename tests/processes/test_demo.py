@@ -51,7 +51,7 @@ def test_demo_short_run(tmp_path):
 
 
 def test_progress_bar_is_whole_lines_at_each_tenth():
-    from owner_reduce.harness.toy_training import progress_line
+    from harness.toy_training import progress_line
 
     lines = {done: progress_line(done, 100, 1.5) for done in range(1, 101)}
     drawn = [done for done, line in lines.items() if line is not None]

@@ -13,8 +13,8 @@ import dataclasses
 import pytest
 import torch
 
-from owner_reduce.harness.launch import RankFailure, run_ranks
-from owner_reduce.harness.toy_training import TrainSpec, train
+from harness.launch import RankFailure, run_ranks
+from harness.toy_training import TrainSpec, train
 from tests.processes.test_runtime_e2e import (
     _assert_bitwise,
     _assert_kept_own_share_caught,
@@ -29,7 +29,7 @@ SPEC = TrainSpec(mode="owner", steps=3, model_kwargs=MODEL_KWARGS, record_collec
 
 
 def _initial_fc2() -> dict[str, torch.Tensor]:
-    from owner_reduce.harness.toy_models import OddMLP
+    from harness.toy_models import OddMLP
 
     torch.manual_seed(SPEC.seed)
     model = OddMLP(**dict(MODEL_KWARGS))

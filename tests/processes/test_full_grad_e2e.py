@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from owner_reduce.harness.toy_training import TrainSpec
+from harness.toy_training import TrainSpec
 from tests.processes.test_runtime_e2e import _run_with_reference
 
 

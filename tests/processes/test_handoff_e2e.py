@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from owner_reduce.harness.toy_training import TrainSpec
+from harness.toy_training import TrainSpec
 from tests.processes.test_runtime_e2e import (
     _assert_bitwise,
     _max_param_diff,

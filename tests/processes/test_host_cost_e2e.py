@@ -17,8 +17,8 @@ import re
 import pytest
 import torch
 
-from owner_reduce.harness.launch import run_ranks
-from owner_reduce.harness.toy_training import TrainSpec, train_each
+from harness.launch import run_ranks
+from harness.toy_training import TrainSpec, train_each
 from owner_reduce.planning import collective_time as ct
 from owner_reduce.planning.collectives import REDUCE
 from owner_reduce.planning.flush_choice import FlushCost

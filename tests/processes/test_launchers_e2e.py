@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from owner_reduce.harness.launch import free_port
+from harness.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHED = ROOT / "tests" / "support" / "launched"  # the scripts the launchers start

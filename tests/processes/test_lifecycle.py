@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from owner_reduce.harness.launch import run_ranks
+from harness.launch import run_ranks
 
 
 def _lifecycle_worker(rank, world_size):
@@ -14,7 +14,7 @@ def _lifecycle_worker(rank, world_size):
     import torch
 
     import owner_reduce
-    from owner_reduce.harness.toy_models import OddMLP
+    from harness.toy_models import OddMLP
     from owner_reduce.wiring import ops
 
     owner_reduce.install()

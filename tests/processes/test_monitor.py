@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from owner_reduce.harness.launch import run_ranks
-from owner_reduce.harness.toy_training import TrainSpec, ds_config, train_each
+from harness.launch import run_ranks
+from harness.toy_training import TrainSpec, ds_config, train_each
 from owner_reduce.planning.monitor import EVENT_PREFIX, UNMEASURED, due, event_names, monitor_events, pack_row
 from owner_reduce.runtime.monitor import MonitorSink
 from tests.support.fakes import ExchangeWorld, flat_map, mirror_runtime

@@ -129,7 +129,7 @@ def _gloo_reduce_scatter_worker(rank, world_size):
 
 @pytest.mark.timeout(120)
 def test_torch_dist_reduce_scatter_over_gloo_in_place():
-    from owner_reduce.harness.launch import run_ranks
+    from harness.launch import run_ranks
 
     results = run_ranks(_gloo_reduce_scatter_worker, 3, timeout=100)
     factor = 1 + 2 + 3

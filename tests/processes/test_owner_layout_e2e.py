@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from owner_reduce.harness.toy_training import TrainSpec
+from harness.toy_training import TrainSpec
 from owner_reduce.planning.alignment import align_elems, aligned_cut
 from tests.processes.test_runtime_e2e import (
     _assert_runtime_ran,

@@ -5,7 +5,7 @@ import functools
 
 import pytest
 
-from owner_reduce.harness.launch import run_ranks
+from harness.launch import run_ranks
 from owner_reduce.planning.owner_map import OwnerMap, ParamSlice, Placement
 
 
@@ -144,7 +144,7 @@ def _round_robin_worker(rank, world_size):
     import deepspeed
     import torch
 
-    from owner_reduce.harness.toy_models import OddMLP
+    from harness.toy_models import OddMLP
     from owner_reduce.wiring.engine_tables import build_owner_map, disagreements_with_optimizer
 
     torch.manual_seed(0)

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from owner_reduce.harness.launch import RankTimeout, local_device, run_ranks
-from owner_reduce.harness.phases import CollectiveCounter, PhaseLog, describe_phases
+from harness.launch import RankTimeout, local_device, run_ranks
+from harness.phases import CollectiveCounter, PhaseLog, describe_phases
 
 
 def test_local_device_is_the_index_among_the_visible_gpus_never_the_rank():

@@ -13,8 +13,8 @@ import re
 import pytest
 import torch
 
-from owner_reduce.harness.launch import run_ranks
-from owner_reduce.harness.toy_training import TrainSpec, train_each
+from harness.launch import run_ranks
+from harness.toy_training import TrainSpec, train_each
 from owner_reduce.runtime import flush as flush_module
 from tests.support.fakes import MirrorComm, flat_map, mirror_runtime, rows_in_nodes
 

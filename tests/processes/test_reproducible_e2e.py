@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from owner_reduce.harness.launch import run_ranks
-from owner_reduce.harness.toy_training import TrainSpec, train_each
+from harness.launch import run_ranks
+from harness.toy_training import TrainSpec, train_each
 from owner_reduce.planning.measured import TRIAL_ROUNDS
 
 VERDICTS_KEY = "reduce_to_owner_verdicts"

@@ -17,8 +17,8 @@ import re
 import pytest
 import torch
 
-from owner_reduce.harness.launch import RankFailure, run_ranks
-from owner_reduce.harness.toy_training import TrainSpec, train, train_each
+from harness.launch import RankFailure, run_ranks
+from harness.toy_training import TrainSpec, train, train_each
 
 PROBE_RE = re.compile(r"^\[dc-probe\]\[r(\d+)\] flushReduceBucket #(\d+) dtype=Float tasks=(\d+) reduced_elems=(\d+) "
                       r"kept_elems=(\d+) discarded=(\d+\.\d)% pre_div=1 owner_tasks=(\d+) owner_elems=(\d+) "
@@ -246,7 +246,7 @@ def _assert_kept_own_share_caught(broken: tuple, plain: tuple, spec: TrainSpec, 
     shares (within a tenth of one): the signature of a missed reduction, not noise. Adam would hide it: its first step
     is about ``lr * sign(g)`` for ``g`` and ``g * k / ws`` alike. Gradient clipping is off (DeepSpeed's default clips
     at 1.0): it would scale every element of the broken run's step by the broken gradient's norm."""
-    from owner_reduce.harness.toy_training import _model_and_batches  # the run's own model and first batch
+    from harness.toy_training import _model_and_batches  # the run's own model and first batch
 
     assert (spec.optimizer, spec.steps, spec.grad_accum, spec.same_data, spec.gradient_clipping) == \
         ("SGD", 1, 1, True, 0.0), spec

@@ -37,8 +37,8 @@ import pytest
 import torch
 
 import owner_reduce
-from owner_reduce.harness.launch import free_port, run_ranks
-from owner_reduce.harness.toy_training import TrainSpec, ds_config, train_each
+from harness.launch import free_port, run_ranks
+from harness.toy_training import TrainSpec, ds_config, train_each
 from owner_reduce.planning.measured import TRIAL_ROUNDS
 from owner_reduce.planning.verdict_book import load_verdicts
 from tests.processes.test_calibration import _cal

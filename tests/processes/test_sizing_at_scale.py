@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch import nn
 
-from owner_reduce.harness.launch import fresh_process_context
-from owner_reduce.harness.toy_models import OddMLP, TiedLM
+from harness.launch import fresh_process_context
+from harness.toy_models import OddMLP, TiedLM
 from owner_reduce.offline_sizing.llama_presets import LLAMA_PRESETS, Llama
 from owner_reduce.offline_sizing.meta_layout import MIRRORED_SOURCE, check_mirrored_source
 from owner_reduce.offline_sizing.model_spec import PRESETS, ModelSpec, build_meta_model

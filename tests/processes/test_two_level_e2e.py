@@ -26,8 +26,8 @@ import os
 import pytest
 import torch
 
-from owner_reduce.harness.launch import run_ranks
-from owner_reduce.harness.toy_training import TrainSpec, train_each
+from harness.launch import run_ranks
+from harness.toy_training import TrainSpec, train_each
 
 BUCKET = 200  # elements: flushes of a few owners, whose longer node blocks end in node Reduces (tail stages)
 TWO_LEVEL = TrainSpec(flush_algo="two_level", steps=4, record_collectives=True, reduce_probe=True, ranks_per_node=2,
@@ -135,7 +135,7 @@ def test_negative_control_region_reduced_on_the_wrong_rail_is_caught():
 def test_ranks_sharing_a_gpu_are_grouped_as_nodes_without_moving_local_rank(monkeypatch):
     """The GPU check's two nodes of two on one GPU: every rank keeps ``LOCAL_RANK`` 0 (the device DeepSpeed binds)
     and the runtime reads its node-local index from the harness instead (checked here with CUDA faked present)."""
-    from owner_reduce.harness import toy_training
+    from harness import toy_training
     from owner_reduce.runtime import agreement
 
     monkeypatch.setattr(agreement, "local_rank", agreement.local_rank)  # restored after the test

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from owner_reduce.harness.toy_models import TinyTransformer
+from harness.toy_models import TinyTransformer
 from owner_reduce.planning import collective_time as ct
 from owner_reduce.planning.aggregation import reduce_pieces
 from owner_reduce.planning.calibration import FORMAT, FORMAT_V1, Calibration, KindFit, fit_host, format_fits

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from owner_reduce.harness.faults import misroute_handoff
+from harness.faults import misroute_handoff
 from owner_reduce.planning.flush_choice import FlushCost
 from owner_reduce.planning.flush_plan import ALL, FlushRange
 from owner_reduce.planning.owner_layout import (

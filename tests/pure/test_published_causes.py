@@ -1,13 +1,13 @@
-"""NCCL 2.30's plan of one group (``planning.nccl_plan``) and the published check's candidate causes
-(``planning.published_causes``), as pure logic on hand-made groups whose answers follow from enqueue.cc by hand."""
+"""NCCL 2.30's plan of one group (``research.nccl_plan``) and the published check's candidate causes
+(``research.published_causes``), as pure logic on hand-made groups whose answers follow from enqueue.cc by hand."""
 
 from __future__ import annotations
 
 import pytest
 
 from owner_reduce.planning import collective_time as ct
-from owner_reduce.planning.nccl_plan import WORKS_PER_BATCH, channel_time_us, plan_group
-from owner_reduce.planning.published_causes import Case, costed, format_causes
+from research.nccl_plan import WORKS_PER_BATCH, channel_time_us, plan_group
+from research.published_causes import Case, costed, format_causes
 
 pytestmark = pytest.mark.timeout(60)
 A800 = ct.A800_NODE  # 16 communicator channels

@@ -26,15 +26,14 @@ from owner_reduce.planning.sizing import (
     backward_order,
     delivered_bytes,
     element_share,
-    format_published_check,
     format_report,
-    published_check,
     report_to_dict,
     ring_time,
     simulate_flushes,
     size_buckets,
     size_the_win,
 )
+from research.published_check import format_published_check, published_check
 
 REPO = Path(__file__).resolve().parents[2]
 INIT_LINE = re.compile(r"^DeepCompile reduce_to_owner: (\d+)/(\d+) gradients reduce to one rank(; (\d+) straddling "
@@ -423,7 +422,7 @@ def test_published_check_shape():
     assert check.measured_ratio == pytest.approx(18.43 / 22.72)
     text = format_published_check(check, "hand-built")
     assert "measured  22.72 ms" in text
-    # Issue 39: each candidate cause costed on both measurements (planning/published_causes.py).
+    # Issue 39: each candidate cause costed on both measurements (research/published_causes.py).
     assert check.causes is not None and check.causes.calls == (4, 4) and check.causes.plans == (1, 1)
     assert all(cause in text for cause in ("(a) host issue per call", "(b) NCCL 2.30's plan", "(c) small-call"))
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from owner_reduce.harness.faults import wrong_rail
+from harness.faults import wrong_rail
 from owner_reduce.planning import owner_layout, two_level
 from owner_reduce.planning.collective_time import rail, topology_of
 from owner_reduce.planning.collectives import NODE, NODE_HANDOFF, RAIL, TWO_LEVEL, WORLD

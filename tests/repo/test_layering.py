@@ -1,8 +1,9 @@
 """The package's folders are its layers: this reads every module's imports (lazy ones too) and refuses a
-product module that imports the harness, a pure planning module that reaches torch.distributed, deepspeed,
-cupy or another layer, cupy anywhere but cupy's binding (``runtime.nccl_binding``), a thread started anywhere but
-``runtime.threads``, an import cycle among the package's modules, and a module that uses another module's private
-name (the tests are not the package: they may reach into it)."""
+product module that imports the tooling beside it (harness/, research/, tests/, scripts/), a pure planning module
+that reaches torch.distributed, deepspeed, cupy or another layer, cupy anywhere but cupy's binding
+(``runtime.nccl_binding``), a thread started anywhere but ``runtime.threads``, an import cycle among the package's
+modules, and a module that uses another module's private name (the tests are not the package: they may reach into
+it). The tooling is not packaged either: pyproject's package search finds none of it."""
 
 from __future__ import annotations
 
@@ -11,11 +12,29 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[2] / "owner_reduce"
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "owner_reduce"
 CUPY_HOME = "owner_reduce.runtime.nccl_binding"
 PLANNING_FORBIDDEN = ("torch.distributed", "deepspeed", "cupy")
 PURE_SHARED = ("owner_reduce.errors",)  # imports nothing: every layer may raise the package's errors
 NESTED = "owner_reduce.planning.algorithms"  # the one package two folders deep
+# Beside the package in the checkout, never packaged, never imported by the product (not even inside a function): the
+# rank launcher, toy training and faults; the research on the cost model; the tests; the scripts.
+TOOLING = ("harness", "research", "tests", "scripts")
+
+
+def tooling_names() -> frozenset[str]:
+    """Every top-level name the tooling can be imported by: its folders, and each module and folder inside tests/ and
+    scripts/, which pytest's path handling and ``python scripts/x.py`` make importable by their bare names (``fakes``,
+    ``sim_cuda``, ``gpu_e2e``)."""
+    names = set(TOOLING)
+    for folder in ("tests", "scripts"):
+        names.update(path.stem for path in (ROOT / folder).rglob("*")
+                     if "__pycache__" not in path.parts and (path.suffix == ".py" or path.is_dir()))
+    return frozenset(names)
+
+
+TOOLING_NAMES = tooling_names()
 
 
 def module_name(path: Path) -> str:
@@ -51,11 +70,8 @@ def _within(name: str, prefix: str) -> bool:
 
 
 def layering_problems(module: str, imported: set[str]) -> list[str]:
-    problems = []
-    product = not _within(module, "owner_reduce.harness")
-    if product:
-        problems += [f"{module} (product) imports the harness: {n}" for n in sorted(imported)
-                     if _within(n, "owner_reduce.harness")]
+    problems = [f"{module} (product) imports tooling: {n}" for n in sorted(imported)
+                if n.partition(".")[0] in TOOLING_NAMES]
     if _within(module, "owner_reduce.planning"):
         problems += [f"{module} (pure planning) imports {n}" for n in sorted(imported)
                      if any(_within(n, f) for f in PLANNING_FORBIDDEN)
@@ -76,7 +92,7 @@ def all_modules() -> list[tuple[str, set[str]]]:
 
 def test_every_layer_has_its_folder() -> None:
     names = {name for name, _ in all_modules()}
-    for layer in ("planning", "wiring", "runtime", "offline_sizing", "harness"):
+    for layer in ("planning", "wiring", "runtime", "offline_sizing"):
         assert f"owner_reduce.{layer}" in names
     # Modules live one folder deep; the flush algorithms are one package inside planning (its registry and one module
     # per algorithm: ``planning.algorithms``), and still pure planning.
@@ -92,15 +108,21 @@ def test_the_layers_keep_their_imports() -> None:
 
 def test_the_import_reader_sees_what_it_must() -> None:
     # The reader itself: relative, absolute and lazy (inside a function) imports all resolve.
-    src = "from ..harness.launch import run_ranks\nimport torch\n\ndef f():\n    from ..planning import probe\n"
+    src = "from harness.launch import run_ranks\nimport torch\n\ndef f():\n    from ..planning import probe\n"
     found = imports_of(src, "owner_reduce.runtime.handle")
-    assert {"owner_reduce.harness.launch", "owner_reduce.planning.probe", "torch"} <= found
+    assert {"harness.launch", "owner_reduce.planning.probe", "torch"} <= found
     assert "owner_reduce.wiring.ops" in imports_of("from .ops import x", "owner_reduce.wiring", is_package=True)
 
 
 @pytest.mark.parametrize(("module", "source"), [
-    ("owner_reduce.runtime.handle", "def f():\n    from ..harness.faults import inject\n"),
-    ("owner_reduce.wiring.activation", "import owner_reduce.harness.launch\n"),
+    ("owner_reduce.runtime.handle", "def f():\n    from harness.faults import inject\n"),
+    ("owner_reduce.wiring.activation", "import harness.launch\n"),
+    ("owner_reduce.planning.sizing", "from research.published_check import published_check\n"),
+    ("owner_reduce.offline_sizing.fake_engine", "def f():\n    import research\n"),
+    ("owner_reduce.runtime.flush", "from tests.fakes import MirrorComm\n"),
+    ("owner_reduce.runtime.flush", "def f():\n    import fakes\n"),  # a test module by the bare name pytest gives it
+    ("owner_reduce.wiring.install", "from scripts.size_the_win import main\n"),
+    ("owner_reduce.runtime.calibrate", "def f():\n    import gpu_e2e\n"),  # a script by its bare name
     ("owner_reduce.planning.flush_plan", "import torch.distributed as dist\n"),
     ("owner_reduce.planning.owner_map", "from deepspeed.utils import logger\n"),
     ("owner_reduce.planning.probe", "from ..runtime.comm import ReduceComm\n"),
@@ -109,6 +131,45 @@ def test_the_import_reader_sees_what_it_must() -> None:
 ])
 def test_negative_control_a_broken_layering_is_refused(module: str, source: str) -> None:
     assert layering_problems(module, imports_of(source, module)), f"{module} with {source!r} passed"
+
+
+def test_what_the_tooling_rule_allows() -> None:
+    # The positive control: a product module named like a script (``runtime.calibrate``, ``scripts/calibrate.py``)
+    # is the package's, and so are relative imports, torch and the standard library.
+    assert {"calibrate", "fakes", "gpu_e2e", "harness", "research"} <= TOOLING_NAMES
+    source = "import os\nimport torch\nfrom . import calibrate\n\ndef f():\n    from ..planning import calibration\n"
+    assert layering_problems("owner_reduce.runtime.guard", imports_of(source, "owner_reduce.runtime.guard")) == []
+
+
+# ---- the tooling is not packaged -----------------------------------------------------------------------------------
+
+
+def packages_found(include: tuple[str, ...], exclude: tuple[str, ...]) -> list[str]:
+    """The packages setuptools finds in the checkout with this filter, as it does for the wheel (pyproject's
+    ``[tool.setuptools.packages.find]``, namespaces on: a folder without ``__init__.py`` counts)."""
+    setuptools = pytest.importorskip("setuptools")
+    return sorted(setuptools.find_namespace_packages(where=str(ROOT), include=include, exclude=exclude))
+
+
+def tooling_packaged(packages: list[str]) -> list[str]:
+    return [p for p in packages if p.partition(".")[0] in TOOLING]
+
+
+def test_the_tooling_is_beside_the_package_and_not_packaged() -> None:
+    tomllib = pytest.importorskip("tomllib")  # python >= 3.11
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert find.get("where", ["."]) == ["."] and find.get("namespaces", True)  # the search below is setuptools'
+    found = packages_found(tuple(find["include"]), tuple(find.get("exclude", ())))
+    assert tooling_packaged(found) == [], found
+    assert {name for name, _ in all_modules()} >= set(found) >= {
+        "owner_reduce", "owner_reduce.planning", "owner_reduce.planning.algorithms", "owner_reduce.runtime"}
+    for folder in ("harness", "research"):
+        assert (ROOT / folder / "__init__.py").is_file()
+        assert not (PACKAGE / folder).exists(), f"owner_reduce/{folder} is back in the package"
+
+
+def test_negative_control_unfiltered_the_search_finds_the_tooling() -> None:
+    assert {"harness", "research"} <= set(tooling_packaged(packages_found(("*",), ())))
 
 
 THREAD_HOME = "owner_reduce.runtime.threads"
@@ -130,8 +191,7 @@ def test_every_product_thread_starts_on_the_ranks_device() -> None:
     """Issue 46, finding 1: a thread that never set its CUDA device makes a context on GPU 0, so the product's threads
     are started by ``runtime.threads`` alone, which sets the rank's device first (the harness is not the product)."""
     starts = [f"{module_name(path)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
-              if module_name(path) != THREAD_HOME and not _within(module_name(path), "owner_reduce.harness")
-              for line in thread_starts(path.read_text())]
+              if module_name(path) != THREAD_HOME for line in thread_starts(path.read_text())]
     assert starts == [], f"threads started outside {THREAD_HOME}: {starts}"
 
 
@@ -279,7 +339,7 @@ def test_no_module_uses_another_modules_private_name() -> None:
      "owner_reduce.runtime.torch_comm": "def f(comm):\n    return comm._in_group\n"},
     # a private function imported from another module, relatively and absolutely
     {"owner_reduce.planning.collective_time": "def _traffic(kind, n):\n    return n\n",
-     "owner_reduce.planning.nccl_plan": "from .collective_time import _traffic\n"},
+     "owner_reduce.planning.aggregation": "from .collective_time import _traffic\n"},
     {"owner_reduce.planning.collective_time": "def _traffic(kind, n):\n    return n\n",
      "owner_reduce.runtime.flush": "from owner_reduce.planning.collective_time import _traffic\n"},
     # writing another module's private name counts as using it

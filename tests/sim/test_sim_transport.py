@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from owner_reduce.harness.launch import run_ranks
+from harness.launch import run_ranks
 
 NUMELS = [3 + (5 * i) % 13 for i in range(30)]
 STEPS = 3

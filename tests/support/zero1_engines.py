@@ -7,7 +7,7 @@ from typing import Any
 import deepspeed
 import torch
 
-from owner_reduce.harness.toy_models import OddMLP
+from harness.toy_models import OddMLP
 
 
 def zero1_config(**compile_section: Any) -> dict[str, Any]:

@@ -44,7 +44,7 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     import deepspeed.comm as dist
 
-    from owner_reduce.harness.toy_training import TrainSpec, train
+    from harness.toy_training import TrainSpec, train
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     runs = json.loads(args.runs)

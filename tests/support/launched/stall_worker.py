@@ -30,7 +30,7 @@ def main() -> None:
     import deepspeed
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from owner_reduce.harness.toy_training import TrainSpec, train
+    from harness.toy_training import TrainSpec, train
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=USER_TIMEOUT_S),
                                verbose=False)

@@ -17,7 +17,7 @@ from typing import Any
 
 def reuse_graph_ids(rank: int) -> None:
     """From now on, in this process, every owner_reduce runtime sees graph ids renamed as the module says."""
-    from ..runtime.handle import OwnerReduceRuntime
+    from owner_reduce.runtime.handle import OwnerReduceRuntime
 
     names: dict[int, int] = {}  # DeepCompile's id -> the name the runtime sees
     counter = [itertools.count(1 if rank == 0 else 1000 * rank)]

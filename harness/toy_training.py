@@ -2,7 +2,7 @@
 
 Why one function for all three: "plain ZeRO-1" and "DeepCompile + owner_reduce" must see exactly the same
 model, data and optimizer, and the only way to be sure of that is to build both in one place. Runs inside
-a rank started by ``owner_reduce.harness.launch.run_ranks``.
+a rank started by ``harness.launch.run_ranks``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class TrainSpec:
     seed: int = 0
     record_collectives: bool = False
     progress: bool = False  # rank 0 draws a progress bar on stderr
-    inject_fault: str | None = None  # negative controls only: see owner_reduce.harness.faults
+    inject_fault: str | None = None  # negative controls only: see harness.faults
     time_runtime: bool = False  # host time of each reduce_grad (without flushes) and each flush, in ns
     flush_algo: str | None = None  # compile.reduce_to_owner_algo for this run (None: the key is left out: auto)
     # "SGD" for negative controls: Adam's update is nearly invariant to a gradient scaled by a constant, which is
@@ -311,7 +311,7 @@ def _group_as_nodes(rank: int, ranks_per_node: int) -> None:
 
     import torch
 
-    from ..runtime import agreement
+    from owner_reduce.runtime import agreement
 
     local = rank % ranks_per_node
     host = f"{socket.gethostname()}-node{rank // ranks_per_node}"
@@ -351,12 +351,12 @@ def train(rank: int, world_size: int, spec: TrainSpec,
     if spec.ranks_per_node:
         _group_as_nodes(rank, spec.ranks_per_node)
     if spec.rail_steps or spec.rail_layouts:
-        from ..planning import two_level
+        from owner_reduce.planning import two_level
 
         two_level.RAIL_STEPS = spec.rail_steps or two_level.RAIL_STEPS
         two_level.RAIL_LAYOUTS = spec.rail_layouts or two_level.RAIL_LAYOUTS
     if spec.two_level_max_padding_share is not None:
-        from ..planning import owner_layout
+        from owner_reduce.planning import owner_layout
 
         owner_layout.TWO_LEVEL_MAX_PADDING_SHARE = spec.two_level_max_padding_share
     model, batch = _model_and_batches(spec, rank)
@@ -413,7 +413,7 @@ def train(rank: int, world_size: int, spec: TrainSpec,
                   spec.mode != "plain" else f"step {step + 1} forward")
             loss = engine(*(t.to(engine.device) for t in batch()))
             if runtime is None and spec.mode == "owner":
-                from ..wiring.ops import active_runtime
+                from owner_reduce.wiring.ops import active_runtime
 
                 runtime = active_runtime()
                 runtime.record_collectives = spec.record_collectives

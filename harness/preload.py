@@ -8,22 +8,27 @@ Why TorchDynamo, Inductor and the rest below: ``deepspeed.initialize`` imports t
 included (its optimizer check imports the Muon optimizer, which calls ``torch.compile`` at import), and DeepCompile
 and owner_reduce's runtime import theirs at ``engine.compile()``: measured on the 2-core CI box, 10-14 s per rank
 and launch before the first step. Imports only: nothing here starts a thread, a process group or a compile.
+
+Why names of installed modules, not this module imported there: the fork server is a fresh interpreter that imports
+each name before it forks, on its own ``sys.path`` (Python 3.11's does not take the parent's), where the harness,
+a folder of the checkout that is never installed, may be missing; a name it cannot import it skips silently, which
+would only cost each rank these seconds again.
 """
 
-import deepspeed  # noqa: F401
-import deepspeed.compile.backend  # noqa: F401
-import deepspeed.compile.init_z1_and_2  # noqa: F401
-import deepspeed.runtime.engine  # noqa: F401
-import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
-import deepspeed.runtime.zero.stage_1_and_2  # noqa: F401
-import torch  # noqa: F401
-import torch._dynamo  # noqa: F401
-import torch._inductor.compile_fx  # noqa: F401
-import torch.distributed  # noqa: F401
-import torch.export._trace  # noqa: F401
-
-import owner_reduce  # noqa: F401
-import owner_reduce.harness.toy_training  # noqa: F401
-import owner_reduce.runtime.handle  # noqa: F401
-import owner_reduce.wiring.compile_pass  # noqa: F401
-import owner_reduce.wiring.ops  # noqa: F401
+MODULES = (
+    "deepspeed",
+    "deepspeed.compile.backend",
+    "deepspeed.compile.init_z1_and_2",
+    "deepspeed.runtime.engine",
+    "deepspeed.runtime.zero.muon.muon_optimizer",
+    "deepspeed.runtime.zero.stage_1_and_2",
+    "torch",
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
+    "torch.distributed",
+    "torch.export._trace",
+    "owner_reduce",
+    "owner_reduce.runtime.handle",
+    "owner_reduce.wiring.compile_pass",
+    "owner_reduce.wiring.ops",
+)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..planning.measured import MODEL, NATIVE_VARIANT
-from ..runtime.trial_clock import SamplePoint
+from owner_reduce.planning.measured import MODEL, NATIVE_VARIANT
+from owner_reduce.runtime.trial_clock import SamplePoint
 
 
 class FixedSamples:

@@ -26,8 +26,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .collective_time import Topology, best_algo, group_time_us
-from .host_cost import DEFAULT, HostCost
+from owner_reduce.planning.collective_time import Topology, best_algo, group_time_us
+from owner_reduce.planning.host_cost import DEFAULT, HostCost
+
 from .nccl_plan import channel_time_us, plan_group
 
 SMALL_BYTES = 64 << 10  # (c): a call this small is latency-bound on any of the tables' protocols
@@ -175,7 +176,7 @@ def format_causes(causes: Causes, cases: Sequence[Case]) -> list[str]:
         "      plausible for a Python loop through torch.distributed (its all_reduce costs this host 10-20 us, "
         "scripts/benchmark_runtime.py), not for NCCL's enqueue (a pool allocation and a sorted insert, "
         "enqueue.cc 2690-2752); whether the published run issued from Python is not published",
-        "  (b) NCCL 2.30's plan of the group (enqueue.cc 363-470, 576-858; planning/nccl_plan.py):",
+        "  (b) NCCL 2.30's plan of the group (enqueue.cc 363-470, 576-858; research/nccl_plan.py):",
         f"      kernels {causes.plans[0]} / {causes.plans[1]}, work batches {causes.batches[0]} / "
         f"{causes.batches[1]} (of 254 per kernel), works {causes.works[0]} / {causes.works[1]}, busiest channel "
         f"{causes.busiest[0]} / {causes.busiest[1]} works (the small calls all land on one channel)",

@@ -32,7 +32,9 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import OwnerReduceError
+from owner_reduce.errors import OwnerReduceError
+
+from .preload import MODULES as PRELOADED
 
 _FAILURE_GRACE_S = 5.0
 _STACK_DUMP_WAIT_S = 2.0
@@ -72,7 +74,7 @@ def _start_context() -> Any:
         raise ValueError(f"OWNER_REDUCE_START_METHOD must be forkserver or spawn, got {method!r}")
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["owner_reduce.harness.preload"])
+        ctx.set_forkserver_preload(list(PRELOADED))
     return ctx
 
 

@@ -1,6 +1,6 @@
 """Deliberately broken reductions: the negative controls of the tests and the acceptance script.
 
-Why in the package: a comparison that cannot fail proves nothing. The acceptance script's ``--inject-fault``
+Why: a comparison that cannot fail proves nothing. The acceptance script's ``--inject-fault``
 and the tests use these to show that a wrong root, a skipped range or a misplaced slice is caught. Never
 active unless asked. Both planners the runtime uses are broken alike: ``plan_flush`` (arrival-order flushes, looked
 up in ``runtime.flush`` at call time) and ``plan_owner_layout`` (the owner-ordered schedule, looked up in
@@ -19,9 +19,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..planning.collectives import HANDOFF, RAIL, REDUCE, REDUCE_SCATTER, Collective, Transfer
-from ..planning.flush_plan import FlushRange
-from ..planning.owner_layout import OwnerLayout
+from owner_reduce.planning.collectives import HANDOFF, RAIL, REDUCE, REDUCE_SCATTER, Collective, Transfer
+from owner_reduce.planning.flush_plan import FlushRange
+from owner_reduce.planning.owner_layout import OwnerLayout
 
 FAULTS = ("wrong_root", "skip_range", "layout_off_by_one", "handoff_wrong_owner", "wrong_rail",
           "show_unoptimized_params", "drop_trial_state", "no_host_cost", "monitor_every_step")

@@ -3,7 +3,7 @@
 Why: the cost model charges a group as NCCL's tuner costs it (``collective_time.group_time_us``): each aggregate's
 latency times ``numPipeOps = DIVUP(tasks, channels)`` plus its bytes at the aggregate's bandwidth, i.e. the tasks
 spread evenly over the channels. The only published grouped measurement (8x A800, ~293 calls in one group) is
-missed by half (``sizing.published_check``), so this module follows what NCCL's planner then does with the tasks,
+missed by half (``published_check``), so this module follows what NCCL's planner then does with the tasks,
 to cost that candidate cause from the source rather than from a constant. Not used by the flush choice.
 
 What it follows, all at NVIDIA/nccl v2.30.7-1:
@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .collective_time import (
+from owner_reduce.planning.collective_time import (
     ALLREDUCE,
     KINDS,
     LL,
