@@ -4,5 +4,5 @@ one group of calls (``nccl_plan``).
 
 Why apart: no training and no sizing imports it, so it does not ship; ``scripts/size_the_win.py --check-published``
 composes it with the package's sizing. It imports the product as users do (``owner_reduce.``); the product never
-imports it (``tests/test_layering.py``).
+imports it (``tests/repo/test_layering.py``).
 """

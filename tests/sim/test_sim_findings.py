@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+import traceback
 import types
 
 import pytest
@@ -215,7 +216,11 @@ def test_nccl_comm_blocking_0_is_refused_at_init_by_every_rank_naming_the_variab
 
         outcomes = sim.run_ranks(init, ws)
         for rank, outcome in enumerate(outcomes):
-            assert isinstance(outcome, Exception) and "NCCL_COMM_BLOCKING" in str(outcome), (rank, outcome)
+            # With the traceback: an unexpected error here (a KeyError(0) twice under load in 2026-12, never alone)
+            # must say where it came from.
+            assert isinstance(outcome, Exception) and "NCCL_COMM_BLOCKING" in str(outcome), (
+                rank, outcome, "".join(traceback.format_exception(outcome)) if isinstance(outcome, BaseException)
+                else None)
 
 
 # ---- finding 6 -------------------------------------------------------------------------------------------------
