@@ -22,8 +22,6 @@ import copy
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +29,7 @@ import pytest
 import torch
 
 from harness.launch import free_port
+from tests.support.launched import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHED = ROOT / "tests" / "support" / "launched"  # the scripts the launchers start
@@ -49,18 +48,9 @@ DS_CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps":
 
 
 def _launch(cmd: list[str], out: Path) -> tuple[str, list[dict]]:
-    """Run a launcher (its own session, killed whole past the deadline); its output and each rank's results."""
+    """Run a launcher (``launched.launch``: bounded, killed whole); its output and each rank's results."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"{cmd[:4]}... still running after {LAUNCH_TIMEOUT_S} s:\n{log[-6000:]}")
-    assert proc.returncode == 0, f"{' '.join(cmd)}\nexit {proc.returncode}:\n{log[-8000:]}"
-    return log, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return launch(cmd, cwd=ROOT, env=env, timeout_s=LAUNCH_TIMEOUT_S, results=[out / f"rank{r}.pt" for r in range(2)])
 
 
 def _write(path: Path, obj: object) -> Path:

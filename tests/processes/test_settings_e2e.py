@@ -28,8 +28,6 @@ import dataclasses
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -42,6 +40,7 @@ from harness.toy_training import TrainSpec, ds_config, train_each
 from owner_reduce.planning.measured import TRIAL_ROUNDS
 from owner_reduce.planning.verdict_book import load_verdicts
 from tests.processes.test_calibration import _cal
+from tests.support.launched import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHED = ROOT / "tests" / "support" / "launched"  # the scripts the launchers start
@@ -56,16 +55,7 @@ BASE = TrainSpec(mode="owner", backend="eager", model="exact_linear", steps=STEP
 
 
 def _launch(cmd: list[str], env: dict[str, str], out: Path) -> tuple[str, list[dict]]:
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"the launch is still running after {LAUNCH_TIMEOUT_S} s:\n{log[-6000:]}")
-    assert proc.returncode == 0, f"exit {proc.returncode}:\n{log[-8000:]}"
-    return log, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WS)]
+    return launch(cmd, cwd=ROOT, env=env, timeout_s=LAUNCH_TIMEOUT_S, results=[out / f"rank{r}.pt" for r in range(WS)])
 
 
 def _config_file(path: Path, spec: TrainSpec, log_level: str, **keys: object) -> dict:
