@@ -502,7 +502,6 @@ class OwnerReduceRuntime:
         self._params.clear()
         self._registered_elems.clear()
         self._elems_by_dtype = None
-        self._forget_plans()
         if self.placer is not None:
             self.placer.clear()
         self._profiling = False
